@@ -1,0 +1,1 @@
+"""Speculative decoding with exact verification."""

