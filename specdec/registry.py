@@ -118,8 +118,8 @@ TARGETS = Registry(
     "target",
     "specdec.targets",
     builtins={
-        "hf": "specdec.targets.hf:HFTarget",
-        "llama": "specdec.targets.llama:LlamaTarget",
+        "hf": "specdec.targets.hf:HFTarget.from_pretrained",
+        "llama": "specdec.targets.llama:LlamaTarget.from_pretrained",
     },
 )
 
