@@ -1,0 +1,5 @@
+"""``python -m experiments``: see :mod:`experiments.cli`."""
+
+from experiments.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The named experiments (registered in experiments.registry)."""

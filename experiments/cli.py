@@ -1,0 +1,238 @@
+"""``python -m experiments COMMAND ...``: a thin layer over :mod:`experiments.runner`.
+
+Commands live in :data:`COMMANDS` (name -> ``main(argv) -> int``), imported only when called, so a
+command whose module is missing (written by another engineer, or an optional extra) fails alone
+with a clear message. Third-party commands register through the ``specdec.experiment_commands``
+entry-point group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from specdec.registry import Registry
+
+__all__ = ["COMMANDS", "main"]
+
+_BUILTIN_COMMANDS = {
+    "list": "experiments.cli:cmd_list",
+    "run": "experiments.cli:cmd_run",
+    "summarize": "experiments.cli:cmd_summarize",
+    "train-drafter": "experiments.train_drafter:main",
+    "bench-moe": "experiments.bench_moe:main",
+}
+COMMANDS = Registry("command", "specdec.experiment_commands", builtins=_BUILTIN_COMMANDS)
+HELP = {
+    "list": "list the registered experiments and their number of runs",
+    "run": "run an experiment's sweep (skips finished runs) and write its summary",
+    "summarize": "rebuild an experiment's summary.json from the finished runs in --out (e.g. after shards)",
+    "train-drafter": "train the EAGLE-style drafter (experiments.train_drafter)",
+    "bench-moe": "benchmark the MoE layer against transformers (experiments.bench_moe)",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: python -m experiments COMMAND [ARGS...]", "", "commands:"]
+    for name in COMMANDS.names():
+        lines.append(f"  {name:<15} {HELP.get(name, '')}")
+    lines.append("")
+    lines.append("Run `python -m experiments COMMAND --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch ``argv[0]`` to its command; returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS.names():
+        print(
+            f"error: unknown command {name!r}; known commands: {', '.join(COMMANDS.names())}", file=sys.stderr
+        )
+        return 2
+    module = _BUILTIN_COMMANDS.get(COMMANDS.resolve(name), "").partition(":")[0]
+    try:
+        command = COMMANDS.get(name)
+    except ModuleNotFoundError as e:
+        if module and e.name == module:
+            print(
+                f"error: `python -m experiments {name}` needs the module {module}, which is not there yet "
+                f"(it is written separately); nothing was run.",
+                file=sys.stderr,
+            )
+        else:
+            print(f"error: `python -m experiments {name}` cannot import {e.name!r}: {e}", file=sys.stderr)
+        return 2
+    result = command(rest)
+    return int(result or 0)
+
+
+# --------------------------------------------------------------------------------------------- list
+
+
+def cmd_list(argv: Sequence[str]) -> int:
+    """``list``: names, number of runs (full and --smoke) and descriptions."""
+    parser = argparse.ArgumentParser(prog="python -m experiments list", description=HELP["list"])
+    parser.parse_args(argv)
+    from experiments.registry import EXPERIMENTS, get_experiment
+
+    for name in EXPERIMENTS.names():
+        try:
+            experiment = get_experiment(name)
+            runs = f"{len(experiment.configs())} runs ({len(experiment.configs(smoke=True))} with --smoke)"
+            description = experiment.description
+        except Exception as e:  # noqa: BLE001 - one broken experiment must not hide the others
+            runs, description = "unavailable", f"cannot load: {e!r}"
+        print(f"{name:<22} {runs:<28} {description}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- run/summarize
+
+
+def _parse_set(items: Sequence[str]) -> dict[str, Any]:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE (VALUE read as YAML), got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Base and axis overrides from ``--config FILE.yaml`` (keys ``base`` and ``axes``) and ``--set``."""
+    from experiments.config import load_yaml_mapping
+
+    base: dict[str, Any] = {}
+    axes: dict[str, Any] = {}
+    if args.config:
+        data = load_yaml_mapping(args.config)
+        unknown = set(data) - {"experiment", "base", "axes"}
+        if unknown:
+            raise ValueError(
+                f"--config {args.config}: unknown keys {sorted(unknown)}; expected base, axes, experiment"
+            )
+        if data.get("experiment", args.name) != args.name:
+            raise ValueError(
+                f"--config {args.config} is for experiment {data['experiment']!r}, not {args.name!r}"
+            )
+        base.update(data.get("base") or {})
+        axes.update(data.get("axes") or {})
+    base.update(_parse_set(args.set))
+    return base, axes
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", help="experiment name (see `python -m experiments list`)")
+    parser.add_argument("--out", type=Path, default=Path("results"), help="output folder (default: results/)")
+    parser.add_argument("--smoke", action="store_true", help="the tiny CI version of the experiment")
+    parser.add_argument("--config", type=Path, help="YAML with `base:` field overrides and `axes:` to sweep")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
+    parser.add_argument(
+        "--wandb", action="store_true", help="log to W&B (offline unless WANDB_API_KEY is set)"
+    )
+    parser.add_argument("--wandb-project", default="specdec", help="W&B project (default: specdec)")
+    parser.add_argument("--publish", action="store_true", help="copy the summary to paper/results/NAME.json")
+    parser.add_argument("--publish-dir", type=Path, help="where --publish copies to (default: paper/results)")
+
+
+def _announce_wandb(out: Path) -> None:
+    from experiments.wandb_log import wandb_mode
+
+    if wandb_mode() == "offline":
+        print(
+            f"W&B: offline mode (no WANDB_API_KEY); runs are written under {out}/<experiment>/*/wandb; "
+            "upload later with `wandb sync <that folder>/offline-run-*`."
+        )
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    """``run NAME [--out DIR] [--wandb] [--shard i/n] [--smoke] [--publish] ...``."""
+    parser = argparse.ArgumentParser(prog="python -m experiments run", description=HELP["run"])
+    _common(parser)
+    parser.add_argument("--shard", help="run only shard i of n (0 <= i < n), e.g. --shard 0/4")
+    parser.add_argument("--keep-going", action="store_true", help="report a failing run and continue")
+    parser.add_argument("--dry-run", action="store_true", help="print the runs of (this shard of) the plan")
+    args = parser.parse_args(argv)
+    from experiments.registry import get_experiment
+    from experiments.runner import plan_configs, run_experiment
+    from experiments.sweep import parse_shard, shard
+
+    try:
+        shard_spec = parse_shard(args.shard) if args.shard else None
+        base, axes = _overrides(args)
+        experiment = get_experiment(args.name)
+        if args.publish and args.smoke:
+            raise ValueError("--publish with --smoke would overwrite the paper's results with a smoke run")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.dry_run:
+        from experiments.config import config_to_dict, run_id
+
+        configs = plan_configs(experiment, smoke=args.smoke, base_overrides=base, axis_overrides=axes)
+        for config in shard(configs, *shard_spec) if shard_spec else configs:
+            print(run_id(config), type(config).__name__, json.dumps(config_to_dict(config)))
+        return 0
+    if args.wandb:
+        _announce_wandb(args.out)
+    report = run_experiment(
+        experiment,
+        out=args.out,
+        smoke=args.smoke,
+        shard_spec=shard_spec,
+        use_wandb=args.wandb,
+        wandb_project=args.wandb_project,
+        base_overrides=base,
+        axis_overrides=axes,
+        keep_going=args.keep_going,
+        publish=args.publish,
+        publish_dir=args.publish_dir,
+    )
+    print(
+        f"{report.experiment}: ran {len(report.ran)}, skipped {len(report.skipped)} finished, "
+        f"failed {len(report.failed)}"
+    )
+    return 1 if report.failed else 0
+
+
+def cmd_summarize(argv: Sequence[str]) -> int:
+    """``summarize NAME --out DIR [--publish]``: rebuild summary.json from the finished runs."""
+    parser = argparse.ArgumentParser(prog="python -m experiments summarize", description=HELP["summarize"])
+    _common(parser)
+    args = parser.parse_args(argv)
+    from experiments.registry import get_experiment
+    from experiments.runner import plan_configs, summarize_experiment
+    from experiments.store import experiment_dir
+    from experiments.summary import publish_summary
+
+    try:
+        base, axes = _overrides(args)
+        experiment = get_experiment(args.name)
+    except ValueError as e:
+        parser.error(str(e))
+    configs = plan_configs(experiment, smoke=args.smoke, base_overrides=base, axis_overrides=axes)
+    if args.wandb:
+        _announce_wandb(args.out)
+    path = summarize_experiment(
+        experiment,
+        configs,
+        experiment_dir(args.out, experiment.name),
+        smoke=args.smoke,
+        use_wandb=args.wandb,
+        wandb_project=args.wandb_project,
+    )
+    if path is None:
+        return 1
+    if args.publish:
+        print(f"published {publish_summary(path, args.publish_dir)}")
+    return 0

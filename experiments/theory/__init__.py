@@ -1,0 +1,1 @@
+"""Closed-form theory the experiments compare measurements against."""
