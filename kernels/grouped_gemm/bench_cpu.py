@@ -1,0 +1,115 @@
+"""CPU benchmark of the grouped-GEMM torch backend against the alternatives, measured side by side.
+
+    python -m kernels.grouped_gemm.bench_cpu [--tokens 1 8 512 2048] [--backward] [--rounds 7] [--threads N]
+
+Legend: T tokens, E experts, K input features, N output features, M = T * top_k rows.
+For each T and each of the two matrix products of a SwiGLU expert (D=576 -> 2F=3072 for the fused
+gate/up projection, F=1536 -> D=576 for the down projection; E=8, top-2, the issue's shapes) it times:
+  torch-backend   kernels.grouped_gemm(..., backend="torch"): one torch.mm per non-empty group, out=
+  _grouped_mm     torch._grouped_mm(x, w, offs=...), PyTorch's own grouped kernel
+  reference       the split / matmul / cat oracle
+  dense           one torch.mm of the same M rows by one [K, N] matrix: the same FLOPs, no grouping
+Variants run interleaved, round after round, and the median of the rounds is reported, so that a noisy
+shared machine slows all of them alike; the ratios are what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from .op import grouped_gemm
+from .reference import grouped_gemm_reference
+
+SHAPES = {"gate_up": (576, 3072), "down": (1536, 576)}
+
+
+def _time(fn: Callable[[], object], min_seconds: float = 0.05) -> float:
+    """Seconds per call: repeat until min_seconds have passed (at least twice)."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while calls < 2 or time.perf_counter() - start < min_seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def _variants(x_MK, w_EKN, group_sizes_E, backward: bool) -> dict[str, Callable[[], object]]:
+    offsets_E = torch.cumsum(group_sizes_E, 0).to(torch.int32)
+    w_dense_KN = w_EKN[0].clone()
+    if backward:
+        x_MK = x_MK.clone().requires_grad_()
+        w_EKN = w_EKN.clone().requires_grad_()
+        w_dense_KN.requires_grad_()
+
+    def run(f):
+        def call():
+            y = f()
+            if backward:
+                y.backward(torch.ones_like(y))
+            return y
+
+        return call
+
+    variants = {
+        "torch-backend": run(lambda: grouped_gemm(x_MK, w_EKN, group_sizes_E, backend="torch")),
+        "reference": run(lambda: grouped_gemm_reference(x_MK, w_EKN, group_sizes_E)),
+        "dense": run(lambda: x_MK @ w_dense_KN),
+    }
+    if hasattr(torch, "_grouped_mm"):
+        variants["_grouped_mm"] = run(lambda: torch._grouped_mm(x_MK, w_EKN, offs=offsets_E))
+    return variants
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print a table of GFLOP/s and ratios for every T and GEMM shape."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 512, 2048])
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    gen = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, backward={args.backward}")
+    header = f"{'T':>5} {'gemm':>8} " + " ".join(
+        f"{n:>14}" for n in ("torch-backend", "_grouped_mm", "reference", "dense")
+    )
+    print(header + "   backend/_grouped_mm  backend/dense  (GFLOP/s)")
+    for num_tokens in args.tokens:
+        # routing of a random router: roughly balanced groups, as in a trained model
+        logits_TE = torch.randn(num_tokens, args.experts, generator=gen)
+        experts_TK = logits_TE.topk(args.top_k, dim=-1).indices
+        group_sizes_E = torch.bincount(experts_TK.reshape(-1), minlength=args.experts)
+        rows = num_tokens * args.top_k
+        for name, (k, n) in SHAPES.items():
+            x_MK = torch.randn(rows, k, generator=gen)
+            w_EKN = torch.randn(args.experts, k, n, generator=gen) / k**0.5
+            variants = _variants(x_MK, w_EKN, group_sizes_E, args.backward)
+            samples: dict[str, list[float]] = {v: [] for v in variants}
+            for _ in range(args.rounds):
+                for v, fn in variants.items():
+                    samples[v].append(_time(fn))
+            flops = 2 * rows * k * n * (3 if args.backward else 1)
+            gflops = {v: flops / statistics.median(s) / 1e9 for v, s in samples.items()}
+            cells = " ".join(
+                f"{gflops.get(v, float('nan')):>14.1f}"
+                for v in ("torch-backend", "_grouped_mm", "reference", "dense")
+            )
+            ratio_g = gflops["torch-backend"] / gflops.get("_grouped_mm", float("nan"))
+            ratio_d = gflops["torch-backend"] / gflops["dense"]
+            print(f"{num_tokens:>5} {name:>8} {cells}   {ratio_g:>19.2f}  {ratio_d:>13.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
