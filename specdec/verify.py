@@ -166,7 +166,9 @@ def rejection_sample(
     B, K1, V = target_probs_BKV.shape
     K = K1 - 1
     device = target_probs_BKV.device
-    target_probs_BKV = target_probs_BKV.float()
+    # float64 inputs stay float64 (exact enumeration in specdec.testing); narrower ones run in float32.
+    work_dtype = torch.float64 if target_probs_BKV.dtype == torch.float64 else torch.float32
+    target_probs_BKV = target_probs_BKV.to(work_dtype)
     draft_tokens_BK = draft_tokens_BK.long()
 
     # --- accept / reject each draft token -------------------------------------------------
@@ -174,7 +176,7 @@ def rejection_sample(
     if draft_probs_BKV is None:
         draft_at_draft_BK = torch.ones_like(target_at_draft_BK)
     else:
-        draft_probs_BKV = draft_probs_BKV.float()
+        draft_probs_BKV = draft_probs_BKV.to(work_dtype)
         draft_at_draft_BK = draft_probs_BKV.gather(-1, draft_tokens_BK.unsqueeze(-1)).squeeze(-1)
     u_BK = torch.rand((B, K), generator=generator, device=device)
     # u < target/draft  <=>  u * draft < target: P(accept) = min(1, target/draft), no division,
