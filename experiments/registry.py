@@ -17,6 +17,7 @@ EXPERIMENTS = Registry(
     "experiment",
     "specdec.experiments",
     builtins={
+        "ep-scaling-model": "experiments.catalog.ep_scaling_model:EXPERIMENT",
         "leviathan-table1": "experiments.catalog.leviathan_table1:EXPERIMENT",
         "moe-verify-cost": "experiments.catalog.moe_verify_cost:EXPERIMENT",
         "switch-tables": "experiments.catalog.switch_tables:EXPERIMENT",
