@@ -230,3 +230,19 @@ def test_moe_forward_backward_triton_equals_torch():
     torch.testing.assert_close(out_triton, out_torch, atol=1e-5, rtol=1e-5)
     for name in params:
         torch.testing.assert_close(grads_triton[name], grads_torch[name], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_routing_pipeline_with_no_tokens(backend):
+    """A rank (or batch) with zero tokens: every op returns empty tensors, forward and backward."""
+    x_TD = torch.randn(0, 8, requires_grad=True)
+    weights_TK, experts_TK = kernels.topk_routing(torch.randn(0, 4), 2, backend=backend)
+    weights_TK = weights_TK.detach().requires_grad_(True)
+    plan = kernels.sort_by_expert(experts_TK, 4, backend=backend)
+    assert plan.group_sizes_E.tolist() == [0, 0, 0, 0]
+    x_MD = kernels.permute(x_TD, plan.sorted_slots_M, 2, backend=backend)
+    y_MN = kernels.grouped_gemm(x_MD, torch.randn(4, 8, 8), plan.group_sizes_E, backend=backend)
+    out_TD = kernels.unpermute(y_MN, plan.sorted_slots_M, weights_TK, backend=backend)
+    assert out_TD.shape == (0, 8)
+    out_TD.sum().backward()
+    assert x_TD.grad.shape == (0, 8) and weights_TK.grad.shape == (0, 2)

@@ -86,7 +86,7 @@ def unpermute_reference(
     """
     y_slots_SD = y_MD.new_zeros(num_tokens * top_k, y_MD.shape[1], dtype=torch.float32)
     y_slots_SD = y_slots_SD.index_copy(0, sorted_slots_M, y_MD.float())
-    y_TKD = y_slots_SD.view(num_tokens, top_k, -1)
+    y_TKD = y_slots_SD.view(num_tokens, top_k, y_MD.shape[1])  # explicit D: T may be 0
     if weights_TK is not None:
         y_TKD = y_TKD * weights_TK.float().unsqueeze(-1)
     return y_TKD.sum(dim=1).to(y_MD.dtype)
