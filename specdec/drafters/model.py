@@ -1,0 +1,162 @@
+"""The ``model`` drafter: an independent small causal LM that shares the target's tokenizer.
+
+Legend: B batch, T block length, K draft length (γ), V vocabulary.
+
+Leviathan et al. 2023 (arXiv 2211.17192) and Chen et al. 2023 (arXiv 2302.01318): the draft model
+samples γ tokens autoregressively from its own distribution, processed by the same
+:func:`specdec.sampling.logits_to_probs` with the run's sampling parameters, and returns those
+``draft_probs`` so verification stays exact. The draft model is itself a
+:class:`specdec.protocols.Target` (loaded with :func:`specdec.targets.load_target`), so it has its own
+KV cache, which is rolled back to the committed tokens in :meth:`ModelDrafter.observe`.
+
+Draft cache bookkeeping: ``cached_B`` counts the committed tokens held in the draft cache. After a
+step where every draft was accepted, the last draft and the bonus token are both missing (and after
+γ = 0 steps, every token committed meanwhile); the next :meth:`~ModelDrafter.propose` feeds every
+row its last ``T = max(lengths - cached)`` committed tokens in one block (a row that needs fewer
+simply recomputes slots it already had).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from specdec.protocols import DecodeState, Proposal, Target, TargetOutput
+from specdec.sampling import logits_to_probs, sample_from_probs
+
+__all__ = ["ModelDrafter", "check_same_vocab"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _vocab_of(tokenizer: Any) -> dict[str, int] | None:
+    return tokenizer.get_vocab() if tokenizer is not None and hasattr(tokenizer, "get_vocab") else None
+
+
+def check_same_vocab(target: Target, draft: Target) -> None:
+    """Raise ``ValueError`` unless the draft model's token ids mean what the target's mean.
+
+    With tokenizers on both sides their vocabularies (token → id) must be equal; the models' logit
+    widths may still differ by padding rows. Without tokenizers the logit widths must be equal.
+    """
+    target_vocab = _vocab_of(getattr(target, "tokenizer", None))
+    draft_vocab = _vocab_of(getattr(draft, "tokenizer", None))
+    if target_vocab is not None and draft_vocab is not None:
+        if target_vocab != draft_vocab:
+            only_t = len(target_vocab.keys() - draft_vocab.keys())
+            only_d = len(draft_vocab.keys() - target_vocab.keys())
+            raise ValueError(
+                "drafter model's tokenizer differs from the target's (vocab sizes "
+                f"{len(draft_vocab)} vs {len(target_vocab)}, {only_d} / {only_t} tokens only on one side, or "
+                "different ids); the 'model' drafter needs a model that shares the target's tokenizer"
+            )
+        if max(target_vocab.values(), default=-1) >= draft.vocab_size:
+            raise ValueError(
+                f"drafter model has {draft.vocab_size} logits, fewer than its tokenizer's ids "
+                f"(max id {max(target_vocab.values())})"
+            )
+        return
+    if int(draft.vocab_size) != int(target.vocab_size):
+        raise ValueError(
+            f"vocab mismatch: drafter model has vocab_size={draft.vocab_size}, target has "
+            f"vocab_size={target.vocab_size} (and no tokenizers to compare)"
+        )
+
+
+class ModelDrafter:
+    """A :class:`specdec.protocols.Drafter` backed by a small causal LM.
+
+    Options: ``model`` (required: a built-in name, a local checkpoint directory, or a ready
+    :class:`specdec.protocols.Target`), ``backend`` (``"auto"``, ``"hf"``, ``"llama"``: see
+    :func:`specdec.targets.load_target`), ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``).
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        model: str | os.PathLike | Target | None = None,
+        backend: str = "auto",
+        dtype: str | torch.dtype | None = None,
+    ) -> None:
+        if model is None:
+            raise ValueError(
+                "drafter 'model' needs the option model=NAME_OR_PATH (a small causal LM that shares the "
+                "target's tokenizer)"
+            )
+        if isinstance(model, (str, os.PathLike)):
+            from specdec.targets import load_target
+
+            options: dict[str, Any] = {}
+            if dtype is not None:
+                if isinstance(dtype, str):
+                    if dtype not in _DTYPES:
+                        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+                    dtype = _DTYPES[dtype]
+                options["dtype"] = dtype
+            model = load_target(model, backend=backend, **options)
+        elif not isinstance(model, Target):
+            raise ValueError(f"model must be a name, a path or a Target, got {type(model).__name__}")
+        check_same_vocab(target, model)
+        self.draft: Target = model
+        self.vocab_size = int(target.vocab_size)
+        self.cached_B: torch.Tensor | None = None
+
+    def _fit_vocab(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary (padding rows cut off or filled with −inf)."""
+        V_d = logits_BV.shape[-1]
+        if V_d == self.vocab_size:
+            return logits_BV
+        if V_d > self.vocab_size:
+            return logits_BV[..., : self.vocab_size]
+        pad = logits_BV.new_full((*logits_BV.shape[:-1], self.vocab_size - V_d), float("-inf"))
+        return torch.cat([logits_BV, pad], dim=-1)
+
+    def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
+        B, capacity = state.tokens_BL.shape
+        self.draft.reset(B, capacity)
+        prompt_B = state.prompt_lengths_B
+        self.draft.forward(
+            state.tokens_BL[:, : int(prompt_B.max())],
+            torch.zeros_like(prompt_B),
+            logits_index_BN=(prompt_B - 1).unsqueeze(1),
+        )
+        # Every committed token but the last is cached, as in the target.
+        self.cached_B = torch.minimum(prompt_B, state.lengths_B - 1)
+        self.draft.rollback(self.cached_B)
+
+    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
+        B = state.batch_size
+        if gamma <= 0:
+            return Proposal(tokens_BK=state.tokens_BL.new_empty((B, 0)))
+        s = state.sampling
+        lengths_B = state.lengths_B
+        # Catch up on every committed token the draft cache lacks (one or two after a normal step,
+        # more after γ = 0 steps): one block of T for all rows, ending at each row's last token
+        # (a row shorter than T starts at slot 0 and fills its tail with undefined slots).
+        T = int((lengths_B - self.cached_B).max())
+        start_B = (lengths_B - T).clamp(min=0)
+        block_BT = state.tokens_BL.gather(1, start_B.unsqueeze(1) + torch.arange(T, device=start_B.device))
+        last_index_BN = (lengths_B - 1 - start_B).unsqueeze(1)
+        tokens, probs = [], []
+        for k in range(gamma):
+            out = self.draft.forward(block_BT, start_B, logits_index_BN=last_index_BN)
+            draft_probs_BV = logits_to_probs(
+                self._fit_vocab(out.logits_BTV[:, -1]), s.temperature, s.top_k, s.top_p
+            )
+            token_B = sample_from_probs(draft_probs_BV, generator)
+            tokens.append(token_B)
+            probs.append(draft_probs_BV)
+            start_B = lengths_B + k
+            block_BT = token_B.unsqueeze(1)
+            last_index_BN = torch.zeros_like(last_index_BN)
+        # Cached now: the committed tokens and d_1 .. d_{γ-1} (d_γ was sampled, never fed).
+        self.cached_B = lengths_B - 1 + gamma
+        return Proposal(tokens_BK=torch.stack(tokens, dim=1), probs_BKV=torch.stack(probs, dim=1))
+
+    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
+        # Keep the accepted drafts, drop the rest: at most lengths - 1 committed tokens are cached.
+        self.cached_B = torch.minimum(self.cached_B, state.lengths_B - 1)
+        self.draft.rollback(self.cached_B)

@@ -1,0 +1,402 @@
+"""The speculative decode loop: prefill → propose γ → verify in one target call → commit / roll back.
+
+Legend: B batch, L sequence capacity, T target block length, K draft length (γ), V vocabulary.
+
+Leviathan et al. 2023 (arXiv 2211.17192) and Chen et al. 2023 (arXiv 2302.01318). Every token
+the loop commits is drawn by :func:`specdec.verify.rejection_sample` from the target's distribution
+processed by :func:`specdec.sampling.logits_to_probs` (the first one, after the prefill, by
+:func:`specdec.sampling.sample_from_probs` from the same distribution), so the output follows the
+target's distribution exactly whatever the drafter proposes; with γ = 0 or an empty proposal a step
+is a plain decode step (one bonus token).
+
+Cache invariant between steps (see :mod:`specdec.protocols`): the target's cache holds
+``lengths_B - 1`` tokens per row. Rows advance by different amounts (ragged acceptance); a finished
+row stays in the batch with its length frozen, its output ignored.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdec.metrics import MetricsRecorder, SpecMetrics
+from specdec.policies import GammaPolicy, StepStats, as_policy
+from specdec.protocols import DecodeState, Drafter, Proposal, Target, TargetOutput
+from specdec.registry import create_drafter
+from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from specdec.verify import rejection_sample
+
+__all__ = ["GenerationOutput", "generate"]
+
+
+@dataclass
+class GenerationOutput:
+    """Result of :func:`generate`.
+
+    ``token_ids``: generated ids only, per row, cut at the stop condition (an EOS token or the token
+    that completed a stop string is included). ``finish_reasons``: ``"eos"``, ``"stop_string"`` or
+    ``"length"`` per row.
+    """
+
+    prompt_token_ids: list[list[int]]
+    token_ids: list[list[int]]
+    finish_reasons: list[str]
+    metrics: SpecMetrics
+
+
+# --- boundary checks ------------------------------------------------------------------------------
+
+
+def _normalise_prompts(prompt_ids: Any, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.ndim != 2 or prompt_ids.is_floating_point():
+            raise ValueError(
+                f"prompt_ids tensor must be an integer tensor of shape [B, T], got dtype {prompt_ids.dtype} "
+                f"shape {tuple(prompt_ids.shape)}"
+            )
+        prompts = prompt_ids.tolist()
+    elif isinstance(prompt_ids, Sequence) and not isinstance(prompt_ids, (str, bytes)):
+        prompts = []
+        for b, row in enumerate(prompt_ids):
+            if hasattr(row, "tolist") and not isinstance(row, (list, tuple)):  # a tensor or numpy array
+                row = row.tolist()
+            if not isinstance(row, Sequence) or isinstance(row, (str, bytes)):
+                raise ValueError(
+                    f"prompt_ids must be a sequence of token-id sequences (one per row); row {b} is "
+                    f"{type(row).__name__}"
+                )
+            prompts.append([int(t) if isinstance(t, numbers.Integral) else t for t in row])
+    else:
+        raise ValueError(
+            f"prompt_ids must be a [B, T] tensor or a list of lists of ints, got {type(prompt_ids)}"
+        )
+    if not prompts:
+        raise ValueError("prompt_ids must hold at least one prompt")
+    for b, row in enumerate(prompts):
+        if not row:
+            raise ValueError(f"prompt_ids row {b} is empty; every prompt needs at least one token")
+        for t in row:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size:
+                raise ValueError(
+                    f"prompt_ids row {b} holds {t!r}; token ids must be ints in [0, {vocab_size})"
+                )
+    return prompts
+
+
+def _as_drafter(drafter: Drafter | str, target: Target, options: Mapping[str, Any] | None) -> Drafter:
+    if isinstance(drafter, str):
+        drafter = create_drafter(drafter, target, **dict(options or {}))
+    elif options:
+        raise ValueError("drafter_options only apply when drafter is given by name")
+    if not isinstance(drafter, Drafter):
+        raise ValueError(
+            f"drafter must be a registered name or an object with begin/propose/observe, got {type(drafter)}"
+        )
+    return drafter
+
+
+class _StopStrings:
+    """Finds the first generated token whose text completes a stop string.
+
+    Decodes only a window of recent tokens: a stop string of n characters ending at the newest token
+    lies within its last ``4n + 8`` tokens (every token decodes to at least one character).
+    """
+
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(stop_strings)
+        self.window = 4 * max(len(s) for s in self.stop_strings) + 8
+
+    def _contains(self, ids: list[int]) -> bool:
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return any(s in text for s in self.stop_strings)
+
+    def first_stop(self, ids: list[int], num_old: int) -> int | None:
+        """Given a row's generated ids of which the first ``num_old`` were already checked, the
+        length of the shortest prefix whose text contains a stop string, or None."""
+        if not self._contains(ids[max(0, num_old - self.window) :]):
+            return None
+        for end in range(num_old + 1, len(ids) + 1):
+            if self._contains(ids[max(0, end - self.window) : end]):
+                return end
+        return None
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    if device.type == "cuda":
+
+        def now() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        return now
+    return time.perf_counter
+
+
+# --- the loop ---------------------------------------------------------------------------------------
+
+
+def generate(
+    target: Target,
+    prompt_ids: Sequence[Sequence[int]] | torch.Tensor,
+    *,
+    drafter: Drafter | str = "none",
+    drafter_options: Mapping[str, Any] | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    gamma: int | GammaPolicy = 4,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    stop_strings: Sequence[str] | None = None,
+    tokenizer: Any = None,
+    on_commit: Callable[[int, list[int]], None] | None = None,
+) -> GenerationOutput:
+    """Generate up to ``max_new_tokens`` tokens per prompt with speculative decoding.
+
+    The output distribution is exactly the target's (processed by ``temperature``, ``top_k``,
+    ``top_p``) for any drafter; greedy (``temperature=0``) output equals plain greedy decoding.
+
+    Args:
+        target: any :class:`specdec.protocols.Target`.
+        prompt_ids: B prompts (lists of ids, lengths may differ) or a ``[B, T]`` tensor.
+        drafter: a :class:`specdec.protocols.Drafter`, or a name in :data:`specdec.registry.DRAFTERS`
+            built as ``create_drafter(name, target, **drafter_options)``.
+        gamma: fixed draft length γ, a policy name (``fixed``, ``heuristic``, ``cost``) or a
+            :class:`specdec.policies.GammaPolicy`.
+        seed: seeds a ``torch.Generator`` (same seed, same tokens); or pass ``generator``.
+        eos_token_ids: default ``target.eos_token_ids``; ``ignore_eos=True`` disables EOS.
+        stop_strings: stop a row once its generated text contains one of them (needs a tokenizer:
+            ``tokenizer`` or ``target.tokenizer``).
+        on_commit: streaming callback ``(row, newly committed ids)``, called as tokens are committed.
+
+    Returns:
+        :class:`GenerationOutput` with per-row generated ids, finish reasons and :class:`SpecMetrics`.
+    """
+    if not isinstance(target, Target):
+        raise ValueError(
+            f"target must implement specdec.protocols.Target (reset/forward/rollback), got {type(target)}"
+        )
+    vocab_size = int(target.vocab_size)
+    prompts = _normalise_prompts(prompt_ids, vocab_size)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    policy = as_policy(gamma)
+    if seed is not None and generator is not None:
+        raise ValueError("pass either seed or generator, not both")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    eos = (
+        frozenset()
+        if ignore_eos
+        else frozenset(int(t) for t in (target.eos_token_ids if eos_token_ids is None else eos_token_ids))
+    )
+    stops = None
+    if stop_strings:
+        if isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stop_strings):
+            raise ValueError(f"stop_strings must be a list of non-empty strings, got {stop_strings!r}")
+        tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass tokenizer= (the target has none)")
+        stops = _StopStrings(tokenizer, stop_strings)
+    drafter = _as_drafter(drafter, target, drafter_options)
+    device = torch.device(getattr(target, "device", "cpu"))
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    return _Decoder(target, drafter, policy, sampling, generator, eos, stops, on_commit, device).run(
+        prompts, max_new_tokens
+    )
+
+
+class _Decoder:
+    """One generation's mutable state; :meth:`run` is the loop."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter,
+        policy: GammaPolicy,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stops: _StopStrings | None,
+        on_commit: Callable[[int, list[int]], None] | None,
+        device: torch.device,
+    ) -> None:
+        self.target, self.drafter, self.policy, self.sampling = target, drafter, policy, sampling
+        self.generator, self.eos, self.stops, self.on_commit = generator, eos, stops, on_commit
+        self.device = device
+        self.now = _clock(device)
+        self.metrics = MetricsRecorder()
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        s = self.sampling
+        return logits_to_probs(logits, s.temperature, s.top_k, s.top_p)
+
+    def _commit_row(self, b: int, new: list[int]) -> list[int]:
+        """Cut a row's new tokens at its stop conditions, record them, return what was kept."""
+        gen = self.generated[b]
+        new = new[: self.max_new_tokens - len(gen)]
+        reason = None
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new, reason = new[: i + 1], "eos"
+                break
+        if self.stops is not None and new:
+            num_old = len(gen)
+            end = self.stops.first_stop(gen + new, num_old)
+            if end is not None:
+                new, reason = new[: end - num_old], "stop_string"
+        gen.extend(new)
+        if reason is None and len(gen) >= self.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            self.finish_reasons[b] = reason
+            self.finished[b] = True
+        if new and self.on_commit is not None:
+            self.on_commit(b, list(new))
+        return new
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], max_new_tokens: int) -> GenerationOutput:
+        target, drafter, policy, now = self.target, self.drafter, self.policy, self.now
+        B = len(prompts)
+        prompt_lens = [len(p) for p in prompts]
+        max_prompt = max(prompt_lens)
+        self.max_new_tokens = max_new_tokens
+        self.generated: list[list[int]] = [[] for _ in range(B)]
+        self.finish_reasons = ["length"] * B
+        self.finished = [False] * B
+        # Capacity: a block of γ+1 starts at lengths-1 ≤ prompt + max_new_tokens - 1.
+        capacity = max_prompt + max_new_tokens + policy.max_gamma + 1
+        tokens_BL = torch.zeros((B, capacity), dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            tokens_BL[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        prompt_lengths_B = torch.tensor(prompt_lens, dtype=torch.long, device=self.device)
+        state = DecodeState(
+            tokens_BL=tokens_BL,
+            prompt_lengths_B=prompt_lengths_B,
+            lengths_B=prompt_lengths_B.clone(),
+            finished_B=torch.zeros(B, dtype=torch.bool, device=self.device),
+            sampling=self.sampling,
+        )
+        rows_B = torch.arange(B, device=self.device)
+
+        # --- prefill: the whole prompt, logits only at each row's last prompt token ----------------
+        t_start = now()
+        target.reset(B, capacity)
+        prefill: TargetOutput = target.forward(
+            tokens_BL[:, :max_prompt],
+            torch.zeros(B, dtype=torch.long, device=self.device),
+            logits_index_BN=(prompt_lengths_B - 1).unsqueeze(1),
+        )
+        t_prefill = now()
+        first_B = sample_from_probs(self._probs(prefill.logits_BTV[:, -1]), self.generator)
+        tokens_BL[rows_B, prompt_lengths_B] = first_B
+        state.lengths_B = prompt_lengths_B + 1
+        target.rollback(prompt_lengths_B)
+        for b, t in enumerate(first_B.tolist()):
+            self._commit_row(b, [t])
+        state.finished_B = torch.tensor(self.finished, device=self.device)
+        t_first = now()
+        drafter.begin(state, prefill)
+        t_prev = now()
+        self.metrics.record_prefill(t_prefill - t_start, t_prev - t_first, t_first - t_start, B)
+
+        # --- speculative steps -------------------------------------------------------------------------
+        validate = True  # check the first proposal fully (third-party drafters); then trust the loop
+        while not all(self.finished):
+            active = [b for b in range(B) if not self.finished[b]]
+            room = max(max_new_tokens - len(self.generated[b]) for b in active)
+            gamma = max(0, min(int(policy.next_gamma(state)), policy.max_gamma, room - 1))
+
+            t0 = now()
+            proposal: Proposal = drafter.propose(state, gamma, self.generator)
+            t1 = now()
+            draft_tokens_BK = proposal.tokens_BK
+            K = draft_tokens_BK.shape[1]
+            if draft_tokens_BK.ndim != 2 or draft_tokens_BK.shape[0] != B or K > gamma:
+                raise ValueError(
+                    f"drafter {type(drafter).__name__} proposed tokens of shape "
+                    f"{tuple(draft_tokens_BK.shape)}; expected [B={B}, K<={gamma}]"
+                )
+            start_B = state.lengths_B - 1
+            if getattr(proposal, "tree", None) is not None:  # a token tree: one call, KV compacted
+                from specdec.tree import verify_tree_proposal
+
+                verified, out = verify_tree_proposal(target, state, proposal.tree, self.generator)
+                t_fwd = now()
+                K = verified.tokens.shape[1] - 1
+            else:
+                block_BT = torch.cat(
+                    [tokens_BL[rows_B, start_B].unsqueeze(1), draft_tokens_BK.to(tokens_BL)], dim=1
+                )
+                out = target.forward(block_BT, start_B)
+                t_fwd = now()
+                target_probs_BKV = self._probs(out.logits_BTV)
+                verified = rejection_sample(
+                    target_probs_BKV,
+                    draft_tokens_BK,
+                    proposal.probs_BKV,
+                    generator=self.generator,
+                    validate=validate,
+                )
+                validate = False
+
+            # --- commit: accepted drafts + one recovered/bonus token, cut at stop conditions --------
+            tokens_list = verified.tokens.tolist()
+            accepted_list = verified.num_accepted.tolist()
+            # Slots past a row's length are undefined, so the whole block can be written at once
+            # (padding as token 0: a drafter may feed undefined slots to a model, never -1).
+            tokens_BL[
+                rows_B.unsqueeze(1), state.lengths_B.unsqueeze(1) + torch.arange(K + 1, device=self.device)
+            ] = verified.tokens.clamp(min=0)
+            num_new = [0] * B
+            for b in active:
+                num_new[b] = len(self._commit_row(b, tokens_list[b][: accepted_list[b] + 1]))
+            state.lengths_B = state.lengths_B + torch.tensor(num_new, device=self.device)
+            state.finished_B = torch.tensor(self.finished, device=self.device)
+            target.rollback(state.lengths_B - 1)
+            t3 = now()
+            drafter.observe(state, verified.num_accepted, out)
+            t4 = now()
+
+            step_wall = t4 - t_prev
+            t_prev = t4
+            for b in active:
+                self.metrics.record_commit(step_wall, num_new[b])
+            accepted_active = [accepted_list[b] for b in active]
+            draft_time = (t1 - t0) + (t4 - t3)
+            self.metrics.record_step(
+                gamma=gamma,
+                num_drafted=K,
+                num_accepted=accepted_active,
+                draft_time_s=draft_time,
+                target_time_s=t_fwd - t1,
+            )
+            policy.update(
+                StepStats(
+                    gamma=gamma,
+                    num_drafted=K,
+                    num_accepted=accepted_active,
+                    draft_time_s=draft_time,
+                    verify_time_s=t3 - t1,  # forward + sampling + commit: the real price of a block
+                )
+            )
+
+        metrics = self.metrics.finish(now() - t_start)
+        return GenerationOutput(
+            prompt_token_ids=[list(p) for p in prompts],
+            token_ids=self.generated,
+            finish_reasons=self.finish_reasons,
+            metrics=metrics,
+        )

@@ -1,0 +1,133 @@
+"""Tiny offline models for tests: a byte-level tokenizer and random-init Llama checkpoints.
+
+Nothing here downloads anything; a checkpoint is a few hundred KB and builds in well under a second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges: 256 byte tokens + 3 specials (EOS ``<|im_end|>`` = 258)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def tiny_llama(
+    *,
+    vocab_size: int = 259,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+    eos_token_id: int = 258,
+    init_std: float = 0.02,
+):
+    """A random-init ``LlamaForCausalLM`` (greedy output of the default init repeats itself in places)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=257,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        initializer_range=init_std,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float().eval()
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = eos_token_id
+    return model
+
+
+def save_tiny_checkpoint(path: Path, *, tokenizer=None, **model_options) -> Path:
+    """Write a tiny Llama (safetensors) and a tokenizer to ``path``; returns ``path``."""
+    path = Path(path)
+    tiny_llama(**model_options).save_pretrained(path, safe_serialization=True)
+    (tokenizer if tokenizer is not None else byte_tokenizer()).save_pretrained(path)
+    return path
+
+
+class TableTarget:
+    """A batched toy :class:`specdec.protocols.Target`: a trigram model given by a logits table.
+
+    The logits after token ``x_j`` are ``table_VVV[x_{j-1}, x_j]`` (``x_{-1}`` = 0). It checks the
+    cache protocol strictly: a block may start only at or before a row's valid length, so a loop
+    that skips a token, or forgets to roll back, fails loudly.
+    """
+
+    def __init__(self, table_VVV: torch.Tensor, *, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.table_VVV = table_VVV.float()
+        self.vocab_size = table_VVV.shape[-1]
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.device = torch.device("cpu")
+        self.num_forwards = 0
+
+    def reset(self, batch_size: int, max_len: int) -> None:
+        self.tokens_BL = torch.zeros((batch_size, max_len), dtype=torch.long)
+        self.valid_B = torch.zeros(batch_size, dtype=torch.long)
+
+    def forward(self, tokens_BT, start_B, *, logits_index_BN=None):
+        from specdec.protocols import TargetOutput
+
+        B, T = tokens_BT.shape
+        if bool((start_B > self.valid_B).any()):
+            valid = self.valid_B.tolist()
+            raise AssertionError(f"block starts {start_B.tolist()} past the valid cache {valid}")
+        pos_BT = start_B.unsqueeze(1) + torch.arange(T)
+        capacity = self.tokens_BL.shape[1]
+        if int(pos_BT.max()) >= capacity:
+            raise AssertionError(f"block reaches slot {int(pos_BT.max())}, capacity {capacity}")
+        rows_B1 = torch.arange(B).unsqueeze(1)
+        self.tokens_BL[rows_B1, pos_BT] = tokens_BT
+        prev_BT = torch.where(pos_BT > 0, self.tokens_BL[rows_B1, (pos_BT - 1).clamp(min=0)], 0)
+        logits_BTV = self.table_VVV[prev_BT, tokens_BT]
+        self.valid_B = start_B + T
+        self.num_forwards += 1
+        if logits_index_BN is not None:
+            logits_BTV = logits_BTV.gather(1, logits_index_BN.unsqueeze(-1).expand(-1, -1, self.vocab_size))
+        return TargetOutput(logits_BTV=logits_BTV)
+
+    def rollback(self, lengths_B) -> None:
+        if bool((lengths_B > self.valid_B).any()):
+            valid = self.valid_B.tolist()
+            raise AssertionError(f"rollback to {lengths_B.tolist()} beyond the valid cache {valid}")
+        self.valid_B = lengths_B.clone()
+
+    def next_probs(self, prefix: list[int], **sampling) -> torch.Tensor:
+        """The processed next-token distribution after ``prefix`` (the exact reference)."""
+        from specdec.sampling import logits_to_probs
+
+        prev = prefix[-2] if len(prefix) >= 2 else 0
+        return logits_to_probs(self.table_VVV[prev, prefix[-1]], **sampling)
+
+
+def random_table(vocab_size: int, *, seed: int, scale: float = 1.5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((vocab_size, vocab_size, vocab_size), generator=g) * scale

@@ -1,0 +1,152 @@
+"""The benchmark: prompt sets, one-run comparison table, JSON/Markdown output, interruption safety."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _tiny import save_tiny_checkpoint
+
+from specdec import bench
+from specdec.bench import BenchConfig, load_prompts, markdown_table, run_bench
+
+
+def test_prompt_sets_are_read_from_the_installed_packages():
+    he = load_prompts("humaneval", 1000)
+    assert len(he) == 164 and all("def " in p for p in he)
+    mt = load_prompts("mtbench", 1000)
+    assert len(mt) == 80 and all(isinstance(q, str) and q for q in mt)
+    picked = load_prompts("mtbench", 4)
+    assert picked == [mt[0], mt[20], mt[40], mt[60]]  # evenly spaced
+    with pytest.raises(ValueError, match="known: humaneval, mtbench"):
+        load_prompts("nope", 3)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    return str(save_tiny_checkpoint(root / "target", seed=1)), str(
+        save_tiny_checkpoint(root / "draft", seed=1)
+    )
+
+
+@pytest.fixture
+def tiny_sets(monkeypatch):
+    monkeypatch.setitem(bench.PROMPT_SETS, "code", lambda: ["def f(x):\n    return x", "abc abc abc abc"])
+    monkeypatch.setitem(bench.PROMPT_SETS, "chat", lambda: ["Say hi.", "Count: 1 2 3"])
+
+
+def test_bench_compares_everything_in_one_run(ckpts, tiny_sets, tmp_path):
+    target, draft = ckpts
+    cfg = BenchConfig(
+        target=target,
+        prompt_sets=("code", "chat"),
+        num_prompts=2,
+        max_new_tokens=10,
+        temperatures=(0.0, 0.7),
+        drafters=("none", "ngram", "model", "no-such-drafter"),
+        backend="hf",
+        draft_model=draft,
+        out=str(tmp_path / "out"),
+        warmup=False,
+    )
+    payload = run_bench(cfg, command="test")
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert data["summary"] == json.loads(json.dumps(payload["summary"]))
+    methods = {"ours/none", "ours/ngram", "ours/model", "hf/plain", "hf/prompt_lookup", "hf/assistant"}
+    assert {r["method"] for r in data["summary"]} == methods
+    assert any("no-such-drafter" in n for n in data["notes"])
+    assert len(data["runs"]) == 2 * len(methods)
+    rows = {(r["prompt_set"], r["temperature"], r["method"]): r for r in data["summary"]}
+    for s in ("code", "chat", "all"):
+        for T in (0.0, 0.7):
+            assert rows[(s, T, "ours/none")]["speedup"] == pytest.approx(1.0)
+            for m in methods:
+                assert rows[(s, T, m)]["tokens_per_second"] > 0
+    for m in methods - {"ours/none"}:
+        # greedy: every method reproduces our plain decode token for token
+        assert rows[("all", 0.0, m)]["exact_match_rate"] == 1.0
+        assert "exact_match_rate" not in rows[("all", 0.7, m)]
+    spec = rows[("all", 0.0, "ours/model")]  # the draft model is the target itself: all accepted
+    assert spec["acceptance_rate"] == 1.0 and spec["mean_accepted_tokens"] > 3
+    assert spec["predicted_speedup"] > 0 and spec["measured_over_predicted"] > 0
+    assert "| all | 0.7 | ours/ngram |" in md and "no-such-drafter" in md
+    for r in data["runs"]:
+        assert len(r["prompts"]) == 4
+        for p in r["prompts"]:
+            assert p["num_tokens"] == len(p["token_ids"]) <= 10
+
+
+def test_bench_keeps_finished_runs_when_interrupted(ckpts, tiny_sets, tmp_path, monkeypatch):
+    target, _ = ckpts
+    calls = {"n": 0}
+    real = bench._run_ours
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "_run_ours", flaky)
+    cfg = BenchConfig(
+        target=target,
+        prompt_sets=("code",),
+        num_prompts=2,
+        max_new_tokens=6,
+        temperatures=(0.0,),
+        drafters=("none", "ngram"),
+        hf_baselines=("plain",),
+        backend="hf",
+        out=str(tmp_path / "out"),
+        warmup=False,
+    )
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(cfg)
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert [r["method"] for r in data["runs"]] == ["ours/none", "hf/plain"]
+
+
+def test_config_validation_and_cli_parsing(tmp_path):
+    with pytest.raises(ValueError, match="prompt set"):
+        BenchConfig(prompt_sets=("nope",))
+    with pytest.raises(ValueError, match="temperatures"):
+        BenchConfig(temperatures=(-1.0,))
+    with pytest.raises(ValueError, match="transformers baseline"):
+        BenchConfig(hf_baselines=("vllm",))
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(
+        [
+            "--prompt-set",
+            "mtbench",
+            "--temperatures",
+            "0,0.7",
+            "--drafters",
+            "none,ngram",
+            "--hf-baselines",
+            "",
+            "--drafter-option",
+            "layerskip.num_layers=8",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    args.command = None
+    cfg = bench.config_from_args(args)
+    assert cfg.prompt_sets == ("mtbench",) and cfg.temperatures == (0.0, 0.7)
+    assert cfg.hf_baselines == () and cfg.drafter_options == {"layerskip": {"num_layers": 8}}
+
+
+def test_markdown_table_formats_missing_values():
+    row = {
+        "prompt_set": "all",
+        "temperature": 0.0,
+        "method": "hf/plain",
+        "tokens_per_second": 10.0,
+        "speedup": 0.5,
+    }
+    assert "| all | 0 | hf/plain | 10.0 | 0.50× | – |" in markdown_table([row])

@@ -1,0 +1,212 @@
+"""The ``specdec`` command line (in-process through ``specdec.cli.main``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _tiny import byte_tokenizer, save_tiny_checkpoint
+
+import specdec
+from specdec.cli import IncrementalDetokenizer, main, parse_options
+from specdec.registry import DRAFTERS
+from specdec.targets.hf import HFTarget
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=1))
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["generate", *args, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # exactly one JSON object
+    return json.loads(out)
+
+
+def test_generate_json_fields_and_equivalence(ckpt, capsys):
+    args = ["--target", ckpt, "--backend", "hf", "--drafter", "ngram", "--prompt", "abc abc abc"]
+    args += ["--max-new-tokens", "12", "--temperature", "0", "--gamma", "3", "--seed", "0", "--ignore-eos"]
+    res = run_json(capsys, *args)
+    for key in ("prompt_token_ids", "token_ids", "text", "metrics"):
+        assert key in res
+    for key in ("acceptance_rate", "mean_accepted_tokens", "tokens_per_second", "ttft_s", "tpot_s"):
+        assert isinstance(res["metrics"][key], float)
+    tok = byte_tokenizer()
+    assert res["prompt_token_ids"] == tok("abc abc abc").input_ids
+    assert len(res["token_ids"]) == 12
+    assert res["text"] == tok.decode(res["token_ids"], skip_special_tokens=True)
+    assert res["drafter"] == "ngram"
+    # the library gives the same tokens
+    target = HFTarget.from_pretrained(ckpt)
+    out = specdec.generate(
+        target,
+        [res["prompt_token_ids"]],
+        drafter="ngram",
+        temperature=0.0,
+        max_new_tokens=12,
+        ignore_eos=True,
+    )
+    assert out.token_ids[0] == res["token_ids"]
+
+
+def test_generate_seeds_top_k_top_p_and_policies(ckpt, capsys):
+    base = [
+        "--target",
+        ckpt,
+        "--backend",
+        "hf",
+        "--prompt",
+        "hello",
+        "--max-new-tokens",
+        "10",
+        "--ignore-eos",
+    ]
+    sample = ["--temperature", "0.9", "--top-k", "40", "--top-p", "0.95"]
+    a = run_json(capsys, *base, *sample, "--seed", "3", "--drafter", "ngram")
+    b = run_json(capsys, *base, *sample, "--seed", "3", "--drafter", "ngram")
+    c = run_json(capsys, *base, *sample, "--seed", "4", "--drafter", "ngram")
+    assert a["token_ids"] == b["token_ids"] != c["token_ids"]
+    d = run_json(capsys, *base, "--temperature", "0", "--drafter", "none", "--gamma-policy", "cost")
+    e = run_json(capsys, *base, "--temperature", "0", "--drafter", "ngram", "--gamma-policy", "heuristic")
+    assert d["token_ids"] == e["token_ids"]
+    assert d["gamma_policy"] == "cost"
+
+
+def test_generate_chat_template_and_stop(ckpt, capsys):
+    tok = byte_tokenizer()
+    base = [
+        "--target",
+        ckpt,
+        "--backend",
+        "hf",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "30",
+        "--ignore-eos",
+    ]
+    res = run_json(capsys, *base, "--prompt", "hi", "--chat")
+    expected = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert res["prompt_token_ids"] == tok(expected, add_special_tokens=False).input_ids
+    # a stop string taken from the unstopped output cuts it
+    pieces = [tok.decode([t]) for t in res["token_ids"]]
+    i = next(
+        i for i in range(5, len(pieces)) if pieces[i].isascii() and pieces[i].isprintable() and pieces[i]
+    )
+    stopped = run_json(capsys, *base, "--prompt", "hi", "--chat", "--stop", pieces[i])
+    assert stopped["finish_reason"] == "stop_string"
+    assert stopped["token_ids"] == res["token_ids"][: len(stopped["token_ids"])]
+    assert pieces[i] in stopped["text"]
+
+
+def test_generate_streams_text_and_prints_metrics(ckpt, capsys):
+    args = ["generate", "--target", ckpt, "--backend", "hf", "--prompt", "hello", "--temperature", "0"]
+    assert main([*args, "--max-new-tokens", "16", "--ignore-eos"]) == 0
+    streamed = capsys.readouterr()
+    res = run_json(capsys, *args[1:], "--max-new-tokens", "16", "--ignore-eos")
+    assert streamed.out == res["text"] + "\n"
+    assert "tok/s" in streamed.err and "alpha" in streamed.err and "TTFT" in streamed.err
+
+
+def test_default_drafter_resolves_through_the_registry(ckpt, capsys):
+    res = run_json(capsys, "--target", ckpt, "--backend", "hf", "--prompt", "x", "--max-new-tokens", "3")
+    assert res["drafter"] == DRAFTERS.resolve("default") != "default"
+
+
+def test_default_backend_matches_the_transformers_adapter(ckpt, capsys):
+    args = ["--target", ckpt, "--prompt", "abcabc", "--temperature", "0", "--max-new-tokens", "16"]
+    auto = run_json(capsys, *args, "--drafter", "ngram")
+    hf = run_json(capsys, *args, "--drafter", "ngram", "--backend", "hf")
+    assert auto["token_ids"] == hf["token_ids"]
+
+
+def test_model_drafter_option(ckpt, capsys):
+    res = run_json(
+        capsys,
+        "--target",
+        ckpt,
+        "--backend",
+        "hf",
+        "--prompt",
+        "abc",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+        "--drafter",
+        "model",
+        "--drafter-option",
+        f"model={ckpt}",
+        "--drafter-option",
+        "backend=hf",
+        "--ignore-eos",
+    )
+    assert res["metrics"]["acceptance_rate"] == 1.0  # the target drafting for itself
+
+
+def test_bad_arguments_exit_with_a_message(ckpt, capsys):
+    base = ["generate", "--target", ckpt, "--backend", "hf", "--prompt", "x"]
+    assert main([*base, "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert main([*base, "--drafter", "nope"]) == 2
+    assert "known drafters" in capsys.readouterr().err
+    assert main([*base, "--drafter-option", "novalue"]) == 2
+    assert "key=value" in capsys.readouterr().err
+    assert main(["generate", "--target", "/no/such/dir", "--prompt", "x"]) == 2
+    with pytest.raises(SystemExit):
+        main(["generate"])  # --prompt is required
+
+
+def test_parse_options():
+    assert parse_options(["a=1", "b=0.5", "c=true", "d=x=y", "e=False"], "--o") == {
+        "a": 1,
+        "b": 0.5,
+        "c": True,
+        "d": "x=y",
+        "e": False,
+    }
+    with pytest.raises(ValueError, match="--o"):
+        parse_options(["=1"], "--o")
+
+
+def test_incremental_detokenizer_handles_multibyte_tokens():
+    tok = byte_tokenizer()
+    text = "héllo wörld 日本語 🙂 done"
+    ids = tok(text).input_ids
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push([t]) for t in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(1 for p in pieces if p == "") >= 5  # held back while a character was incomplete
+
+
+@pytest.mark.model
+def test_cli_smollm2_greedy_matches_transformers(capsys):
+    import torch
+
+    from specdec.targets.loading import load_hf_model
+
+    res = run_json(
+        capsys,
+        "--target",
+        "smollm2-135m",
+        "--prompt",
+        "What is 2+2?",
+        "--chat",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "24",
+        "--drafter",
+        "default",
+    )
+    model = load_hf_model("smollm2-135m")
+    x = torch.tensor([res["prompt_token_ids"]])
+    ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False)
+    assert res["token_ids"] == ref[0, x.shape[1] :].tolist()
+    assert res["text"].strip()

@@ -1,0 +1,188 @@
+"""The simple drafters: none, ngram (prompt lookup), model (an independent small LM)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import TableTarget, byte_tokenizer, random_table, save_tiny_checkpoint, tiny_llama
+
+import specdec
+from specdec.drafters.model import ModelDrafter, check_same_vocab
+from specdec.drafters.ngram import NGramDrafter, lookup
+from specdec.drafters.none import NoDrafter
+from specdec.protocols import DecodeState, Drafter, TargetOutput
+from specdec.registry import DRAFTERS, create_drafter
+from specdec.sampling import SamplingParams
+
+
+def state_for(
+    rows: list[list[int]], capacity: int = 64, sampling: SamplingParams | None = None
+) -> DecodeState:
+    tokens = torch.zeros((len(rows), capacity), dtype=torch.long)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = torch.tensor(r)
+    lengths = torch.tensor([len(r) for r in rows])
+    return DecodeState(
+        tokens_BL=tokens,
+        prompt_lengths_B=lengths.clone(),
+        lengths_B=lengths,
+        finished_B=torch.zeros(len(rows), dtype=torch.bool),
+        sampling=sampling or SamplingParams(temperature=0.0),
+    )
+
+
+# --- registry -------------------------------------------------------------------------------------------
+
+
+def test_builtin_drafters_are_registered_and_follow_the_protocol():
+    target = TableTarget(random_table(5, seed=0))
+    for name in ("none", "ngram"):
+        assert name in DRAFTERS
+        assert isinstance(create_drafter(name, target), Drafter)
+    assert DRAFTERS.resolve("default") in DRAFTERS.names()
+    assert isinstance(create_drafter("default", target), Drafter)
+
+
+# --- none -----------------------------------------------------------------------------------------------
+
+
+def test_none_proposes_nothing():
+    d = NoDrafter(TableTarget(random_table(5, seed=0)))
+    p = d.propose(state_for([[1, 2], [3]]), 4)
+    assert p.tokens_BK.shape == (2, 0) and p.probs_BKV is None
+    with pytest.raises(ValueError, match="no options"):
+        NoDrafter(None, gamma=3)
+
+
+# --- ngram ----------------------------------------------------------------------------------------------
+
+
+def t(xs: list[int]) -> torch.Tensor:
+    return torch.tensor(xs)
+
+
+def test_lookup_prefers_longest_ngram_and_latest_match():
+    kw = dict(max_ngram=3, min_ngram=1)
+    # last 3-gram (1, 2, 3) occurs at 0 and 5: latest is 5 → continuation [9, 9]
+    hist = t([1, 2, 3, 4, 7, 1, 2, 3, 9, 9, 1, 2, 3])
+    assert lookup(hist, 2, search="latest", **kw).tolist() == [9, 9]
+    assert lookup(hist, 2, search="earliest", **kw).tolist() == [4, 7]
+    # no 3-gram or 2-gram match, but the 1-gram (5) occurred: continuation after it
+    hist = t([5, 8, 6, 1, 2, 3, 4, 0, 5])
+    assert lookup(hist, 3, search="latest", **kw).tolist() == [8, 6, 1]
+    # min_ngram=2 forbids the 1-gram fallback
+    assert lookup(hist, 3, search="latest", max_ngram=3, min_ngram=2).tolist() == []
+
+
+def test_lookup_clips_at_history_end_and_handles_short_histories():
+    kw = dict(max_ngram=2, min_ngram=1, search="latest")
+    assert lookup(t([4, 5, 4]), 5, **kw).tolist() == [5, 4]  # 1-gram 4 at 0 → [5, 4], clipped by history
+    assert lookup(t([7]), 3, **kw).tolist() == []
+    assert lookup(t([1, 2, 3]), 3, **kw).tolist() == []
+    # the pattern's own occurrence does not count: (3,3) only at the end → 1-gram 3 at 1 → [3]
+    assert lookup(t([2, 3, 3]), 4, **kw).tolist() == [3]
+
+
+def test_ngram_drafter_batch_pads_and_skips_finished_rows():
+    d = NGramDrafter(TableTarget(random_table(10, seed=0)))
+    state = state_for([[1, 2, 3, 1, 2], [4, 5, 6], [7, 8, 7]])
+    p = d.propose(state, 3)
+    assert p.probs_BKV is None
+    assert p.tokens_BK.shape == (3, 3)
+    assert p.tokens_BK[0].tolist() == [3, 1, 2]
+    assert p.tokens_BK[1].tolist() == [6, 6, 6]  # no match: padded with the last token
+    assert p.tokens_BK[2, 0].item() == 8  # 1-gram 7 → [8, 7], padded
+    state.finished_B[0] = True
+    assert d.propose(state, 3).tokens_BK.shape[1] == 2
+    assert d.propose(state, 0).tokens_BK.shape == (3, 0)
+    state.finished_B[2] = True
+    assert d.propose(state, 3).tokens_BK.shape == (3, 0)
+
+
+def test_ngram_options_are_validated():
+    target = TableTarget(random_table(5, seed=0))
+    with pytest.raises(ValueError, match="min_ngram"):
+        NGramDrafter(target, max_ngram=1, min_ngram=2)
+    with pytest.raises(ValueError, match="max_ngram"):
+        NGramDrafter(target, max_ngram=0)
+    with pytest.raises(ValueError, match="search"):
+        NGramDrafter(target, search="random")
+
+
+def test_ngram_speeds_up_repetitive_text_on_a_copying_target():
+    """A target that continues a cycle is predicted perfectly by prompt lookup: α = 1."""
+    V = 6
+    table = torch.full((V, V, V), -20.0)
+    for a in range(V):
+        for b in range(V):
+            table[a, b, (b + 1) % V] = 20.0  # next = last + 1 (mod V)
+    target = TableTarget(table)
+    out = specdec.generate(
+        target, [[0, 1, 2, 3, 4, 5, 0]], drafter="ngram", gamma=4, temperature=0.0, max_new_tokens=21
+    )
+    assert out.token_ids[0] == [(1 + i) % V for i in range(21)]
+    assert out.metrics.acceptance_rate == 1.0
+    assert out.metrics.mean_accepted_tokens == 5.0
+
+
+# --- model ----------------------------------------------------------------------------------------------
+
+
+def test_model_drafter_requires_a_model_and_a_shared_vocab():
+    target = TableTarget(random_table(5, seed=0))
+    with pytest.raises(ValueError, match="model=NAME_OR_PATH"):
+        ModelDrafter(target)
+    with pytest.raises(ValueError, match="vocab"):
+        ModelDrafter(target, model=TableTarget(random_table(6, seed=0)))
+    with pytest.raises(ValueError, match="model must be"):
+        ModelDrafter(target, model=42)
+
+
+def test_model_drafter_compares_tokenizers():
+    from specdec.targets.hf import HFTarget
+
+    tok = byte_tokenizer()
+    target = HFTarget(tiny_llama(seed=0), tok)
+    other = byte_tokenizer()
+    other.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        check_same_vocab(target, HFTarget(tiny_llama(seed=1, vocab_size=260), other))
+    # Same tokenizer, logits padded to a wider matrix: accepted, logits cut to the target's width.
+    d = ModelDrafter(target, model=HFTarget(tiny_llama(seed=1, vocab_size=272), tok))
+    ids = tok("abcabc").input_ids
+    out = specdec.generate(
+        target, [ids], drafter=d, temperature=1.0, seed=0, max_new_tokens=8, ignore_eos=True
+    )
+    assert len(out.token_ids[0]) == 8
+
+
+def test_model_drafter_loads_a_checkpoint_by_path(tmp_path):
+    from specdec.targets.hf import HFTarget
+
+    tok = byte_tokenizer()
+    target = HFTarget(tiny_llama(seed=0), tok)
+    path = save_tiny_checkpoint(tmp_path / "draft", seed=0)
+    d = create_drafter("model", target, model=str(path), backend="hf")
+    ids = tok("hello").input_ids
+    out = specdec.generate(
+        target, [ids], drafter=d, temperature=0.0, max_new_tokens=10, gamma=3, ignore_eos=True
+    )
+    assert out.metrics.acceptance_rate == 1.0  # the same weights as the target
+
+
+def test_model_drafter_proposes_sampled_tokens_with_their_probs():
+    target = TableTarget(random_table(7, seed=0))
+    d = ModelDrafter(target, model=TableTarget(random_table(7, seed=1)))
+    state = state_for([[1, 2, 3], [4]], sampling=SamplingParams(temperature=0.8, top_k=3))
+    d.begin(state, TargetOutput(logits_BTV=torch.zeros(2, 1, 7)))
+    g = torch.Generator().manual_seed(0)
+    p = d.propose(state, 4, g)
+    assert p.tokens_BK.shape == (2, 4) and p.probs_BKV.shape == (2, 4, 7)
+    assert torch.allclose(p.probs_BKV.sum(-1), torch.ones(2, 4))
+    assert ((p.probs_BKV > 0).sum(-1) <= 3).all()  # top-k applied with the run's sampling params
+    chosen = p.probs_BKV.gather(-1, p.tokens_BK.unsqueeze(-1))
+    assert (chosen > 0).all()
+    # observe rolls the draft cache back to the committed tokens
+    state.lengths_B = state.lengths_B + torch.tensor([2, 5])
+    d.observe(state, torch.tensor([1, 4]), TargetOutput(logits_BTV=torch.zeros(2, 1, 7)))
+    assert d.cached_B.tolist() == [4, 4]  # row 0: 3 + 1 accepted; row 1: 1 + 4 - 1 (last draft unfed)
