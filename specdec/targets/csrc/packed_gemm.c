@@ -1,0 +1,184 @@
+/* Skinny matrix products for decoding on a CPU: y[m, o] = res[m, o] + b[o] + sum_i W[o, i] * x'[m, i].
+ *
+ * Legend: M rows of x (batch x block tokens, 1..~16 while decoding), I input features,
+ * O output features, BW outputs per packed block, MR rows per register tile.
+ *
+ * Decoding streams every weight once per step while M is tiny, so the product is bound by memory
+ * bandwidth, and BLAS libraries tuned for big M leave much of it unused (and get ~3x slower from
+ * M = 1 to M = 4 on the dev machine). Here W is pre-packed as [O/BW][I][BW]: each thread reads one
+ * contiguous stream, every BW-wide weight vector is loaded once and multiplied into MR rows of x
+ * held in registers, so M = 8 costs little more than M = 1.
+ *
+ * The input transform x' and the residual are fused in, saving the small elementwise ops that
+ * otherwise cost as much as the attention at this model size:
+ *   - norm_eps >= 0: x' = x / sqrt(mean(x^2) + eps), an RMSNorm whose weight the caller folded
+ *     into the columns of W (W' = W diag(w));
+ *   - act == 1: x is [M, 2I] (gate | up) and x' = silu(gate) * up (the SwiGLU of Llama's MLP);
+ *   - res != NULL: the residual stream is added to the output.
+ *
+ * Weights are float32, or bfloat16 (upper 16 bits of a float32; widened in registers, so the
+ * arithmetic stays float32). Written with GCC vector extensions: -march=native maps them to
+ * AVX-512, AVX2 or NEON. The Python side (specdec/targets/linear.py) compiles this file once per
+ * machine; its plain-PyTorch reference path is the oracle in tests/test_llama_target.py.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define BW 32 /* two 16-float vectors per block; 2*MR accumulators + 3 fit in 32 zmm registers */
+#define MR 12
+#else
+#define BW 16
+#define MR 6
+#endif
+#define VL 16
+#define NV (BW / VL)
+#define INLINE static inline __attribute__((always_inline))
+
+typedef float v16 __attribute__((vector_size(VL * 4)));
+typedef float v16u __attribute__((vector_size(VL * 4), aligned(4)));
+typedef uint16_t h16u __attribute__((vector_size(VL * 2), aligned(2)));
+typedef uint32_t i16 __attribute__((vector_size(VL * 4)));
+
+typedef uint32_t i16u __attribute__((vector_size(VL * 4), aligned(4)));
+
+INLINE v16 load_f32(const float* p) { return *(const v16u*)p; }
+INLINE void store_f32(float* p, v16 v) { *(v16u*)p = v; }
+
+/* One row (BW weights) of a packed block into NV float vectors. */
+INLINE void load_row_f32(v16* w, const float* p) {
+    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) w[v] = load_f32(p + v * VL);
+}
+#if NV == 2
+/* bf16 rows are stored as pairs (o, o + VL) in each 32-bit lane: a bf16 is the upper half of a
+ * float32, so a shift and a mask widen a whole row without shuffling across lanes. */
+INLINE void load_row_bf16(v16* w, const uint16_t* p) {
+    i16 u = *(const i16u*)p;
+    w[0] = (v16)(u << 16);
+    w[1] = (v16)(u & 0xFFFF0000u);
+}
+#else
+INLINE void load_row_bf16(v16* w, const uint16_t* p) {
+    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) w[v] =
+        (v16)(__builtin_convertvector(*(const h16u*)(p + v * VL), i16) << 16);
+}
+#endif
+
+/* One packed block (BW outputs) for MM (compile-time) rows. W_T is float or uint16_t (bf16). */
+#define DEFINE_BLOCK(NAME, W_T, LOAD)                                                                   \
+    INLINE void NAME(const float* restrict x, long I, const W_T* restrict wp, int MM, float* restrict y, \
+                     long ldy, const float* bias, const float* scale, const float* res, int o_valid) {  \
+        v16 acc[MR][NV];                                                                                \
+        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++)                                           \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[m][v] = (v16){0};                   \
+        for (long i = 0; i < I; i++) {                                                                  \
+            v16 w[NV];                                                                                  \
+            LOAD(w, wp + i * BW);                                                                       \
+            _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) {                                     \
+                float xs = x[m * I + i];                                                                \
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[m][v] += xs * w[v];             \
+            }                                                                                           \
+        }                                                                                               \
+        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) {                                         \
+            if (scale)                                                                                  \
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[m][v] *= scale[m];              \
+            if (bias)                                                                                   \
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[m][v] += load_f32(bias + v * VL); \
+            float tmp[BW];                                                                              \
+            float* out = o_valid >= BW ? y + m * ldy : tmp;                                             \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) store_f32(out + v * VL, acc[m][v]);     \
+            if (o_valid < BW) memcpy(y + m * ldy, tmp, sizeof(float) * o_valid);                        \
+            if (res)                                                                                    \
+                for (int o = 0; o < o_valid; o++) y[m * ldy + o] += res[m * ldy + o];                   \
+        }                                                                                               \
+    }
+
+DEFINE_BLOCK(block_f32, float, load_row_f32)
+DEFINE_BLOCK(block_bf16, uint16_t, load_row_bf16)
+
+/* rows_<dtype>_<MM>: blocks [b0, b1) for MM rows; one instance per MM so the tile stays in registers. */
+#define DEFINE_ROWS(SUFFIX, W_T, MM)                                                                    \
+    static void rows_##SUFFIX##_##MM(const float* x, long I, const W_T* wp, float* y, long O,          \
+                                     const float* bias, const float* scale, const float* res, long b0,  \
+                                     long b1) {                                                         \
+        for (long b = b0; b < b1; b++) {                                                                \
+            long o0 = b * BW;                                                                           \
+            int ov = O - o0 < BW ? (int)(O - o0) : BW;                                                  \
+            block_##SUFFIX(x, I, wp + b * I * BW, MM, y + o0, O, bias ? bias + o0 : 0, scale,           \
+                           res ? res + o0 : 0, ov);                                                     \
+        }                                                                                               \
+    }
+#define DEFINE_ALL_ROWS(SUFFIX, W_T)                                                                    \
+    DEFINE_ROWS(SUFFIX, W_T, 1) DEFINE_ROWS(SUFFIX, W_T, 2) DEFINE_ROWS(SUFFIX, W_T, 3)                 \
+    DEFINE_ROWS(SUFFIX, W_T, 4) DEFINE_ROWS(SUFFIX, W_T, 5) DEFINE_ROWS(SUFFIX, W_T, 6)                 \
+    DEFINE_ROWS(SUFFIX, W_T, 7) DEFINE_ROWS(SUFFIX, W_T, 8) DEFINE_ROWS(SUFFIX, W_T, 9)                 \
+    DEFINE_ROWS(SUFFIX, W_T, 10) DEFINE_ROWS(SUFFIX, W_T, 11) DEFINE_ROWS(SUFFIX, W_T, 12)              \
+    typedef void (*rows_##SUFFIX##_fn)(const float*, long, const W_T*, float*, long, const float*,     \
+                                       const float*, const float*, long, long);                         \
+    static const rows_##SUFFIX##_fn ROWS_##SUFFIX[13] = {                                               \
+        0, rows_##SUFFIX##_1, rows_##SUFFIX##_2, rows_##SUFFIX##_3, rows_##SUFFIX##_4,                  \
+        rows_##SUFFIX##_5, rows_##SUFFIX##_6, rows_##SUFFIX##_7, rows_##SUFFIX##_8, rows_##SUFFIX##_9,  \
+        rows_##SUFFIX##_10, rows_##SUFFIX##_11, rows_##SUFFIX##_12};
+
+DEFINE_ALL_ROWS(f32, float)
+DEFINE_ALL_ROWS(bf16, uint16_t)
+
+int packed_gemm_block_width(void) { return BW; }
+/* 1 when bf16 blocks interleave outputs (o, o + BW/2) in 32-bit lanes (see load_row_bf16). */
+int packed_gemm_bf16_pairs(void) { return NV == 2; }
+
+/* x' = silu(gate) * up for x = [M, 2I] (act == 1), or x / rms(x) row scales (norm_eps >= 0).
+ * Returns the buffer holding x' (x itself when there is no activation). */
+static const float* prepare_input(const float* x, long M, long I, float norm_eps, int act, float* buf,
+                                  float* scale) {
+    const float* in = x;
+    if (act == 1) {
+        for (long m = 0; m < M; m++)
+            for (long i = 0; i < I; i++) {
+                float g = x[m * 2 * I + i], u = x[m * 2 * I + I + i];
+                buf[m * I + i] = g / (1.0f + expf(-g)) * u;
+            }
+        in = buf;
+    }
+    if (norm_eps >= 0)
+        for (long m = 0; m < M; m++) {
+            float ss = 0;
+            for (long i = 0; i < I; i++) ss += in[m * I + i] * in[m * I + i];
+            scale[m] = 1.0f / sqrtf(ss / (float)I + norm_eps);
+        }
+    return in;
+}
+
+/* Threads split the O blocks evenly (contiguous weight ranges); rows go in tiles of MR. */
+#define DEFINE_GEMM(SUFFIX, W_T)                                                                        \
+    int packed_gemm_##SUFFIX(const float* x, long M, long I, const W_T* wp, long O, const float* bias,  \
+                             float* y, int nthreads, float norm_eps, int act, const float* res) {       \
+        float* buf = act == 1 ? malloc(sizeof(float) * M * I) : 0;                                      \
+        float* scale = norm_eps >= 0 ? malloc(sizeof(float) * M) : 0;                                   \
+        if ((act == 1 && !buf) || (norm_eps >= 0 && !scale)) {                                          \
+            free(buf);                                                                                  \
+            free(scale);                                                                                \
+            return -1;                                                                                  \
+        }                                                                                               \
+        const float* in = prepare_input(x, M, I, norm_eps, act, buf, scale);                            \
+        long nb = (O + BW - 1) / BW;                                                                    \
+        if (nthreads > nb) nthreads = (int)nb;                                                          \
+        _Pragma("omp parallel num_threads(nthreads)") {                                                 \
+            int t = omp_get_thread_num(), n = omp_get_num_threads();                                    \
+            long b0 = nb * t / n, b1 = nb * (t + 1) / n;                                                \
+            for (long m0 = 0; m0 < M; m0 += MR) {                                                       \
+                long mm = M - m0 < MR ? M - m0 : MR;                                                    \
+                ROWS_##SUFFIX[mm](in + m0 * I, I, wp, y + m0 * O, O, bias, scale ? scale + m0 : 0,      \
+                                  res ? res + m0 * O : 0, b0, b1);                                      \
+            }                                                                                           \
+        }                                                                                               \
+        free(buf);                                                                                      \
+        free(scale);                                                                                    \
+        return 0;                                                                                       \
+    }
+
+DEFINE_GEMM(f32, float)
+DEFINE_GEMM(bf16, uint16_t)

@@ -1,0 +1,451 @@
+"""A lean native target for the Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3), after gpt-fast.
+
+Legend: B batch, T block length, N selected logit positions, V vocabulary, D model dim, H query
+heads, J key/value heads, G query heads per key/value head (H = J·G), E head dim, S attended slots.
+
+What makes it fast on a CPU, compared with ``transformers``:
+
+- a static KV cache (``specdec.targets.kv_cache``): rollback moves a length, nothing is copied;
+- fused weights (one q|k|v and one gate|up matrix per layer), so a decode step is 4 matrix products
+  per layer plus the LM head;
+- the LM head runs only where logits are wanted (``logits_index_BN``): prefill pays it once per row;
+- the hot loop calls functional ops on plain tensors (no module dispatch, no hooks, no dynamic
+  cache objects), and grouped-query attention runs as one attention per key/value head with the G
+  query heads stacked as rows, so keys and values are never repeated;
+- the linear layers' weights are stored in the layout the CPU's matrix-vector product reads
+  fastest (see ``specdec.targets.linear``).
+
+The fp32 output equals ``transformers``' up to float rounding (tests check 1e-4 on logits and
+token-for-token greedy equality on SmolLM2). ``dtype=torch.bfloat16`` stores the linear layers'
+weights in bfloat16 (half the bytes to stream; activations, norms and the KV cache stay float32):
+an opt-in that changes outputs slightly. Tree attention (SpecInfer, arXiv 2305.09781) is
+supported through ``tree_mask_TT`` / ``depth_T`` and :meth:`LlamaTarget.copy_slots`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specdec.protocols import TargetOutput
+from specdec.targets.kv_cache import StaticKVCache, block_attention_mask
+from specdec.targets.linear import PackedLinear, pack_linear, resolve_backend
+from specdec.targets.llama_config import LlamaConfig, load_safetensors_state
+from specdec.targets.rope import rope_cos_sin_table, rope_inv_freq
+
+__all__ = ["LlamaConfig", "LlamaTarget", "load_safetensors_state"]
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights, fused for the hot loop (``PackedLinear`` = norm → linear → + residual)."""
+
+    qkv: PackedLinear  # RMSNorm(input_layernorm), then D -> (H + 2J)·E
+    qk_norm: torch.Tensor | None  # [H + J, E] (Qwen3), else None
+    o: PackedLinear  # H·E -> D, + residual
+    gate_up: PackedLinear  # RMSNorm(post_attention_layernorm), then D -> 2F
+    down: PackedLinear  # silu(gate)·up, then F -> D, + residual
+
+
+class RMSNorm(torch.nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019, arXiv 1910.07467), as in Llama."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class LlamaTarget:
+    """A Llama-family causal LM implementing :class:`specdec.protocols.Target` with a static KV cache.
+
+    Public for feature-level drafters: ``config``, ``embed_tokens`` (``nn.Embedding``), ``norm``
+    (the final :class:`RMSNorm`), ``lm_head`` (``nn.Linear``, float32), ``layers``, and
+    :meth:`forward_layers` (a sub-network, for self-speculation). Extras beyond the protocol:
+    tree attention in :meth:`forward` and :meth:`copy_slots`.
+
+    ``dtype``: storage of the linear layers' weights (float32 default; bfloat16 halves the bytes to
+    stream and changes outputs slightly). ``linear_backend``: see :mod:`specdec.targets.linear`.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        state: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        linear_backend: str = "auto",
+        tokenizer: Any = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+        self.config = config
+        self.dtype = dtype  # of the linear layers' weights; activations and the KV cache are float32
+        self.device = torch.device(device)
+        self.linear_backend = resolve_backend(linear_backend, self.device)
+        if linear_backend == "auto" and self.linear_backend == "packed" and dtype == torch.float16:
+            self.linear_backend = "transposed"  # the packed kernel stores float32 or bfloat16
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = config.vocab_size
+        self.cache: StaticKVCache | None = None
+        self._load(dict(state))
+        self._inv_freq = rope_inv_freq(config.head_dim, config.rope_parameters).to(self.device)
+        self._cos = self._sin = None
+
+    # ------------------------------------------------------------------ loading
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        c = self.config
+        take = lambda key: state.pop(key).to(device=self.device, dtype=torch.float32).contiguous()
+        maybe = lambda key, wanted: take(key) if wanted else None
+        pack = lambda w, b=None, **kw: pack_linear(w, b, backend=self.linear_backend, dtype=self.dtype, **kw)
+        eps = c.rms_norm_eps
+        try:
+            embed = take("model.embed_tokens.weight")
+            self.layers: list[_Layer] = []
+            for i in range(c.num_layers):
+                p = f"model.layers.{i}."
+                a = p + "self_attn."
+                qkv_w = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+                qkv_b = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]) if c.qkv_bias else None
+                qk_norm = None
+                if c.qk_norm:
+                    qn, kn = take(a + "q_norm.weight"), take(a + "k_norm.weight")
+                    qk_norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)])
+                m = p + "mlp."
+                gate_up_w = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+                gate_up_b = (
+                    torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")]) if c.mlp_bias else None
+                )
+                input_norm, post_norm = (
+                    take(p + "input_layernorm.weight"),
+                    take(p + "post_attention_layernorm.weight"),
+                )
+                self.layers.append(
+                    _Layer(
+                        qkv=pack(qkv_w, qkv_b, norm_weight_I=input_norm, norm_eps=eps),
+                        qk_norm=qk_norm,
+                        o=pack(take(a + "o_proj.weight"), maybe(a + "o_proj.bias", c.o_bias)),
+                        gate_up=pack(gate_up_w, gate_up_b, norm_weight_I=post_norm, norm_eps=eps),
+                        down=pack(
+                            take(m + "down_proj.weight"), maybe(m + "down_proj.bias", c.mlp_bias), swiglu=True
+                        ),
+                    )
+                )
+            norm_w = take("model.norm.weight")
+            if "lm_head.weight" in state:
+                head_w = take("lm_head.weight")
+            elif c.tie_word_embeddings:
+                head_w = embed
+            else:
+                raise KeyError("lm_head.weight")
+        except KeyError as e:
+            raise ValueError(
+                f"checkpoint is missing weight {e.args[0]!r} for a {c.model_type} model"
+            ) from None
+        leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
+        if leftover:
+            raise ValueError(
+                f"checkpoint has {len(leftover)} weights the native {c.model_type} target does not use "
+                f"(e.g. {leftover[:3]}); use the 'hf' target backend"
+            )
+        if embed.shape != (c.vocab_size, c.hidden_size) or head_w.shape != (c.vocab_size, c.hidden_size):
+            raise ValueError(f"embedding/LM head shapes {tuple(embed.shape)}/{tuple(head_w.shape)} != config")
+        self.embed_tokens = torch.nn.Embedding.from_pretrained(embed, freeze=True)
+        self.norm = RMSNorm(norm_w, c.rms_norm_eps)
+        self.lm_head = torch.nn.Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
+        self.lm_head.weight = torch.nn.Parameter(head_w, requires_grad=False)  # float32; shared when tied
+        self._head = pack(head_w, norm_weight_I=norm_w, norm_eps=eps)  # final norm + LM head
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, **opts: Any
+    ) -> LlamaTarget:
+        """Load a built-in name (``smollm2-135m``) or a local checkpoint directory (safetensors only).
+
+        ``opts``: ``device``, ``linear_backend`` (see ``specdec.targets.linear``), ``load_tokenizer``
+        (default True).
+        """
+        from transformers import AutoConfig, GenerationConfig
+
+        from specdec.targets.loading import load_tokenizer, resolve_checkpoint
+
+        with_tokenizer = opts.pop("load_tokenizer", True)
+        path = resolve_checkpoint(name_or_path)
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = LlamaConfig.from_hf(hf_config)
+        eos: Any = None
+        if (path / "generation_config.json").is_file():
+            eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+        if eos is None:
+            eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = (
+            tuple(int(e) for e in eos)
+            if isinstance(eos, (list, tuple))
+            else ((int(eos),) if eos is not None else ())
+        )
+        tokenizer = load_tokenizer(path) if with_tokenizer else None
+        return cls(
+            config,
+            load_safetensors_state(path),
+            dtype=dtype,
+            tokenizer=tokenizer,
+            eos_token_ids=eos_ids,
+            **opts,
+        )
+
+    # ------------------------------------------------------------------ Target protocol
+    def reset(self, batch_size: int, max_len: int) -> None:
+        """Allocate an empty cache of ``batch_size`` rows × ``max_len`` slots (reused if same shape)."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
+        window = self.config.sliding_window
+        if window is not None and max_len > window:
+            raise ValueError(
+                f"max_len={max_len} exceeds the model's sliding_window={window}; sliding-window attention "
+                "is not implemented by the native target (use max_len <= sliding_window or the 'hf' backend)"
+            )
+        c = self.config
+        if self.cache is None or self.cache.batch_size != batch_size or self.cache.max_len != max_len:
+            self.cache = StaticKVCache(
+                num_layers=c.num_layers,
+                batch_size=batch_size,
+                num_kv_heads=c.num_kv_heads,
+                max_len=max_len,
+                head_dim=c.head_dim,
+                dtype=torch.float32,
+                device=self.device,
+            )
+            cos, sin = rope_cos_sin_table(self._inv_freq, max_len)
+            half = c.head_dim // 2
+            # rotate_half(x)·sin == flip_halves(x)·[-sin, sin]: one flip instead of slice/neg/cat.
+            sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+            self._cos, self._sin = cos, sin
+        self.cache.lengths_B = torch.zeros(batch_size, dtype=torch.long)
+
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        start_B: torch.Tensor,
+        *,
+        logits_index_BN: torch.Tensor | None = None,
+        tree_mask_TT: torch.Tensor | None = None,
+        depth_T: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """Run a block at cache slots ``start_B[b] + arange(T)``; see :class:`specdec.protocols.Target`.
+
+        Tree verification: ``tree_mask_TT[i, j]`` (bool, diagonal set) lets block token i attend
+        block token j, and ``depth_T`` gives each token's rope position offset (position
+        ``start_B[b] + depth_T[i]``). Default: a causal chain, ``depth_T = arange(T)``.
+        """
+        tokens_BT, start_B = self._check_block(tokens_BT, start_B, tree_mask_TT, depth_T)
+        hidden_BTD = self._run(tokens_BT, start_B, range(self.config.num_layers), tree_mask_TT, depth_T)
+        self.cache.lengths_B = start_B + tokens_BT.shape[1]
+        return TargetOutput(logits_BTV=self._logits(hidden_BTD, logits_index_BN), hidden_BTD=hidden_BTD)
+
+    def rollback(self, lengths_B: torch.Tensor) -> None:
+        """Declare that row b's cache holds only its first ``lengths_B[b]`` slots (O(1): nothing moves)."""
+        cache = self._need_cache()
+        lengths_B = torch.as_tensor(lengths_B, dtype=torch.long).reshape(-1).cpu()
+        if lengths_B.shape[0] != cache.batch_size:
+            raise ValueError(f"lengths_B must have {cache.batch_size} entries, got {lengths_B.shape[0]}")
+        if (lengths_B < 0).any() or (lengths_B > cache.lengths_B).any():
+            raise ValueError(
+                f"lengths_B must be in [0, current length] per row; got {lengths_B.tolist()}, "
+                f"cache holds {cache.lengths_B.tolist()}"
+            )
+        cache.lengths_B = lengths_B.clone()
+
+    # ------------------------------------------------------------------ extras
+    @torch.inference_mode()
+    def copy_slots(self, src_slots_BN: torch.Tensor, dst_start_B: torch.Tensor) -> None:
+        """Move the K/V at slots ``src_slots_BN[b]`` to ``dst_start_B[b] .. dst_start_B[b]+N-1``, every layer.
+
+        After tree verification the accepted path's tokens sit at scattered slots of the tree
+        block; this compacts them so the cache reads like a chain. Call ``rollback`` afterwards
+        with the new lengths (``dst_start_B + N``). Rows with shorter paths may pad ``src_slots_BN``
+        with any slot: whatever lands past a row's new length is never read.
+        """
+        cache = self._need_cache()
+        src = torch.as_tensor(src_slots_BN, dtype=torch.long, device=self.device)
+        dst = torch.as_tensor(dst_start_B, dtype=torch.long, device=self.device).reshape(-1)
+        if src.ndim != 2 or src.shape[0] != cache.batch_size or dst.shape[0] != cache.batch_size:
+            raise ValueError(
+                f"src_slots_BN must be [B={cache.batch_size}, N] and dst_start_B [B]; got "
+                f"{tuple(src.shape)} and {tuple(dst.shape)}"
+            )
+        if src.numel() and (
+            src.min() < 0
+            or src.max() >= cache.max_len
+            or dst.min() < 0
+            or (dst + src.shape[1]).max() > cache.max_len
+        ):
+            raise ValueError(f"slots must lie in [0, max_len={cache.max_len})")
+        cache.copy_slots(src, dst)
+
+    def forward_layers(
+        self,
+        tokens_BT: torch.Tensor,
+        start_B: torch.Tensor,
+        *,
+        num_layers: int | None = None,
+        layers: Sequence[int] | None = None,
+        logits_index_BN: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """A sub-network of the target: some of its layers, then the final norm and LM head.
+
+        ``num_layers=N`` runs layers ``0..N-1`` (early exit, LayerSkip arXiv 2404.16710);
+        ``layers`` runs the given increasing layer indices and skips the rest (Draft & Verify,
+        arXiv 2309.08168). Writes the keys/values of the layers it runs and leaves the cache's
+        lengths alone: the next full ``forward`` over the same slots overwrites them
+        (self-speculation, ``specdec.drafters.layerskip``). ``hidden_BTD`` is the last run
+        layer's output.
+        """
+        L = self.config.num_layers
+        if (num_layers is None) == (layers is None):
+            raise ValueError("pass exactly one of num_layers or layers")
+        if num_layers is not None:
+            if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= L:
+                raise ValueError(f"num_layers must be an int in [1, {L}], got {num_layers!r}")
+            layers = range(num_layers)
+        else:
+            layers = list(layers)
+            if not layers or any(not 0 <= i < L for i in layers) or layers != sorted(set(layers)):
+                raise ValueError(
+                    f"layers must be a non-empty increasing list of indices in [0, {L}), got {layers}"
+                )
+        tokens_BT, start_B = self._check_block(tokens_BT, start_B, None, None, check_length=False)
+        hidden_BTD = self._run(tokens_BT, start_B, layers, None, None)
+        return TargetOutput(logits_BTV=self._logits(hidden_BTD, logits_index_BN), hidden_BTD=hidden_BTD)
+
+    # ------------------------------------------------------------------ internals
+    def _need_cache(self) -> StaticKVCache:
+        if self.cache is None:
+            raise ValueError("call reset(batch_size, max_len) before using the target")
+        return self.cache
+
+    def _check_block(self, tokens_BT, start_B, tree_mask_TT, depth_T, check_length: bool = True):
+        cache = self._need_cache()
+        if (
+            not isinstance(tokens_BT, torch.Tensor)
+            or tokens_BT.ndim != 2
+            or tokens_BT.dtype
+            not in (
+                torch.long,
+                torch.int32,
+            )
+        ):
+            raise ValueError(
+                f"tokens_BT must be an integer tensor [B, T], got {getattr(tokens_BT, 'shape', tokens_BT)}"
+            )
+        B, T = tokens_BT.shape
+        if B != cache.batch_size or T < 1:
+            raise ValueError(f"tokens_BT must be [B={cache.batch_size}, T>=1], got {tuple(tokens_BT.shape)}")
+        start_B = torch.as_tensor(start_B, dtype=torch.long).reshape(-1).cpu()
+        if start_B.shape[0] != B:
+            raise ValueError(f"start_B must have {B} entries, got {start_B.shape[0]}")
+        if (start_B < 0).any() or (start_B + T > cache.max_len).any():
+            raise ValueError(
+                f"blocks must fit in [0, max_len={cache.max_len}); start_B={start_B.tolist()}, T={T}"
+            )
+        if check_length and (start_B > cache.lengths_B).any():
+            raise ValueError(
+                f"start_B={start_B.tolist()} is past the cached lengths {cache.lengths_B.tolist()} (a gap)"
+            )
+        if tree_mask_TT is not None:
+            if tree_mask_TT.shape != (T, T) or tree_mask_TT.dtype != torch.bool:
+                raise ValueError(
+                    f"tree_mask_TT must be a bool tensor [T={T}, T], got {tuple(tree_mask_TT.shape)}"
+                )
+            if not tree_mask_TT.diagonal().all():
+                raise ValueError("tree_mask_TT must include the diagonal (every token attends to itself)")
+        if depth_T is not None:
+            if depth_T.shape != (T,):
+                raise ValueError(f"depth_T must have shape [T={T}], got {tuple(depth_T.shape)}")
+            if (depth_T < 0).any() or (start_B.max() + depth_T.max() >= cache.max_len):
+                raise ValueError("depth_T must be >= 0 and start_B + depth_T < max_len")
+        if (tokens_BT < 0).any() or (tokens_BT >= self.vocab_size).any():
+            raise ValueError(f"tokens_BT must be in [0, {self.vocab_size})")
+        return tokens_BT.to(self.device), start_B
+
+    @torch.inference_mode()
+    def _run(
+        self,
+        tokens_BT: torch.Tensor,
+        start_B: torch.Tensor,
+        layers: Sequence[int],
+        tree_mask_TT: torch.Tensor | None,
+        depth_T: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Embed, run ``layers`` in order (writing their K/V), return the last one's output."""
+        c = self.config
+        B, T = tokens_BT.shape
+        starts = start_B.tolist()
+        uniform = starts[0] if starts.count(starts[0]) == B else None
+        num_slots = max(starts) + T
+        start_dev_B = start_B.to(self.device)
+        offsets_T = torch.arange(T, device=self.device) if depth_T is None else depth_T.to(self.device)
+        positions_BT = start_dev_B[:, None] + offsets_T[None, :]
+        cos_BT1E, sin_BT1E = self._cos[positions_BT][:, :, None], self._sin[positions_BT][:, :, None]
+
+        G = c.num_heads // c.num_kv_heads
+        mask = None
+        if tree_mask_TT is not None or uniform is None or T > 1:
+            block_TT = (
+                tree_mask_TT.to(self.device)
+                if tree_mask_TT is not None
+                else torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+            )
+            # The G query heads of a key/value head are stacked as G·T rows (row g·T + t).
+            mask = block_attention_mask(start_dev_B, num_slots, block_TT).repeat(1, 1, G, 1)
+
+        x_BTD = self.embed_tokens.weight[tokens_BT]
+        for i in layers:
+            x_BTD = self._layer(i, x_BTD, cos_BT1E, sin_BT1E, start_dev_B, uniform, num_slots, mask)
+        return x_BTD
+
+    def _layer(self, i, x_BTD, cos_BT1E, sin_BT1E, start_B, uniform, num_slots, mask) -> torch.Tensor:
+        c, layer, cache = self.config, self.layers[i], self.cache
+        B, T, _ = x_BTD.shape
+        H, J, E = c.num_heads, c.num_kv_heads, c.head_dim
+        G = H // J
+
+        qkv = layer.qkv(x_BTD).view(B, T, H + 2 * J, E)
+        qk = qkv[:, :, : H + J]
+        if layer.qk_norm is not None:  # Qwen3: RMSNorm over each head before rope
+            qk = layer.qk_norm * (qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps))
+        qk = qk * cos_BT1E + qk.unflatten(-1, (2, E // 2)).flip(-2).flatten(-2) * sin_BT1E
+        q_BTHE, k_BTJE, v_BTJE = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + J :]
+        cache.write(i, k_BTJE, v_BTJE, start_B, uniform)
+
+        k_BJSE = cache.k_NBHLD[i, :, :, :num_slots]
+        v_BJSE = cache.v_NBHLD[i, :, :, :num_slots]
+        q_BJRE = q_BTHE.reshape(B, T, J, G, E).permute(0, 2, 3, 1, 4).reshape(B, J, G * T, E)
+        o_BJRE = F.scaled_dot_product_attention(q_BJRE, k_BJSE, v_BJSE, attn_mask=mask, scale=E**-0.5)
+        o_BTF = o_BJRE.view(B, J, G, T, E).permute(0, 3, 1, 2, 4).reshape(B, T, H * E)
+        x_BTD = layer.o(o_BTF, x_BTD)
+        return layer.down(layer.gate_up(x_BTD), x_BTD)
+
+    @torch.inference_mode()
+    def _logits(self, hidden_BTD: torch.Tensor, logits_index_BN: torch.Tensor | None) -> torch.Tensor:
+        if logits_index_BN is not None:
+            idx = torch.as_tensor(logits_index_BN, dtype=torch.long, device=self.device)
+            T = hidden_BTD.shape[1]
+            if idx.ndim != 2 or idx.shape[0] != hidden_BTD.shape[0] or (idx < 0).any() or (idx >= T).any():
+                raise ValueError(
+                    f"logits_index_BN must be [B, N] with entries in [0, {T}), got {tuple(idx.shape)}"
+                )
+            hidden_BTD = hidden_BTD.gather(1, idx[:, :, None].expand(-1, -1, hidden_BTD.shape[-1]))
+        return self._head(hidden_BTD)
