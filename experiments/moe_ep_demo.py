@@ -30,85 +30,38 @@ import torch
 import torch._dynamo  # noqa: F401  before init_process_group: see init_distributed
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 import moe
+from experiments.text_corpus import repo_files
+from experiments.tiny_moe_lm import TinyLMConfig, TinyMoELM
 from moe.parallel import expert_parallel, sync_gradients, sync_router_load
 
-CORPUS_GLOBS = ("docs/*.md", "README.md", "moe/*.py", "kernels/**/*.py", "experiments/*.py")
+
+def build_model(args: argparse.Namespace) -> TinyMoELM:
+    """The byte-level MoE LM of experiments.tiny_moe_lm with the command-line sizes (z-loss 1e-3)."""
+    config = TinyLMConfig(
+        dim=args.dim,
+        heads=args.heads,
+        layers=args.layers,
+        seq_len=args.seq_len,
+        hidden_dim=args.hidden,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        router=args.router,
+        capacity_factor=args.capacity_factor,
+        aux_loss_coef=args.aux_loss_coef,
+        z_loss_coef=1e-3,
+    )
+    return TinyMoELM(config)
 
 
-class Attention(nn.Module):
-    """Causal multi-head self-attention (PyTorch's scaled_dot_product_attention)."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.out = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x_BSD: Tensor) -> Tensor:
-        batch, seq, dim = x_BSD.shape
-        q, k, v = self.qkv(x_BSD).view(batch, seq, 3, self.heads, dim // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        return self.out(y.transpose(1, 2).reshape(batch, seq, dim))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block with a moe.MoE feed-forward."""
-
-    def __init__(self, dim: int, heads: int, ffn: moe.MoE) -> None:
-        super().__init__()
-        self.attn_norm, self.attn = nn.RMSNorm(dim), Attention(dim, heads)
-        self.ffn_norm, self.ffn = nn.RMSNorm(dim), ffn
-
-    def forward(self, x_BSD: Tensor) -> Tensor:
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
-        return x_BSD + self.ffn(self.ffn_norm(x_BSD))
-
-
-class TinyMoELM(nn.Module):
-    """Byte-level MoE language model: embeddings, `layers` blocks, tied output head."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(256, args.dim)
-        self.pos = nn.Parameter(torch.zeros(args.seq_len, args.dim))
-        self.blocks = nn.ModuleList(
-            Block(
-                args.dim,
-                args.heads,
-                moe.MoE(
-                    args.dim,
-                    args.hidden,
-                    args.experts,
-                    args.top_k,
-                    router=args.router,
-                    capacity_factor=args.capacity_factor,
-                    aux_loss_coef=args.aux_loss_coef,
-                    z_loss_coef=1e-3,
-                ),
-            )
-            for _ in range(args.layers)
-        )
-        self.norm = nn.RMSNorm(args.dim)
-        nn.init.normal_(self.embed.weight, std=0.02)  # small tied logits: the first loss is about ln 256
-
-    def forward(self, tokens_BS: Tensor) -> Tensor:
-        x_BSD = self.embed(tokens_BS) + self.pos[: tokens_BS.shape[1]]
-        for block in self.blocks:
-            x_BSD = block(x_BSD)
-        return self.norm(x_BSD) @ self.embed.weight.T  # logits [B, S, V]
-
-
-def load_corpus(root: Path) -> Tensor:
+def load_corpus() -> Tensor:
     """uint8 bytes of the repository's text files (sorted paths, so every rank reads the same corpus)."""
-    paths = sorted({p for pattern in CORPUS_GLOBS for p in root.glob(pattern) if p.is_file()})
+    paths = repo_files()
     data = b"\n".join(p.read_bytes() for p in paths)
     if len(data) < 4096:
-        raise ValueError(f"found only {len(data)} bytes of text under {root} ({', '.join(CORPUS_GLOBS)})")
+        raise ValueError(f"found only {len(data)} bytes of text in {len(paths)} repository files")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -187,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     try:
-        corpus = load_corpus(Path(__file__).resolve().parents[1])
+        corpus = load_corpus()
         torch.manual_seed(args.seed)  # the same initial weights on every rank
-        model = TinyMoELM(args).to(device)  # on its device first: the collectives run where the weights are
+        model = build_model(args).to(device)  # on its device first: the collectives run where the weights are
         layers = moe.moe_layers(model)
         for layer in layers:
             expert_parallel(layer)  # rank r keeps experts r*E/R .. (r+1)*E/R - 1 of every layer

@@ -17,9 +17,14 @@ EXPERIMENTS = Registry(
     "experiment",
     "specdec.experiments",
     builtins={
+        "batch-sweep": "experiments.catalog.batch_sweep:EXPERIMENT",
         "ep-scaling-model": "experiments.catalog.ep_scaling_model:EXPERIMENT",
+        "gamma-sweep": "experiments.catalog.gamma_sweep:EXPERIMENT",
         "leviathan-table1": "experiments.catalog.leviathan_table1:EXPERIMENT",
+        "leviathan-table3-analog": "experiments.catalog.leviathan_table3_analog:EXPERIMENT",
+        "lossy-quality": "experiments.catalog.lossy_quality:EXPERIMENT",
         "moe-verify-cost": "experiments.catalog.moe_verify_cost:EXPERIMENT",
+        "speedup-table": "experiments.catalog.speedup_table:EXPERIMENT",
         "switch-tables": "experiments.catalog.switch_tables:EXPERIMENT",
     },
 )

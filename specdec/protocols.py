@@ -80,10 +80,15 @@ class Target(Protocol):
 class Proposal:
     """A drafter's guess: ``tokens_BK`` long, and ``probs_BKV`` (float32, full target vocab,
     processed by ``logits_to_probs`` with the run's sampling params) or None for a deterministic
-    proposal. K may be smaller than the γ asked for, and may be 0."""
+    proposal. K may be smaller than the γ asked for, and may be 0.
+
+    ``tree`` (optional): a :class:`specdec.tree.TreeProposal`; the loop then verifies the whole
+    tree in one call (:func:`specdec.tree.verify_tree_proposal`), and ``tokens_BK`` / ``probs_BKV``
+    are its first-candidate path (a valid chain proposal for loops that ignore trees)."""
 
     tokens_BK: torch.Tensor
     probs_BKV: torch.Tensor | None = None
+    tree: object | None = None
 
 
 @dataclass

@@ -111,6 +111,8 @@ DRAFTERS = Registry(
         "ngram": "specdec.drafters.ngram:NGramDrafter",
         "model": "specdec.drafters.model:ModelDrafter",
         "layerskip": "specdec.drafters.layerskip:LayerSkipDrafter",
+        "unigram": "specdec.drafters.ngram_lm:UnigramDrafter",
+        "bigram": "specdec.drafters.ngram_lm:BigramDrafter",
         "eagle": "specdec.drafters.eagle:EagleDrafter",
         "eagle-tree": "specdec.drafters.eagle_tree:EagleTreeDrafter",
     },

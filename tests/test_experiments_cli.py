@@ -126,6 +126,6 @@ def test_run_then_summarize_from_the_command_line(tmp_path, capsys):
     summary_path.unlink()
     assert cli.main(["summarize", "moe-verify-cost", "--smoke", "--out", str(out)]) == 0
     summary = json.loads(summary_path.read_text())
-    assert summary["complete"] and summary["smoke"] and summary["num_runs"] == 4
     ids = {run_id(c) for c in get_experiment("moe-verify-cost").configs(smoke=True)}
+    assert summary["complete"] and summary["smoke"] and summary["num_runs"] == len(ids) > 1
     assert {p.name for p in (out / "moe-verify-cost").iterdir() if p.is_dir()} == ids

@@ -66,3 +66,28 @@ def test_paper_builds_from_the_smoke_summaries(smoke_results, tmp_path):
         assert "Smoke run" in tex
         for figure in data["figures"]:
             assert (tmp_path / "paper" / "figures" / f"{name}--{figure['name']}.png").exists()
+
+
+def test_smoke_results_of_the_engine_experiments(smoke_results):
+    """Lossless decoding reproduces plain greedy output; lenience 1 is exact; tables are filled."""
+    summaries, _ = smoke_results
+    table3 = summaries["leviathan-table3-analog"]["tables"][0]["rows"]
+    assert {"unigram", "bigram", "ngram", "layerskip"} <= {r["drafter"] for r in table3}
+    assert any(r["paper_t0"] == "0.03 / 0.08 / 0.13" for r in table3 if r["drafter"] == "unigram")
+    speed = {t["name"]: t["rows"] for t in summaries["speedup-table"]["tables"]}
+    assert [r["category"] for r in speed["by-category"]] == ["humaneval", "mtbench/coding", "overall"]
+    assert speed["overall"] and all(r["exact_match_rate"] == 1.0 for r in speed["overall"])
+    gamma = summaries["gamma-sweep"]["tables"][0]["rows"]
+    assert [r["gamma"] for r in gamma] == [0, 1, 2]
+    assert gamma[0]["theory"] == pytest.approx(1.0) and all(r["exact"] == 1.0 for r in gamma[1:])
+    batch = summaries["batch-sweep"]["tables"][0]["rows"]
+    assert [r["batch"] for r in batch] == [1, 4] and all(
+        r["plain_tps"] > 0 and r["spec_tps"] > 0 for r in batch
+    )
+    lossy = summaries["lossy-quality"]["tables"][0]["rows"]
+    plain = {r["temperature"]: r for r in lossy if r["lenience"] is None}
+    exact = [r for r in lossy if r["lenience"] == 1.0 and r["temperature"] == 0.0]
+    assert exact and {r["lenience"] for r in lossy} == {None, 1.0, 0.3}
+    for row in exact:  # l = 1 is exact: greedy output equals plain greedy output
+        assert row["exact"] == 1.0 and row["dloglik"] == pytest.approx(0.0, abs=1e-9)
+        assert row["pass1"] == plain[0.0]["pass1"]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import specdec.loop
+import specdec.verify_rules
 from specdec import generate
 from specdec.sampling import sample_from_probs
 from specdec.testing import (
@@ -137,8 +138,9 @@ def _recovered_from_target(
 
 def test_generate_check_rejects_a_planted_verifier_bug(monkeypatch):
     """The loop check can fail: with the loop's verifier swapped for a mutant (test-local patch of
-    specdec.loop's name, product code untouched) the same check at the same N rejects."""
-    monkeypatch.setattr(specdec.loop, "rejection_sample", _recovered_from_target)
+    the name the loop's default ``exact`` rule calls, product code untouched) the same check at the
+    same N rejects."""
+    monkeypatch.setattr(specdec.verify_rules, "rejection_sample", _recovered_from_target)
     c = CASES["sampled-drafter"]
     expected = target_sequence_distribution(TARGET, num_tokens=3, context=(1, 2), eos_token_ids=(EOS,))
     counts = sample_output_distribution(

@@ -1,0 +1,363 @@
+"""What the speculative-decoding experiments share: targets by name, prompt categories, interleaved timing.
+
+Legend: B batch, T sequence length, V vocabulary.
+
+Not an experiment itself. ``leviathan-table3-analog``, ``speedup-table``, ``gamma-sweep``,
+``batch-sweep`` and ``lossy-quality`` call :func:`run_interleaved` to run several *methods* (a
+drafter, γ and verification rule) on the same prompts, prompt by prompt in turn (so drifting load
+on a shared machine hits every method alike), and summarise them with
+:func:`specdec.bench.summarize` (speedup over our plain decode measured in the same run, α, τ,
+predicted speedup, exact-match rate of greedy outputs). Targets are ``smollm2-135m`` (or any
+checkpoint) and ``tiny-random``, a random-init two-layer Llama with a byte tokenizer that the CI
+smoke runs use (built once into the specdec cache; nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TINY_TARGET",
+    "MTBENCH_CATEGORIES",
+    "CATEGORIES",
+    "open_target",
+    "tiny_checkpoint",
+    "drafter_unavailable",
+    "category_prompts",
+    "encode",
+    "prompt_runs",
+    "drafter_options",
+    "Method",
+    "PromptRun",
+    "run_interleaved",
+    "run_methods",
+    "method_rows",
+    "sequence_log_likelihood",
+    "torch_threads",
+]
+
+TINY_TARGET = "tiny-random"
+MTBENCH_CATEGORIES = (
+    "writing",
+    "roleplay",
+    "reasoning",
+    "math",
+    "coding",
+    "extraction",
+    "stem",
+    "humanities",
+)
+CATEGORIES = ("humaneval", *(f"mtbench/{c}" for c in MTBENCH_CATEGORIES))
+"""Prompt categories: HumanEval (code completion) and the eight MT-Bench question categories."""
+
+_TINY_VERSION = "v1"
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_TARGETS: dict[str, Any] = {}
+
+
+# --- targets --------------------------------------------------------------------------------------
+
+
+def tiny_checkpoint() -> Path:
+    """A random-init 2-layer Llama (dim 64, 259-token byte-level tokenizer) in the specdec cache."""
+    from specdec.targets.loading import cache_dir
+
+    out = cache_dir() / f"experiments-tiny-random-{_TINY_VERSION}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>"
+    )
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=259,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=257,
+        eos_token_id=258,
+        pad_token_id=258,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).float().eval()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if not (out / "model.safetensors").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)  # atomic: a half-written checkpoint is never picked up
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def open_target(name: str):
+    """The target ``name`` (built-in name, checkpoint folder or ``tiny-random``), loaded once per process."""
+    if name not in _TARGETS:
+        from specdec.targets import load_target
+
+        path = str(tiny_checkpoint()) if name == TINY_TARGET else name
+        _TARGETS[name] = load_target(path)
+    return _TARGETS[name]
+
+
+def drafter_unavailable(name: str, target: str) -> str | None:
+    """Why drafter ``name`` cannot run against ``target`` now (None when it can); cheap, loads nothing."""
+    from specdec.registry import DRAFTERS
+
+    if name not in DRAFTERS:
+        return f"{name}: not registered"
+    if DRAFTERS.resolve(name) in ("eagle", "eagle-tree"):
+        if target == TINY_TARGET:
+            return f"{name}: trained for smollm2-135m only"
+        from importlib import resources
+
+        from specdec.drafters.eagle import DEFAULT_WEIGHTS
+
+        if not (resources.files("specdec") / "weights" / DEFAULT_WEIGHTS).is_file():
+            return f"{name}: pending, weights not shipped yet (specdec/weights/{DEFAULT_WEIGHTS})"
+    return None
+
+
+# --- prompts --------------------------------------------------------------------------------------
+
+
+def _evenly(items: Sequence[Any], n: int) -> list[Any]:
+    if n >= len(items):
+        return list(items)
+    return [items[(i * len(items)) // n] for i in range(n)]
+
+
+def category_prompts(category: str, num_prompts: int) -> list[str]:
+    """``num_prompts`` prompts of a category, evenly spaced: ``humaneval``, ``mtbench`` (all
+    categories) or ``mtbench/<category>`` (first turns of that MT-Bench category)."""
+    from specdec.bench import humaneval_prompts, mtbench_questions
+
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if category == "humaneval":
+        return _evenly(humaneval_prompts(), num_prompts)
+    if category == "mtbench":
+        return _evenly([q["turns"][0] for q in mtbench_questions()], num_prompts)
+    name = category.removeprefix("mtbench/")
+    if category.startswith("mtbench/") and name in MTBENCH_CATEGORIES:
+        return _evenly([q["turns"][0] for q in mtbench_questions() if q["category"] == name], num_prompts)
+    raise ValueError(
+        f"unknown prompt category {category!r}; known: humaneval, mtbench, {', '.join(CATEGORIES[1:])}"
+    )
+
+
+def encode(target: Any, category: str, text: str, *, chat: bool) -> list[int]:
+    """Token ids of a prompt: HumanEval raw (code completion); MT-Bench in the chat template if ``chat``."""
+    from specdec.cli import encode_prompt
+
+    return encode_prompt(target.tokenizer, text, chat=chat and category.startswith("mtbench"))
+
+
+# --- running methods side by side -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Method:
+    """One way of decoding: a drafter (``none`` = plain decoding), γ, a verification rule.
+
+    ``label`` names it in results (``ours/none`` is the baseline of every speedup)."""
+
+    label: str
+    drafter: str = "none"
+    gamma: int = 4
+    drafter_options: Mapping[str, Any] = field(default_factory=dict)
+    verify: str = "exact"
+    verify_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PromptRun:
+    """One prompt of a category (``set``), its index there, and its token ids."""
+
+    set: str
+    index: int
+    ids: list[int]
+
+
+def run_interleaved(
+    target: Any,
+    prompts: Sequence[PromptRun],
+    methods: Sequence[Method],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    ctx: Any,
+    warmup: bool = True,
+    **generate_options: Any,
+) -> dict[str, list]:
+    """Run every method on every prompt (prompt-major order); return ``{label: [PromptResult, ...]}``.
+
+    Each method's drafter is built once. With ``warmup`` every method first decodes a few untimed
+    tokens (one-time costs: weight packing, allocator growth). Prompt i uses seed ``seed + i`` for
+    every method. Each generation is logged to ``ctx`` as one step. ``generate_options`` go to
+    :func:`specdec.generate` (``stop_strings``, ``ignore_eos``, ...).
+    """
+    import specdec
+    from specdec.bench import PromptResult
+    from specdec.registry import create_drafter
+
+    drafters = {m.label: create_drafter(m.drafter, target, **dict(m.drafter_options)) for m in methods}
+
+    def generate(method: Method, ids: list[list[int]], n: int, s: int):
+        return specdec.generate(
+            target,
+            ids,
+            drafter=drafters[method.label],
+            gamma=method.gamma,
+            temperature=temperature,
+            max_new_tokens=n,
+            seed=s,
+            verify=method.verify,
+            verify_options=dict(method.verify_options) or None,
+            **generate_options,
+        )
+
+    if warmup:
+        for method in methods:
+            generate(method, [prompts[0].ids], min(8, max_new_tokens), seed)
+    results: dict[str, list] = {m.label: [] for m in methods}
+    for i, prompt in enumerate(prompts):
+        for method in methods:
+            out = generate(method, [prompt.ids], max_new_tokens, seed + i)
+            m = out.metrics
+            results[method.label].append(
+                PromptResult(prompt.set, prompt.index, out.token_ids[0], m.total_time_s, m)
+            )
+            ctx.log(
+                {
+                    "method": method.label,
+                    "prompt_set": prompt.set,
+                    "prompt": prompt.index,
+                    "num_tokens": len(out.token_ids[0]),
+                    "time_s": m.total_time_s,
+                    "tokens_per_second": m.tokens_per_second,
+                    "acceptance_rate": m.acceptance_rate,
+                    "alpha_iid": m.alpha_iid,
+                    "mean_accepted_tokens": m.mean_accepted_tokens,
+                    "num_proposed": m.num_proposed,
+                    "num_accepted": m.num_accepted,
+                }
+            )
+    return results
+
+
+def run_methods(
+    config: Any,
+    target: Any,
+    prompts: Sequence[PromptRun],
+    methods: Sequence[Method],
+    ctx: Any,
+    **generate_options: Any,
+) -> tuple[dict[str, list], int]:
+    """:func:`run_interleaved` with a config's ``temperature``, ``max_new_tokens``, ``seed`` and
+    ``num_threads`` (warm-up except in smoke runs); returns the results and the thread count used."""
+    with torch_threads(config.num_threads) as threads:
+        results = run_interleaved(
+            target,
+            prompts,
+            methods,
+            temperature=config.temperature,
+            max_new_tokens=config.max_new_tokens,
+            seed=config.seed,
+            ctx=ctx,
+            warmup=not ctx.smoke,
+            **generate_options,
+        )
+    return results, threads
+
+
+def method_rows(results: Mapping[str, list], temperature: float, prompt_sets: Sequence[str]) -> list[dict]:
+    """Per (prompt set and ``all``, method): :func:`specdec.bench.summarize`'s row (speedup against
+    ``ours/none`` when it ran, α, τ, predicted speedup, exact-match rate when greedy)."""
+    from specdec.bench import summarize
+
+    runs = [{"method": label, "temperature": temperature, "results": rs} for label, rs in results.items()]
+    rows = summarize(runs, list(prompt_sets))
+    for row in rows:  # JSON-friendly: drop the per-position list keys that tables do not show
+        row["acceptance_histogram"] = [round(x, 6) for x in row.get("acceptance_histogram", [])]
+    return rows
+
+
+def sequence_log_likelihood(target: Any, prompt_ids: Sequence[int], generated_ids: Sequence[int]) -> float:
+    """Σ log target(x_t | x_<t) over the generated tokens, under the target's raw distribution
+    (temperature 1, no top-k/top-p): one forward over prompt + generation."""
+    if not generated_ids:
+        return 0.0
+    tokens = list(prompt_ids) + list(generated_ids)
+    tokens_1T = torch.tensor([tokens], dtype=torch.long, device=getattr(target, "device", "cpu"))
+    P = len(prompt_ids)
+    with torch.inference_mode():
+        target.reset(1, len(tokens) + 1)
+        positions_1N = torch.arange(P - 1, len(tokens) - 1, device=tokens_1T.device).unsqueeze(0)
+        out = target.forward(
+            tokens_1T, torch.zeros(1, dtype=torch.long, device=tokens_1T.device), logits_index_BN=positions_1N
+        )
+        logp_NV = torch.log_softmax(out.logits_BTV[0].double(), dim=-1)
+        return float(logp_NV.gather(1, tokens_1T[0, P:].unsqueeze(1)).sum())
+
+
+def drafter_options(drafter: str, *, lm_corpus_chars: int) -> dict[str, Any]:
+    """Drafter options an experiment sets: the corpus size of the count-based ``unigram`` and ``bigram``."""
+    return {"max_chars": lm_corpus_chars} if drafter in ("unigram", "bigram") else {}
+
+
+def prompt_runs(target: Any, categories: Sequence[str], num_prompts: int, *, chat: bool) -> list[PromptRun]:
+    """``num_prompts`` prompts of each category, encoded for ``target``."""
+    return [
+        PromptRun(category, i, encode(target, category, text, chat=chat))
+        for category in categories
+        for i, text in enumerate(category_prompts(category, num_prompts))
+    ]
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int) -> Iterator[int]:
+    """Run with ``num_threads`` torch intra-op threads (0: leave torch's setting); yields the count used.
+
+    One thread is the robust choice on a shared machine: with two threads on two busy cores every
+    parallel op waits for its slower thread (measured here: a SmolLM2 decode step took 25 ms with one
+    thread and 1.7 s with two while other jobs ran). Ratios are measured within one run either way.
+    """
+    if num_threads < 0:
+        raise ValueError(f"num_threads must be >= 0, got {num_threads}")
+    before = torch.get_num_threads()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

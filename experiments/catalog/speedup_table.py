@@ -1,0 +1,244 @@
+"""``speedup-table``: Spec-Bench-style speedup and τ per drafter and prompt category.
+
+Spec-Bench (Xia et al. 2024, arXiv 2401.07851) reports, per method and task category, the walltime
+speedup over plain autoregressive decoding on the same hardware and the mean accepted tokens per
+target call τ, greedy. Here the categories are HumanEval (code completion) and the eight MT-Bench
+question categories; the methods are our drafters, each against our plain decode (the ``none``
+drafter through the same loop) measured in the same run on the same prompts, prompt by prompt in
+turn. Greedy speculative output must equal plain greedy output token for token, so each run also
+records the exact-match rate: the lossless check at the level of whole generations (the
+distribution tests in ``tests/statistical`` check sampling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from experiments.catalog.specdec_runs import (
+    CATEGORIES,
+    TINY_TARGET,
+    Method,
+    drafter_options,
+    drafter_unavailable,
+    method_rows,
+    open_target,
+    prompt_runs,
+    run_methods,
+)
+from experiments.config import validate_config
+from experiments.experiment import Experiment
+from experiments.runner import RunContext
+from experiments.store import RunRecord
+from experiments.summary import Figure, Series, Summary, table_from_rows
+from experiments.sweep import Sweep
+
+__all__ = ["DRAFTERS", "SpeedupConfig", "plan", "run_speedup", "EXPERIMENT"]
+
+DRAFTERS = ("ngram", "bigram", "layerskip", "eagle", "eagle-tree")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeedupConfig:
+    """One prompt category: plain decoding and every drafter on the same prompts, in one run."""
+
+    target: str = "smollm2-135m"
+    category: str = "humaneval"
+    drafters: tuple[str, ...] = ("ngram", "bigram", "layerskip")
+    gamma: int = 4
+    temperature: float = 0.0
+    num_prompts: int = 2
+    max_new_tokens: int = 128
+    chat: bool = True
+    seed: int = 0
+    lm_corpus_chars: int = 1_500_000
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        validate_config(self)
+        if not self.drafters or "none" in self.drafters:
+            raise ValueError(
+                f"drafters must be a non-empty list without 'none' (the baseline), got {self.drafters}"
+            )
+        if self.gamma < 1 or self.num_prompts < 1 or self.max_new_tokens < 2:
+            raise ValueError(
+                "need gamma >= 1, num_prompts >= 1, max_new_tokens >= 2; got "
+                f"{self.gamma}, {self.num_prompts}, {self.max_new_tokens}"
+            )
+
+
+def _available(target: str) -> tuple[tuple[str, ...], list[str]]:
+    reasons = {d: drafter_unavailable(d, target) for d in DRAFTERS}
+    return tuple(d for d, r in reasons.items() if r is None), [r for r in reasons.values() if r]
+
+
+def plan(*, smoke: bool = False) -> Sweep:
+    """One run per category (HumanEval + 8 MT-Bench categories); every available drafter inside it."""
+    if smoke:
+        base = SpeedupConfig(
+            target=TINY_TARGET, drafters=("ngram", "bigram"), max_new_tokens=6, lm_corpus_chars=20_000
+        )
+        return Sweep(base, {"category": ["humaneval", "mtbench/coding"]})
+    drafters, _ = _available("smollm2-135m")
+    return Sweep(SpeedupConfig(drafters=drafters), {"category": list(CATEGORIES)})
+
+
+def run_speedup(config: SpeedupConfig, ctx: RunContext) -> dict:
+    """Plain decoding and each drafter on the category's prompts; bench-style rows per method."""
+    target = open_target(config.target)
+    prompts = prompt_runs(target, [config.category], config.num_prompts, chat=config.chat)
+    methods = [Method(label="ours/none", drafter="none", gamma=0)] + [
+        Method(
+            label=f"ours/{d}",
+            drafter=d,
+            gamma=config.gamma,
+            drafter_options=drafter_options(d, lm_corpus_chars=config.lm_corpus_chars),
+        )
+        for d in config.drafters
+    ]
+    results, threads = run_methods(config, target, prompts, methods, ctx)
+    rows = [
+        r for r in method_rows(results, config.temperature, [config.category]) if r["prompt_set"] == "all"
+    ]
+    return {"torch_threads": threads, "methods": rows}
+
+
+def _pooled(records: Sequence[RunRecord], method: str) -> dict:
+    """Pool one method over categories: total tokens / total time, against the pooled plain decode."""
+    rows = [r for rec in records for r in rec.result["methods"] if r["method"] == method]
+    base = [r for rec in records for r in rec.result["methods"] if r["method"] == "ours/none"]
+    tokens, time_s = sum(r["num_tokens"] for r in rows), sum(r["time_s"] for r in rows)
+    base_tps = sum(r["num_tokens"] for r in base) / sum(r["time_s"] for r in base) if base else None
+    tps = tokens / time_s if time_s else None
+    out = {"tokens_per_second": tps, "speedup": tps / base_tps if tps and base_tps else None}
+    if method != "ours/none":
+        n = sum(r["num_prompts"] for r in rows)
+        # τ and α pooled over calls: weight each category by its verify calls (tokens / τ).
+        calls = [r["num_tokens"] / r["mean_accepted_tokens"] for r in rows if r.get("mean_accepted_tokens")]
+        out["tau"] = (
+            sum(r["num_tokens"] for r in rows if r.get("mean_accepted_tokens")) / sum(calls)
+            if calls
+            else None
+        )
+        out["exact_match_rate"] = (
+            sum(
+                r["exact_match_rate"] * r["num_prompts"]
+                for r in rows
+                if r.get("exact_match_rate") is not None
+            )
+            / n
+            if all(r.get("exact_match_rate") is not None for r in rows) and n
+            else None
+        )
+        preds = [r["measured_over_predicted"] for r in rows if r.get("measured_over_predicted")]
+        out["measured_over_predicted"] = sum(preds) / len(preds) if preds else None
+    return out
+
+
+def summarize(records: Sequence[RunRecord]) -> Summary:
+    """Speedup and τ per category and drafter; the pooled row; the acceptance profile per drafter."""
+    records = sorted(
+        records, key=lambda r: CATEGORIES.index(r.config.category) if r.config.category in CATEGORIES else 99
+    )
+    drafters = list(dict.fromkeys(d for r in records for d in r.config.drafters))
+    columns = [("category", "Category", "")]
+    for d in drafters:
+        columns += [(f"{d}__speedup", f"{d} $\\times$", ".2f"), (f"{d}__tau", f"{d} $\\tau$", ".2f")]
+    columns.append(("plain_tps", "Plain tok/s", ".1f"))
+    rows = []
+    for rec in records:
+        by = {r["method"]: r for r in rec.result["methods"]}
+        row = {"category": rec.config.category}
+        for d in drafters:
+            r = by.get(f"ours/{d}")
+            if r:
+                row[f"{d}__speedup"] = r.get("speedup")
+                row[f"{d}__tau"] = r.get("mean_accepted_tokens")
+        row["plain_tps"] = by.get("ours/none", {}).get("tokens_per_second")
+        rows.append(row)
+    overall = {"category": "overall"}
+    for d in drafters:
+        pooled = _pooled(records, f"ours/{d}")
+        overall[f"{d}__speedup"], overall[f"{d}__tau"] = pooled["speedup"], pooled.get("tau")
+    overall["plain_tps"] = _pooled(records, "ours/none")["tokens_per_second"]
+    rows.append(overall)
+    cfg = records[0].config if records else SpeedupConfig()
+    _, pending = _available(cfg.target)
+    sizes = (
+        f"{cfg.num_prompts} prompt(s) per category, {cfg.max_new_tokens} new tokens, greedy, "
+        f"$\\gamma = {cfg.gamma}$, {cfg.num_threads} torch thread(s); "
+        "CPU-sized, so each cell is one or a few generations"
+    )
+    by_category = table_from_rows(
+        "by-category",
+        f"Spec-Bench-style speedup over our plain decode ($\\times$, measured in the same run on the same "
+        f"prompts) and mean accepted tokens per target call $\\tau$, per drafter and prompt category "
+        f"(HumanEval and the MT-Bench categories, MT-Bench in the chat template) on {cfg.target}: {sizes}. "
+        "Overall: pooled tokens over pooled time."
+        + (f" Not run: {'; '.join(r.split(' (')[0] for r in pending)}." if pending else ""),
+        columns,
+        rows,
+    )
+    summary_rows = []
+    for d in drafters:
+        pooled = _pooled(records, f"ours/{d}")
+        summary_rows.append({"drafter": d, **pooled})
+    overall_table = table_from_rows(
+        "overall",
+        "Per drafter over all categories: tokens/s, speedup over plain decoding, $\\tau$, the mean ratio of "
+        "measured to predicted speedup (prediction from the run's own $\\alpha$ and measured draft and "
+        "verify costs, \\texttt{specdec.metrics.predicted\\_speedup\\_from\\_metrics}), and the exact-match "
+        "rate of greedy outputs against plain greedy decoding (lossless methods must give 1).",
+        [
+            ("drafter", "Drafter", ""),
+            ("tokens_per_second", "tok/s", ".1f"),
+            ("speedup", "Speedup", ".2f"),
+            ("tau", "$\\tau$", ".2f"),
+            ("measured_over_predicted", "Meas./pred.", ".2f"),
+            ("exact_match_rate", "Exact match", ".2f"),
+        ],
+        summary_rows,
+    )
+    series = []
+    for d in drafters:
+        prop = [0] * 16
+        acc = [0] * 16
+        for rec in records:
+            for r in rec.result["methods"]:
+                if r["method"] == f"ours/{d}":
+                    for k, p in enumerate(r.get("acceptance_histogram") or []):
+                        prop[k] += 1
+                        acc[k] += p
+        ks = [k for k in range(16) if prop[k]]
+        if ks:
+            series.append(
+                Series(label=d, x=[k + 1 for k in ks], y=[acc[k] / prop[k] for k in ks], style="line+markers")
+            )
+    figure = Figure(
+        name="acceptance-by-position",
+        caption="Probability that the draft token at position $k$ is accepted given it was proposed, per "
+        f"drafter (mean over categories). {sizes}.",
+        xlabel="draft position $k$",
+        ylabel="P(accepted)",
+        series=tuple(series),
+        ymin=0.0,
+        ymax=1.0,
+    )
+    exact = [r.get("exact_match_rate") for r in summary_rows if r.get("exact_match_rate") is not None]
+    return Summary(
+        title="Speedup per drafter and prompt category (Spec-Bench style)",
+        tables=(by_category, overall_table),
+        figures=(figure,) if series else (),
+        notes=f"Exact-match rate of greedy outputs vs plain decode: min {min(exact):.3f}." if exact else "",
+        extra={"pending": pending},
+    )
+
+
+EXPERIMENT = Experiment(
+    name="speedup-table",
+    description="Spec-Bench-style greedy speedup and tau per drafter per prompt category "
+    "(HumanEval, MT-Bench), with the exact-match rate against plain decoding",
+    plan=plan,
+    runners={SpeedupConfig: run_speedup},
+    summarize=summarize,
+)
