@@ -150,6 +150,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(detok.push(ids))
             sys.stdout.flush()
 
+    drafter_name = DRAFTERS.resolve(args.drafter)
+    if drafter_name == "default":
+        from specdec.drafters.default import default_drafter_name
+
+        drafter_name = default_drafter_name(target)
     out = specdec.generate(
         target,
         [prompt_ids],
@@ -169,7 +174,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         verify_options=parse_options(args.verify_option, "--verify-option"),
     )
     token_ids = out.token_ids[0]
-    drafter_name = DRAFTERS.resolve(args.drafter)
     if args.json:
         result = {
             "prompt_token_ids": out.prompt_token_ids[0],

@@ -130,15 +130,11 @@ class Drafter(Protocol):
         """Start a new generation; ``target_out`` is the prefill output (``hidden_BTD`` may be set)."""
         ...
 
-    def propose(
-        self, state: DecodeState, gamma: int, generator: torch.Generator | None = None
-    ) -> Proposal:
+    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
         """Return up to ``gamma`` draft tokens per row, continuing ``state``'s committed tokens."""
         ...
 
-    def observe(
-        self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput
-    ) -> None:
+    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
         """After verification: ``state`` already holds the newly committed tokens; ``target_out``
         is the verify block's output (for drafters that read target features)."""
         ...

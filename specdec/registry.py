@@ -115,10 +115,11 @@ DRAFTERS = Registry(
         "bigram": "specdec.drafters.ngram_lm:BigramDrafter",
         "eagle": "specdec.drafters.eagle:EagleDrafter",
         "eagle-tree": "specdec.drafters.eagle_tree:EagleTreeDrafter",
+        "default": "specdec.drafters.default:default_drafter",
     },
 )
-# The drafter `specdec generate --drafter default` uses (until the trained drafter is registered).
-DRAFTERS.alias("default", "ngram")
+# `default` (what `specdec generate` uses) is the trained EAGLE head for targets that have one
+# shipped (smollm2-135m), prompt lookup (`ngram`) for the others: specdec/drafters/default.py.
 
 TARGETS = Registry(
     "target",

@@ -103,9 +103,7 @@ def validate_verify_inputs(
         raise ValueError(
             f"draft_tokens_BK is on {draft_tokens_BK.device}, target_probs_BKV on {target_probs_BKV.device}"
         )
-    if draft_tokens_BK.numel() and (
-        int(draft_tokens_BK.min()) < 0 or int(draft_tokens_BK.max()) >= V
-    ):
+    if draft_tokens_BK.numel() and (int(draft_tokens_BK.min()) < 0 or int(draft_tokens_BK.max()) >= V):
         raise ValueError(
             f"draft_tokens_BK must lie in [0, V={V}), got values in "
             f"[{int(draft_tokens_BK.min())}, {int(draft_tokens_BK.max())}]"

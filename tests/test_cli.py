@@ -9,7 +9,6 @@ from _tiny import byte_tokenizer, save_tiny_checkpoint
 
 import specdec
 from specdec.cli import IncrementalDetokenizer, main, parse_options
-from specdec.registry import DRAFTERS
 from specdec.targets.hf import HFTarget
 
 
@@ -112,9 +111,12 @@ def test_generate_streams_text_and_prints_metrics(ckpt, capsys):
     assert "tok/s" in streamed.err and "alpha" in streamed.err and "TTFT" in streamed.err
 
 
-def test_default_drafter_resolves_through_the_registry(ckpt, capsys):
-    res = run_json(capsys, "--target", ckpt, "--backend", "hf", "--prompt", "x", "--max-new-tokens", "3")
-    assert res["drafter"] == DRAFTERS.resolve("default") != "default"
+def test_default_drafter_falls_back_to_ngram_without_a_shipped_head(ckpt, capsys):
+    args = ["generate", "--target", ckpt, "--backend", "hf", "--prompt", "x", "--max-new-tokens", "3"]
+    assert main([*args, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["drafter"] == "ngram"
+    assert "drafter 'default' -> 'ngram'" in captured.err  # the fallback is announced, not silent
 
 
 def test_default_backend_matches_the_transformers_adapter(ckpt, capsys):

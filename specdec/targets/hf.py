@@ -28,11 +28,12 @@ class HFTarget:
         self.tokenizer = tokenizer
         self.config = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        eos = getattr(model.generation_config, "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        eos = eos or getattr(model.config, "eos_token_id", None)
         if tokenizer is not None and tokenizer.eos_token_id is not None and eos is None:
             eos = tokenizer.eos_token_id
-        self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (
-            (int(eos),) if eos is not None else ()
+        self.eos_token_ids: tuple[int, ...] = (
+            tuple(eos) if isinstance(eos, (list, tuple)) else ((int(eos),) if eos is not None else ())
         )
         self.device = next(model.parameters()).device
         self._caches: list = []

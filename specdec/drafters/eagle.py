@@ -1,0 +1,622 @@
+"""EAGLE: a feature-level draft head and the drafter that runs it (chain drafts).
+
+Legend: B batch, T block length, D hidden size, F MLP size, H query heads, G key/value heads,
+d head dim, L cache capacity, N draft vocabulary, V target vocabulary, K draft length (γ).
+
+Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"
+(arXiv 2401.15077). The target's *feature* f_t (its last decoder layer's output before the final
+norm, at the position of token x_t) predicts x_{t+1}. The draft head predicts the next feature
+autoregressively::
+
+    f̂_{t+1} = DecoderLayer(fc([embed(x_{t+1}); f_t]))          (one Llama layer, own KV cache)
+    draft_probs(x_{t+2}) = softmax(head(norm(f̂_{t+1})))        (target's final norm)
+
+and keeps drafting with its own predicted features. After verification the predicted features of
+accepted tokens are replaced by the target's true ones (from the verify block's ``hidden_BTD``).
+
+The head reuses the target's embedding, final norm and LM-head rows. The LM head is restricted to
+a draft vocabulary of the N most frequent tokens (EAGLE-3, arXiv 2503.01840): the full
+49,152 × 576 head would cost a fifth of the target per draft token. Draft probabilities are zero
+outside the draft vocabulary, which never affects exactness (verification handles any proposal).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.protocols import DecodeState, Proposal, TargetOutput
+from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
+
+__all__ = [
+    "EagleConfig",
+    "EagleHead",
+    "EagleCache",
+    "EagleDrafter",
+    "TargetParts",
+    "target_parts",
+    "load_eagle_head",
+    "save_eagle_head",
+    "DEFAULT_WEIGHTS",
+]
+
+DEFAULT_WEIGHTS = "eagle-smollm2-135m.safetensors"
+"""The shipped head for ``smollm2-135m`` (in ``specdec/weights/``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EagleConfig:
+    """Shape of the draft head; the layer dims match the target's decoder layers."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    """The target's vocabulary size V."""
+    draft_vocab_size: int
+    """N: rows of the LM head the draft head scores (the N most frequent training tokens)."""
+    feature_scale: float = 1.0
+    embed_scale: float = 1.0
+    """Fixed input scales (1/std of the target's features and embeddings): the layer works at unit
+    scale, so the next token's embedding is not drowned by features ~1000× larger."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}]")
+
+    @classmethod
+    def from_hf_config(cls, config: Any, *, draft_vocab_size: int, **scales: float) -> EagleConfig:
+        """Copy a Llama-family ``transformers`` config's layer dims (``scales``: feature/embed_scale)."""
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            rms_norm_eps=float(config.rms_norm_eps),
+            rope_theta=float(theta),
+            vocab_size=config.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            **scales,
+        )
+
+
+@dataclass(frozen=True)
+class TargetParts:
+    """The target tensors the head reuses (shared, never copied or trained)."""
+
+    embed_VD: torch.Tensor
+    norm_D: torch.Tensor
+    norm_eps: float
+    lm_head_VD: torch.Tensor
+    config: Any
+
+
+def target_parts(target: Any) -> TargetParts:
+    """Find the embedding, final norm and LM head of a native Llama target, an ``HFTarget`` or a
+    bare ``transformers`` Llama-family causal LM."""
+    if all(hasattr(target, a) for a in ("embed_tokens", "norm", "lm_head")):
+        embed, norm, head = target.embed_tokens, target.norm, target.lm_head
+        config = getattr(target, "config", None)
+    else:
+        # A transformers causal LM: the target itself, or the one an HFTarget wraps (``.model``).
+        hf = next(
+            (
+                m
+                for m in (target, getattr(target, "model", None))
+                if hasattr(m, "get_output_embeddings") and hasattr(getattr(m, "model", None), "norm")
+            ),
+            None,
+        )
+        base = getattr(hf, "model", None)
+        if hf is None or hf.get_output_embeddings() is None:
+            raise ValueError(
+                f"target {type(target).__name__} must expose embed_tokens, norm and lm_head (a native Llama "
+                "target, an HFTarget or a transformers Llama-family model) for the EAGLE drafter"
+            )
+        embed, norm, head, config = (
+            hf.get_input_embeddings(),
+            base.norm,
+            hf.get_output_embeddings(),
+            hf.config,
+        )
+
+    def weight(m: Any) -> torch.Tensor:
+        return m if isinstance(m, torch.Tensor) else m.weight
+
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None)
+    if eps is None:
+        eps = getattr(config, "rms_norm_eps", 1e-5)
+    return TargetParts(
+        weight(embed).detach(), weight(norm).detach(), float(eps), weight(head).detach(), config
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm in float32."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding tables for integer ``positions [...]`` → ``cos, sin [..., d]`` (HF layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
+    half = x_BHTd.shape[-1] // 2
+    rotated = torch.cat((-x_BHTd[..., half:], x_BHTd[..., :half]), dim=-1)
+    return x_BHTd * cos_BTd.unsqueeze(1) + rotated * sin_BTd.unsqueeze(1)
+
+
+class EagleHead(nn.Module):
+    """One Llama decoder layer over ``fc([embed(token); feature])``, plus the reduced LM head.
+
+    Trainable: ``fc``, the layer (``qkv_proj``, ``o_proj``, ``post_norm``, ``gate_up_proj``,
+    ``down_proj``). As in EAGLE, the layer has no input norm: ``fc`` feeds it directly. The
+    embedding, final norm and head rows are the target's (buffers set by :meth:`attach`).
+    """
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
+        self.qkv_proj = nn.Linear(c.hidden_size, qkv_out, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.register_buffer("draft_vocab_N", torch.arange(c.draft_vocab_size), persistent=True)
+        # Inference fast path (see pack()): the same weights in the CPU-friendly layout.
+        self._packed: dict[str, Any] | None = None
+        # Target tensors (not saved): set by attach().
+        self.embed_VD: torch.Tensor | None = None
+        self.norm_D: torch.Tensor | None = None
+        self.norm_eps = c.rms_norm_eps
+        self.head_ND: torch.Tensor | None = None
+
+    def attach(self, parts: TargetParts, draft_vocab_N: torch.Tensor | None = None) -> EagleHead:
+        """Point the head at the target's embedding, final norm and LM-head rows.
+
+        ``draft_vocab_N`` (optional) replaces the stored draft vocabulary, e.g. its first n entries
+        (the n most frequent) to trade acceptance for speed; it is sorted by id so that
+        ``logits_to_probs`` breaks ties on the same ids as the target does.
+        """
+        c = self.config
+        if tuple(parts.embed_VD.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(
+                f"target embedding has shape {tuple(parts.embed_VD.shape)}, the draft head expects "
+                f"[vocab_size={c.vocab_size}, hidden_size={c.hidden_size}]: weights for another target?"
+            )
+        vocab = self.draft_vocab_N if draft_vocab_N is None else draft_vocab_N
+        vocab = torch.sort(vocab.to(torch.long)).values
+        self.draft_vocab_N = vocab.to(self.fc.weight.device)
+        dtype = self.fc.weight.dtype
+        self.embed_VD = parts.embed_VD
+        self.norm_D = parts.norm_D.to(dtype)
+        self.norm_eps = parts.norm_eps
+        self.head_ND = parts.lm_head_VD[self.draft_vocab_N].to(dtype).contiguous()
+        if self._packed is not None:
+            self.pack(self._packed_backend)
+        return self
+
+    def pack(self, backend: str = "auto") -> EagleHead:
+        """Inference only: run the linear layers through ``specdec.targets.linear`` (the layout the
+        CPU multiplies fastest for a few rows); ``nn.Linear`` stays the reference (and trains)."""
+        from specdec.targets.linear import pack_linear
+
+        def lin(m: nn.Linear) -> Any:
+            return pack_linear(
+                m.weight.detach(), None if m.bias is None else m.bias.detach(), backend=backend
+            )
+
+        names = ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        self._packed = {n: lin(getattr(self, n)) for n in names}
+        if self.head_ND is not None:
+            self._packed["head"] = pack_linear(self.head_ND, None, backend=backend)
+        self._packed_backend = backend
+        return self
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return self._packed[name](x)
+        return getattr(self, name)(x)
+
+    # --- building blocks (shared by inference and training) ------------------------------
+    def fuse(self, feature_BTD: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """``fc([embed(x_{t+1}); f_t])`` (both at unit scale): the layer input."""
+        c = self.config
+        emb_BTD = F.embedding(tokens_BT, self.embed_VD).to(feature_BTD.dtype)
+        return self._linear("fc", torch.cat((emb_BTD * c.embed_scale, feature_BTD * c.feature_scale), dim=-1))
+
+    def qkv(
+        self, h_BTD: torch.Tensor, positions_BT: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project and rotate: ``q [B, H, T, d]``, ``k, v [B, G, T, d]``."""
+        c = self.config
+        B, T, _ = h_BTD.shape
+        q, k, v = self._linear("qkv_proj", h_BTD).split(
+            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
+        )
+        q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = self._rope(positions_BT, h_BTD.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _rope(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B, T, d]`` looked up in a table that grows by doubling."""
+        need = int(positions_BT.max()) + 1
+        table = getattr(self, "_rope_table", None)
+        if table is None or table[0].shape[0] < need or table[0].dtype != dtype:
+            size = max(need, 2 * (table[0].shape[0] if table is not None else 256))
+            pos = torch.arange(size, device=positions_BT.device)
+            cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)
+            table = self._rope_table = (cos.to(dtype), sin.to(dtype))
+        return table[0][positions_BT], table[1][positions_BT]
+
+    def finish(self, h_BTD: torch.Tensor, attn_BHTd: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, MLP: the predicted feature ``f̂`` (back at the target's scale)."""
+        B, H, T, d = attn_BHTd.shape
+        h_BTD = h_BTD + self._linear("o_proj", attn_BHTd.transpose(1, 2).reshape(B, T, H * d))
+        gate, up = self._linear("gate_up_proj", rms_norm(h_BTD, self.post_norm, self.norm_eps)).chunk(
+            2, dim=-1
+        )
+        return (h_BTD + self._linear("down_proj", F.silu(gate) * up)) / self.config.feature_scale
+
+    def logits(self, feature_BTD: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits ``[..., N]`` of a (predicted) feature."""
+        normed = rms_norm(feature_BTD, self.norm_D, self.norm_eps)
+        if self._packed is not None:
+            return self._packed["head"](normed)
+        return F.linear(normed, self.head_ND)
+
+    def forward(self, feature_BTD: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """Reference teacher-forced pass over whole sequences (causal, positions 0..T-1):
+        ``f̂_{t+1}`` for every pair ``(f_t, x_{t+1})``."""
+        B, T, _ = feature_BTD.shape
+        positions_BT = torch.arange(T, device=feature_BTD.device).expand(B, T)
+        h_BTD = self.fuse(feature_BTD, tokens_BT)
+        q, k, v = self.qkv(h_BTD, positions_BT)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.finish(h_BTD, attn)
+
+
+class EagleCache:
+    """The head's static KV cache: slot s of row b holds the pair whose feature is at position s.
+
+    Rows are independent; a block writes its slots, then attends to the slots its ``visible``
+    mask allows (slots past a row's valid length may hold stale drafts and are never visible).
+    """
+
+    def __init__(self, head: EagleHead, batch_size: int, capacity: int) -> None:
+        c = head.config
+        w = head.fc.weight
+        shape = (batch_size, c.num_kv_heads, capacity, c.head_dim)
+        self.k_BGLd = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self.v_BGLd = torch.zeros(shape, dtype=w.dtype, device=w.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.k_BGLd.shape[2]
+
+    def ensure(self, capacity: int) -> None:
+        """Grow (by doubling) so that ``capacity`` slots fit."""
+        if capacity <= self.capacity:
+            return
+        new = max(capacity, 2 * self.capacity)
+        pad = (0, 0, 0, new - self.capacity)
+        self.k_BGLd = F.pad(self.k_BGLd, pad)
+        self.v_BGLd = F.pad(self.v_BGLd, pad)
+
+    def step(
+        self,
+        head: EagleHead,
+        feature_BTD: torch.Tensor,
+        tokens_BT: torch.Tensor,
+        slots_BT: torch.Tensor,
+        positions_BT: torch.Tensor,
+        visible_BTL: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Run the head on a block of pairs at cache ``slots_BT`` (RoPE at ``positions_BT``);
+        ``visible_BTL[b, t, s]``: may query t attend to slot s (``L`` = slots in use). ``None``:
+        one query per row at the same slot, which sees every slot up to its own (no mask)."""
+        B, T = tokens_BT.shape
+        L = int(slots_BT.max()) + 1 if visible_BTL is None else visible_BTL.shape[-1]
+        self.ensure(int(slots_BT.max()) + 1)
+        h_BTD = head.fuse(feature_BTD, tokens_BT)
+        q, k, v = head.qkv(h_BTD, positions_BT)
+        rows_BT = torch.arange(B, device=slots_BT.device).unsqueeze(1).expand(B, T)
+        # k: [B, G, T, d] → cache[b, :, slot, :]
+        self.k_BGLd[rows_BT, :, slots_BT] = k.transpose(1, 2)
+        self.v_BGLd[rows_BT, :, slots_BT] = v.transpose(1, 2)
+        # Grouped-query attention without repeating keys: the query heads of one key/value head
+        # are stacked as rows (row r·T + t), as in the native target.
+        H, G, d = q.shape[1], k.shape[1], q.shape[-1]
+        rep = H // G
+        q_BGRd = q.reshape(B, G, rep * T, d)
+        mask = None if visible_BTL is None else visible_BTL.unsqueeze(1).repeat(1, 1, rep, 1)
+        attn = F.scaled_dot_product_attention(
+            q_BGRd, self.k_BGLd[:, :, :L], self.v_BGLd[:, :, :L], attn_mask=mask
+        )
+        return head.finish(h_BTD, attn.reshape(B, H, T, d))
+
+
+# --- weights ----------------------------------------------------------------------------------
+def _fingerprint(embed_VD: torch.Tensor) -> str:
+    """A cheap check that weights meet the target they were trained for."""
+    return f"{float(embed_VD[:256].double().abs().sum()):.4f}"
+
+
+def save_eagle_head(
+    head: EagleHead, path: str | Path, *, target_name: str, embed_VD: torch.Tensor, extra: dict | None = None
+) -> None:
+    """Write the trainable weights (bf16) and the draft vocabulary (int64) as safetensors."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
+    state["draft_vocab_N"] = head.draft_vocab_N.detach().to(torch.int64).cpu().contiguous()
+    meta = {
+        "config": json.dumps(asdict(head.config)),
+        "target": target_name,
+        "target_fingerprint": _fingerprint(embed_VD),
+        "extra": json.dumps(extra or {}),
+    }
+    save_file({k: v.cpu() for k, v in state.items()}, str(path), metadata=meta)
+
+
+def _resolve_weights(weights: str | Path | None) -> Path:
+    if weights is None:
+        weights = DEFAULT_WEIGHTS
+    path = Path(weights)
+    if path.is_file():
+        return path
+    shipped = resources.files("specdec") / "weights" / str(weights)
+    if shipped.is_file():
+        return Path(str(shipped))
+    raise ValueError(
+        f"weights {str(weights)!r}: no such file, and not a shipped file in specdec/weights/ "
+        "(train one with: python -m experiments train-drafter)"
+    )
+
+
+def load_eagle_head(
+    weights: str | Path | None,
+    parts: TargetParts,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: Any = None,
+    linear_backend: str | None = None,
+) -> tuple[EagleHead, dict]:
+    """Load a head (safetensors) for the target whose tensors are ``parts``; returns (head, metadata).
+
+    ``linear_backend`` (e.g. ``"auto"``): run inference through ``specdec.targets.linear``'s fast
+    layouts (see :meth:`EagleHead.pack`); None keeps plain ``nn.Linear``.
+    """
+    from safetensors import safe_open
+
+    path = _resolve_weights(weights)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    if "config" not in meta:
+        raise ValueError(f"weights {path} carry no EAGLE config metadata")
+    config = EagleConfig(**json.loads(meta["config"]))
+    if meta.get("target_fingerprint") and meta["target_fingerprint"] != _fingerprint(parts.embed_VD):
+        raise ValueError(
+            f"weights {path.name} were trained for target {meta.get('target')!r}, whose embedding differs "
+            "from this target's"
+        )
+    head = EagleHead(config)
+    vocab = state.pop("draft_vocab_N").to(torch.long)
+    head.load_state_dict({**state, "draft_vocab_N": vocab}, strict=True)
+    head = head.to(device=device or parts.embed_VD.device, dtype=dtype).eval()
+    head.draft_vocab_N = vocab.to(head.fc.weight.device)
+    head.requires_grad_(False)
+    head.attach(parts)
+    if linear_backend is not None:
+        head.pack(linear_backend)
+    return head, meta
+
+
+# --- the drafter ------------------------------------------------------------------------------
+def draft_distribution(
+    logits_BN: torch.Tensor, draft_vocab_N: torch.Tensor, vocab_size: int, sampling: SamplingParams
+) -> torch.Tensor:
+    """Full-vocabulary draft probabilities ``[B, V]`` from draft-vocabulary logits.
+
+    Equal to ``logits_to_probs`` over the full vocabulary with −inf outside the draft vocabulary
+    (the draft vocabulary is sorted by id, so top-k/top-p tie breaks agree).
+    """
+    probs_BN = logits_to_probs(logits_BN, sampling.temperature, sampling.top_k, sampling.top_p)
+    out = torch.zeros(*probs_BN.shape[:-1], vocab_size, dtype=torch.float32, device=probs_BN.device)
+    return out.index_copy_(-1, draft_vocab_N, probs_BN)
+
+
+class EagleDrafter:
+    """EAGLE chain drafter: γ tokens per row from the draft head's own predicted features.
+
+    Args:
+        target: a native Llama target or ``HFTarget`` that returns ``hidden_BTD``.
+        weights: a safetensors file (path, or a file name in ``specdec/weights``); default: the
+            shipped head for ``smollm2-135m``.
+        draft_vocab_size: use only the n most frequent tokens of the stored draft vocabulary
+            (faster head, lower acceptance); default: all of it.
+        dtype: compute dtype of the head (float32 by default; bfloat16 is an option).
+        linear_backend: ``specdec.targets.linear`` backend for the head's matrix products
+            (``"auto"``: the packed CPU kernel where it builds; ``"reference"``: plain ``F.linear``).
+
+    Greedy runs (temperature 0) propose the head's argmax as a point-mass proposal
+    (``probs_BKV=None``); sampling runs draw from :func:`draft_distribution` and return it.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        *,
+        weights: str | Path | None = None,
+        draft_vocab_size: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        linear_backend: str = "auto",
+    ) -> None:
+        self.target = target
+        parts = target_parts(target)
+        self.head, self.metadata = load_eagle_head(weights, parts, dtype=dtype, linear_backend=linear_backend)
+        stored = self.head.draft_vocab_N
+        if draft_vocab_size is not None:
+            if not 1 <= draft_vocab_size <= stored.numel():
+                raise ValueError(f"draft_vocab_size must be in [1, {stored.numel()}], got {draft_vocab_size}")
+            # The stored order is by frequency: keep the most frequent n (read before the sort).
+            self.head.attach(parts, self._stored_order(weights)[:draft_vocab_size])
+        self.vocab_size = self.head.config.vocab_size
+        self.dtype = dtype
+        self.cache: EagleCache | None = None
+        self.cache_len_B: torch.Tensor | None = None  # slots holding pairs with true target features
+        self._pending_feat_BTD: torch.Tensor | None = None
+        self._next_feat_BD: torch.Tensor | None = None
+
+    @staticmethod
+    def _stored_order(weights: str | Path | None) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(_resolve_weights(weights)), framework="pt") as f:
+            return f.get_tensor("draft_vocab_N").to(torch.long)
+
+    # --- protocol -------------------------------------------------------------------------
+    def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
+        """Queue the prompt's pairs ``(f_i, x_{i+1})``; they run at the first ``propose``."""
+        if target_out.hidden_BTD is None:
+            raise ValueError("the EAGLE drafter needs target features: the target returned hidden_BTD=None")
+        B = state.batch_size
+        device = self.head.fc.weight.device
+        self.cache = EagleCache(self.head, B, state.tokens_BL.shape[1] + 64)
+        self.cache_len_B = torch.zeros(B, dtype=torch.long, device=device)
+        self._pending_feat_BTD = target_out.hidden_BTD.to(self.dtype)
+        self._next_feat_BD = torch.zeros(B, self.head.config.hidden_size, dtype=self.dtype, device=device)
+
+    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
+        """Queue the verified block's true features; drafted slots past them become stale."""
+        if target_out.hidden_BTD is None:
+            raise ValueError("the EAGLE drafter needs target features: the target returned hidden_BTD=None")
+        self._pending_feat_BTD = target_out.hidden_BTD.to(self.dtype)
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
+        """Draft ``gamma`` tokens per row (the head's argmax when greedy, else sampled)."""
+        if gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {gamma}")
+        feat_BD = self.catch_up(state)
+        B = state.batch_size
+        device = feat_BD.device
+        tokens, probs = [], []
+        slot_B = self.cache_len_B.clone()
+        rows_B = torch.arange(B, device=device)
+        for k in range(gamma):
+            token_B, probs_BV = self.choose(self.head.logits(feat_BD), state.sampling, generator)
+            tokens.append(token_B)
+            probs.append(probs_BV)
+            if k + 1 < gamma:
+                feat_BD = self.chain_step(feat_BD, token_B, slot_B, rows_B)
+                slot_B = slot_B + 1
+        if gamma == 0:
+            return Proposal(torch.zeros(B, 0, dtype=torch.long, device=device), None)
+        probs_BKV = None if state.sampling.greedy else torch.stack(probs, dim=1)
+        return Proposal(torch.stack(tokens, dim=1), probs_BKV)
+
+    # --- pieces (also used by the tree drafter) ---------------------------------------------
+    def catch_up(self, state: DecodeState) -> torch.Tensor:
+        """Run the queued pairs with true features; return each row's next predicted feature [B, D].
+
+        Row b's queued pairs fill slots ``cache_len[b] .. lengths[b]-2``: the feature at slot s
+        (from the queued block, which starts at ``cache_len[b]``) with committed token s+1.
+        """
+        if self.cache is None:
+            raise ValueError("propose() called before begin()")
+        feats_BTD = self._pending_feat_BTD
+        count_B = (state.lengths_B.to(self.cache_len_B.device) - 1 - self.cache_len_B).clamp(
+            min=0, max=feats_BTD.shape[1]
+        )
+        T = int(count_B.max())
+        if T == 0:
+            return self._next_feat_BD
+        B = state.batch_size
+        device = feats_BTD.device
+        ar_T = torch.arange(T, device=device)
+        slots_BT = self.cache_len_B.unsqueeze(1) + ar_T
+        tokens_BT = state.tokens_BL.to(device).gather(
+            1, (slots_BT + 1).clamp(max=state.tokens_BL.shape[1] - 1)
+        )
+        L = int(slots_BT.max()) + 1
+        visible_BTL = torch.arange(L, device=device) <= slots_BT.unsqueeze(-1)
+        out_BTD = self.cache.step(self.head, feats_BTD[:, :T], tokens_BT, slots_BT, slots_BT, visible_BTL)
+        last_B = (count_B - 1).clamp(min=0)
+        rows_B = torch.arange(B, device=device)
+        has_B = (count_B > 0).unsqueeze(1)
+        self._next_feat_BD = torch.where(has_B, out_BTD[rows_B, last_B], self._next_feat_BD)
+        self.cache_len_B = self.cache_len_B + count_B
+        self._pending_feat_BTD = feats_BTD[:, :0]
+        return self._next_feat_BD
+
+    def chain_step(
+        self, feat_BD: torch.Tensor, token_B: torch.Tensor, slot_B: torch.Tensor, rows_B: torch.Tensor
+    ) -> torch.Tensor:
+        """One autoregressive draft step: pair ``(f̂, token)`` at ``slot_B`` → next ``f̂``."""
+        slots_B1 = slot_B.unsqueeze(1)
+        if bool((slot_B == slot_B[0]).all()):
+            visible_B1L = None  # every row sees slots 0..slot: no mask needed
+        else:
+            visible_B1L = torch.arange(int(slot_B.max()) + 1, device=slot_B.device) <= slots_B1.unsqueeze(-1)
+        out = self.cache.step(
+            self.head, feat_BD.unsqueeze(1), token_B.unsqueeze(1), slots_B1, slots_B1, visible_B1L
+        )
+        return out[:, 0]
+
+    def choose(
+        self, logits_BN: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pick a draft token per row: argmax when greedy, else a sample; returns (token, probs)."""
+        if sampling.greedy:
+            return self.head.draft_vocab_N[logits_BN.argmax(dim=-1)], None
+        probs_BV = draft_distribution(logits_BN, self.head.draft_vocab_N, self.vocab_size, sampling)
+        return sample_from_probs(probs_BV, generator), probs_BV
+
+
+def _num_params(head: EagleHead) -> int:
+    return sum(p.numel() for p in head.parameters())
+
+
+def describe(head: EagleHead) -> str:
+    """One line: trainable params and draft vocabulary."""
+    c = head.config
+    return (
+        f"EAGLE head: {_num_params(head) / 1e6:.2f}M trainable params, "
+        f"draft vocab {head.draft_vocab_N.numel()}/{c.vocab_size}, "
+        f"layer dim {c.hidden_size}, ffn {c.intermediate_size}, "
+        f"{c.num_heads}/{c.num_kv_heads} heads; head flops/token ≈ "
+        f"{2 * (_num_params(head) + head.draft_vocab_N.numel() * c.hidden_size) / 1e6:.1f} MFLOP"
+        f" (rope θ={c.rope_theta:g}, {math.prod(head.fc.weight.shape) / 1e6:.2f}M in fc)"
+    )

@@ -1,0 +1,456 @@
+"""Token trees: their structure, tree attention, and exact multi-candidate verification.
+
+Legend: B batch, N tree nodes (node 0 is the root: the last committed token), V vocabulary,
+D hidden size, A accepted path length + 1.
+
+SpecInfer (Miao et al. 2024, arXiv 2305.09781) verifies a whole tree of draft tokens in one target
+call: each node attends to the committed prefix and its own ancestors (``TokenTree.ancestor_mask``)
+at rope position ``start + depth``. Then, from the root, **multi-candidate recursive rejection
+sampling** picks at most one child per node, so the committed tokens follow the target's
+distribution exactly:
+
+At a node with target distribution ``target_probs`` and children c_1..c_k (in the order they were
+drawn from the draft distribution ``draft_probs``), for i = 1..k:
+
+- **accept** c_i with probability min(1, target_probs_i(c_i) / draft_probs_i(c_i)) and descend;
+- on rejection: ``target_probs_{i+1} = norm(max(target_probs_i − draft_probs_i, 0))``.
+
+If every child is rejected, the **recovered** token is drawn from the last residual; at a leaf
+(all accepted along the path) the **bonus** token is drawn from the target at that leaf.
+
+How the candidates were drawn decides ``draft_probs_i``:
+
+- ``replacement=True`` (SpecInfer, i.i.d. children): ``draft_probs_i = draft_probs`` for every i;
+- ``replacement=False`` (children drawn *without* replacement, e.g. Gumbel-top-k; the recursive
+  rejection sampling of Jeon et al. 2024, "Recursive Speculative Decoding", arXiv 2402.14160):
+  ``draft_probs_{i+1} = norm(draft_probs_i with c_i removed)``. Proof sketch: by induction from
+  the last candidate, the output given "reached candidate i" is distributed as
+  ``target_probs_i``, because ``target_probs_{i+1}`` does not depend on c_i (only on earlier
+  candidates) and min(q, p) + max(p − q, 0) = p;
+- ``draft_probs=None``: deterministic candidates (e.g. greedy top-k): point masses, so c_i is
+  accepted with probability ``target_probs_i(c_i)`` and the residual is the target without c_i.
+
+Greedy (temperature 0) is the same rule with one-hot targets: it takes the longest path whose
+tokens equal the target's argmax (:func:`tree_greedy_verify` is the fast path).
+
+The tree's shape must be fixed before its tokens are drawn (it may differ between steps, never
+depend on the drawn tokens of the node being verified): otherwise "c_i ~ draft_probs_i" is false.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Any, NamedTuple
+
+import torch
+
+from specdec.protocols import DecodeState, TargetOutput
+from specdec.sampling import logits_to_probs, sample_from_probs
+
+__all__ = [
+    "TokenTree",
+    "TreeProposal",
+    "TreeVerifyResult",
+    "tree_rejection_sample",
+    "tree_greedy_verify",
+    "verify_tree_proposal",
+    "PRESET_TREES",
+]
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """A rooted tree of draft positions in topological order.
+
+    ``parents[i]`` is node i's parent (``parents[0] == -1``; ``parents[i] < i``). A node's children
+    are its candidates in drawing order (``children[i]``, sorted by node index). Build one with
+    :meth:`from_paths` (Medusa/EAGLE-style rank paths), :meth:`chain` or :meth:`from_branching`.
+    """
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        p = self.parents
+        if not p or p[0] != -1:
+            raise ValueError(f"parents must start with -1 (the root), got {list(p[:3])}")
+        for i, q in enumerate(p[1:], start=1):
+            if not 0 <= q < i:
+                raise ValueError(f"parents[{i}] = {q}: every node's parent must be an earlier node")
+
+    # --- constructors -------------------------------------------------------------------------
+    @classmethod
+    def chain(cls, k: int) -> TokenTree:
+        """A chain of ``k`` draft tokens (the chain drafter's shape)."""
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        return cls(tuple(range(-1, k)))
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> TokenTree:
+        """From rank paths: ``(0, 1)`` is the 2nd candidate of the root's 1st candidate.
+
+        Every prefix of a path must be a path too, and a node's candidate ranks must be 0..k−1.
+        Nodes are ordered by depth, then lexicographically (so siblings come in rank order).
+        """
+        norm = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+        if any(len(p) == 0 or min(p) < 0 for p in norm):
+            raise ValueError("paths must be non-empty sequences of ranks >= 0")
+        index = {(): 0}
+        parents = [-1]
+        for p in norm:
+            if p[:-1] not in index:
+                raise ValueError(f"path {list(p)} has no parent path {list(p[:-1])}")
+            if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in index:
+                raise ValueError(f"path {list(p)}: rank {p[-1]} needs rank {p[-1] - 1} beside it")
+            index[p] = len(parents)
+            parents.append(index[p[:-1]])
+        return cls(tuple(parents))
+
+    @classmethod
+    def from_branching(cls, branching: Sequence[int]) -> TokenTree:
+        """A tree whose best (rank-0) path has ``branching[d]`` candidates at depth d, and whose other
+        candidates are leaves: e.g. ``[4, 2, 2, 1]`` (EAGLE-like "expand the top path")."""
+        paths, best = [], ()
+        for k in branching:
+            if k < 1:
+                raise ValueError(f"branching entries must be >= 1, got {list(branching)}")
+            paths += [best + (r,) for r in range(k)]
+            best = best + (0,)
+        return cls.from_paths(paths)
+
+    # --- derived ---------------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depth(self) -> tuple[int, ...]:
+        d = [0] * self.num_nodes
+        for i in range(1, self.num_nodes):
+            d[i] = d[self.parents[i]] + 1
+        return tuple(d)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for i in range(1, self.num_nodes):
+            kids[self.parents[i]].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    @cached_property
+    def main_path(self) -> tuple[int, ...]:
+        """Nodes of the first-candidate path below the root (a valid chain proposal)."""
+        path, node = [], 0
+        while self.children[node]:
+            node = self.children[node][0]
+            path.append(node)
+        return tuple(path)
+
+    @cached_property
+    def _children_table(self) -> torch.Tensor:
+        width = max(1, max(len(k) for k in self.children))
+        table = torch.full((self.num_nodes, width), -1, dtype=torch.long)
+        for i, kids in enumerate(self.children):
+            if kids:
+                table[i, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+        return table
+
+    def children_table(self, device: Any = None) -> torch.Tensor:
+        """``[N, C]`` long: node i's children in candidate order, −1 padded."""
+        return self._children_table.to(device)
+
+    @cached_property
+    def _ancestor_mask(self) -> torch.Tensor:
+        n = self.num_nodes
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, j] = True
+                j = self.parents[j]
+        return m
+
+    def truncate(self, max_depth: int, max_nodes: int | None = None) -> TokenTree:
+        """The nodes of depth ≤ ``max_depth``, then the first ``max_nodes`` of them (a prefix of a
+        topological order is still a tree, and siblings keep their first ranks)."""
+        return _truncate(self, max_depth, self.num_nodes if max_nodes is None else max(1, max_nodes))
+
+    def ancestor_mask(self, device: Any = None) -> torch.Tensor:
+        """``[N, N]`` bool: node i may attend node j iff j is i or an ancestor of i."""
+        return self._ancestor_mask.to(device)
+
+    def depth_tensor(self, device: Any = None) -> torch.Tensor:
+        return torch.tensor(self.depth, dtype=torch.long, device=device)
+
+    def nodes_at_depth(self, d: int) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_nodes) if self.depth[i] == d)
+
+
+@lru_cache(maxsize=256)
+def _truncate(tree: TokenTree, max_depth: int, max_nodes: int) -> TokenTree:
+    keep = [i for i in range(tree.num_nodes) if tree.depth[i] <= max_depth][:max_nodes]
+    if len(keep) == tree.num_nodes:
+        return tree
+    index = {old: new for new, old in enumerate(keep)}
+    return TokenTree(tuple(-1 if i == 0 else index[tree.parents[i]] for i in keep))
+
+
+PRESET_TREES: dict[str, list[tuple[int, ...]]] = {
+    # 11 draft nodes, depth 6: a block of 12 tokens, which costs the target about as much as 8 on
+    # a CPU (the packed matmul reads the weights once for up to 12 rows). Wide near the root.
+    "small": [
+        (0,),
+        (1,),
+        (2,),
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 0, 0, 0),
+        (0, 0, 0, 0, 0),
+        (0, 0, 0, 0, 0, 0),
+    ],
+    # 16 draft nodes, depth 7.
+    "medium": [
+        (0,),
+        (1,),
+        (2,),
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+        (0, 0, 0, 0, 0),
+        (0, 0, 0, 0, 1),
+        (0, 0, 0, 0, 0, 0),
+        (0, 0, 0, 0, 0, 1),
+        (0, 0, 0, 0, 0, 0, 0),
+    ],
+}
+"""Named tree shapes as rank paths (see :meth:`TokenTree.from_paths`)."""
+
+
+@dataclass
+class TreeProposal:
+    """A drafter's tree for every row (same shape, per-row tokens).
+
+    ``tokens_BN``: node tokens (node 0 is the root: the last committed token, filled by the
+    verifier). ``draft_probs_BNV``: per node, the full-vocabulary distribution its children were
+    drawn from (float32, processed by ``logits_to_probs``), or None for deterministic candidates.
+    ``replacement``: children drawn i.i.d. (True) or without replacement (False).
+    """
+
+    tree: TokenTree
+    tokens_BN: torch.Tensor
+    draft_probs_BNV: torch.Tensor | None = None
+    replacement: bool = False
+
+
+class TreeVerifyResult(NamedTuple):
+    """``tokens [B, A]``: the accepted path's tokens, then one recovered or bonus token, then −1.
+    ``num_accepted [B]``; ``path_nodes [B, A]``: the tree node of each accepted token (−1 after)."""
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    path_nodes: torch.Tensor
+
+
+def _normalise_rows(x_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows divided by their sums, and which rows had positive mass (others are returned as is)."""
+    s_B1 = x_BV.sum(dim=-1, keepdim=True)
+    ok_B1 = s_B1 > 0
+    return torch.where(ok_B1, x_BV / torch.where(ok_B1, s_B1, torch.ones_like(s_B1)), x_BV), ok_B1.squeeze(-1)
+
+
+def tree_rejection_sample(
+    target_probs_BNV: torch.Tensor,
+    tree: TokenTree,
+    tokens_BN: torch.Tensor,
+    draft_probs_BNV: torch.Tensor | None = None,
+    *,
+    replacement: bool = False,
+    generator: torch.Generator | None = None,
+    validate: bool = True,
+) -> TreeVerifyResult:
+    """Multi-candidate recursive rejection sampling down a token tree (see the module docstring).
+
+    Args:
+        target_probs_BNV: the target's processed distribution *after* each node (``[B, N, V]``).
+        tree: the shape; node i's token is ``tokens_BN[:, i]`` (node 0's is ignored).
+        draft_probs_BNV: per node, the distribution its children were drawn from, or None
+            (deterministic candidates).
+        replacement: children drawn i.i.d. (SpecInfer) or without replacement (RSD).
+        generator: source of randomness (the same seed gives the same tokens).
+
+    Rows advance in lock step, one tree depth at a time, trying their current node's candidates in
+    order. Implements SpecInfer (arXiv 2305.09781) multi-step speculative sampling; the
+    without-replacement residual follows Recursive Speculative Decoding (arXiv 2402.14160).
+    """
+    B, N, V = target_probs_BNV.shape
+    device = target_probs_BNV.device
+    if validate:
+        if N != tree.num_nodes or tuple(tokens_BN.shape) != (B, N):
+            raise ValueError(
+                f"tree has {tree.num_nodes} nodes: target_probs_BNV must be [B, {tree.num_nodes}, V] and "
+                f"tokens_BN [B, {tree.num_nodes}], got {tuple(target_probs_BNV.shape)}, "
+                f"{tuple(tokens_BN.shape)}"
+            )
+        if draft_probs_BNV is not None and draft_probs_BNV.shape != target_probs_BNV.shape:
+            raise ValueError(
+                f"draft_probs_BNV must be [B, N, V]={tuple(target_probs_BNV.shape)}, got "
+                f"{tuple(draft_probs_BNV.shape)}"
+            )
+        if tokens_BN[:, 1:].numel() and (tokens_BN[:, 1:].min() < 0 or tokens_BN[:, 1:].max() >= V):
+            raise ValueError(f"tokens_BN must lie in [0, V={V})")
+        for name, probs in (("target_probs_BNV", target_probs_BNV), ("draft_probs_BNV", draft_probs_BNV)):
+            if probs is not None and (torch.isnan(probs).any() or (probs < 0).any()):
+                raise ValueError(f"{name} must be non-negative and free of NaN")
+    work = torch.float64 if target_probs_BNV.dtype == torch.float64 else torch.float32
+    tokens_BN = tokens_BN.to(device=device, dtype=torch.long)
+    kids_NC = tree.children_table(device)  # [N, max children], −1 padded
+    rows_B = torch.arange(B, device=device)
+    A = tree.max_depth + 1
+    out_tokens = torch.full((B, A), -1, dtype=torch.long, device=device)
+    out_nodes = torch.full((B, A), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
+    # One uniform per node (each node is a candidate of exactly one parent), drawn up front.
+    u_BN = torch.rand((B, N), generator=generator, device=device, dtype=work)
+    node_B = torch.zeros(B, dtype=torch.long, device=device)
+    live_B = torch.ones(B, dtype=torch.bool, device=device)
+    for depth in range(A):
+        target_BV = target_probs_BNV[rows_B, node_B].to(work)
+        draft_BV = None if draft_probs_BNV is None else draft_probs_BNV[rows_B, node_B].to(work)
+        chosen_B = torch.full((B,), -1, dtype=torch.long, device=device)
+        for i in range(kids_NC.shape[1]):
+            c_B = kids_NC[node_B, i]
+            trying_B = live_B & (c_B >= 0) & (chosen_B < 0)
+            if not bool(trying_B.any()):
+                break
+            c_B = c_B.clamp(min=0)
+            x_B1 = tokens_BN[rows_B, c_B].unsqueeze(1)
+            p_x_B = target_BV.gather(1, x_B1).squeeze(1)
+            q_x_B = torch.ones_like(p_x_B) if draft_BV is None else draft_BV.gather(1, x_B1).squeeze(1)
+            # u < p/q  <=>  u·q < p: accepted with probability min(1, p/q); q(x) = 0 is rejected.
+            accept_B = trying_B & (q_x_B > 0) & (u_BN[rows_B, c_B] * q_x_B < p_x_B)
+            chosen_B = torch.where(accept_B, c_B, chosen_B)
+            reject_B1 = (trying_B & ~accept_B).unsqueeze(1)
+            if draft_BV is None:  # point mass: the residual is the target without x
+                residual_BV = target_BV.scatter(1, x_B1, 0.0)
+            else:
+                residual_BV = (target_BV - draft_BV).clamp_(min=0.0)
+            residual_BV, ok_B = _normalise_rows(residual_BV)
+            # Zero residual mass needs target ≤ draft everywhere (target == draft, accepted surely):
+            # only rounding gets there; such rows keep their current target.
+            target_BV = torch.where(reject_B1 & ok_B.unsqueeze(1), residual_BV, target_BV)
+            if draft_BV is not None and not replacement:
+                # Without replacement the next candidate comes from the draft without x; an
+                # exhausted draft (more candidates than its support) proposes nothing more.
+                removed_BV, _ = _normalise_rows(draft_BV.scatter(1, x_B1, 0.0))
+                draft_BV = torch.where(reject_B1, removed_BV, draft_BV)
+        finish_B = live_B & (chosen_B < 0)
+        if bool(finish_B.any()):
+            # Recovered token (all candidates rejected) or bonus token (a leaf).
+            final_B = sample_from_probs(target_BV[finish_B].float(), generator)
+            out_tokens[finish_B, depth] = final_B
+            num_accepted[finish_B] = depth
+        go_B = live_B & (chosen_B >= 0)
+        out_tokens[go_B, depth] = tokens_BN[rows_B, chosen_B.clamp(min=0)][go_B]
+        out_nodes[go_B, depth] = chosen_B[go_B]
+        node_B = torch.where(go_B, chosen_B, node_B)
+        live_B = go_B
+        if not bool(live_B.any()):
+            break
+    return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
+
+
+def tree_greedy_verify(
+    target_argmax_BN: torch.Tensor, tree: TokenTree, tokens_BN: torch.Tensor
+) -> TreeVerifyResult:
+    """Greedy verification: follow children equal to the target's argmax; the longest matching
+    path, then the argmax after it (the bonus/recovered token)."""
+    B, N = target_argmax_BN.shape
+    A = tree.max_depth + 1
+    out_tokens = torch.full((B, A), -1, dtype=torch.long)
+    out_nodes = torch.full((B, A), -1, dtype=torch.long)
+    num_accepted = torch.zeros(B, dtype=torch.long)
+    argmax, tokens = target_argmax_BN.tolist(), tokens_BN.tolist()
+    for b in range(B):
+        node, depth = 0, 0
+        while True:
+            want = argmax[b][node]
+            nxt = next((c for c in tree.children[node] if tokens[b][c] == want), None)
+            out_tokens[b, depth] = want
+            if nxt is None:
+                num_accepted[b] = depth
+                break
+            out_nodes[b, depth] = nxt
+            node, depth = nxt, depth + 1
+    return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
+
+
+def verify_tree_proposal(
+    target: Any, state: DecodeState, proposal: TreeProposal, generator: torch.Generator | None = None
+) -> tuple[TreeVerifyResult, TargetOutput]:
+    """Verify a tree in one target call and compact the accepted path's KV cache.
+
+    The tree is written at slots ``lengths_B − 1 + node`` with ``tree_mask_TT`` / ``depth_T``; the
+    accepted nodes' keys/values are then moved to the chain slots right after the root
+    (``target.copy_slots``), so the cache reads like a chain. The caller commits the tokens and
+    rolls the target back to the new ``lengths_B − 1`` as for a chain.
+
+    Returns the verification and a :class:`TargetOutput` whose ``hidden_BTD`` holds the root's and
+    the accepted nodes' features in path order (``[B, A, D]``), as a chain block would.
+    """
+    if not hasattr(target, "copy_slots"):
+        raise ValueError(
+            f"tree verification needs a target with tree attention and copy_slots "
+            f"(the native Llama target); got {type(target).__name__}"
+        )
+    tree = proposal.tree
+    B = state.batch_size
+    device = state.tokens_BL.device
+    tokens_BN = proposal.tokens_BN.to(device).clone()
+    tokens_BN[:, 0] = state.last_tokens_B()
+    start_B = state.lengths_B - 1
+    out = target.forward(
+        tokens_BN, start_B, tree_mask_TT=tree.ancestor_mask(device), depth_T=tree.depth_tensor(device)
+    )
+    s = state.sampling
+    if s.greedy:
+        result = tree_greedy_verify(out.logits_BTV.argmax(dim=-1).cpu(), tree, tokens_BN.cpu())
+    else:
+        target_probs = logits_to_probs(out.logits_BTV, s.temperature, s.top_k, s.top_p)
+        result = tree_rejection_sample(
+            target_probs,
+            tree,
+            tokens_BN,
+            proposal.draft_probs_BNV,
+            replacement=proposal.replacement,
+            generator=generator,
+            validate=False,
+        )
+    # The root and the accepted nodes, in path order; past a row's acceptance, repeat its last
+    # accepted node (those copies land beyond the row's new length: stale slots, never read).
+    path_BA = torch.cat([torch.zeros(B, 1, dtype=torch.long), result.path_nodes[:, :-1].cpu()], dim=1)
+    last_B1 = path_BA.gather(1, result.num_accepted.cpu().unsqueeze(1))
+    path_BA = torch.where(
+        torch.arange(path_BA.shape[1]) <= result.num_accepted.cpu().unsqueeze(1), path_BA, last_B1
+    )
+    start_cpu_B = start_B.cpu()
+    target.copy_slots(start_cpu_B.unsqueeze(1) + path_BA[:, 1:], start_cpu_B + 1)
+    hidden = out.hidden_BTD
+    path_hidden = None
+    if hidden is not None:
+        idx = path_BA.to(hidden.device)
+        path_hidden = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    return result, TargetOutput(logits_BTV=out.logits_BTV[:, :0], hidden_BTD=path_hidden)

@@ -1,0 +1,357 @@
+"""The EAGLE draft head and drafters (chain and tree) on a tiny random Llama, plus the real model.
+
+The tiny head is trained for a few seconds on the tiny target's own greedy continuations (the
+real recipe's loss), so drafts do get accepted and the ragged-acceptance paths run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import save_tiny_checkpoint, tiny_llama
+
+import specdec
+from experiments.train_drafter import TrainConfig, unrolled_features, unrolled_losses
+from specdec.drafters.eagle import (
+    EagleCache,
+    EagleConfig,
+    EagleDrafter,
+    EagleHead,
+    draft_distribution,
+    load_eagle_head,
+    save_eagle_head,
+    target_parts,
+)
+from specdec.drafters.eagle_tree import EagleTreeDrafter
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.targets.hf import HFTarget
+from specdec.targets.llama import LlamaTarget
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama target and a head trained on its greedy continuations; returns a dict."""
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3)
+    target = LlamaTarget.from_pretrained(path)
+    hf = tiny_llama(seed=3)
+    parts = target_parts(target)
+    torch.manual_seed(0)
+    prompts = torch.randint(0, 256, (12, 6))
+    with torch.inference_mode():
+        seqs = hf.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=40,
+            do_sample=False,
+            pad_token_id=258,
+            eos_token_id=None,
+        )
+        target.reset(seqs.shape[0], seqs.shape[1])
+        out = target.forward(seqs, torch.zeros(seqs.shape[0], dtype=torch.long))
+    # Unit-scale inputs, as the recipe sets them (the tiny target's features are ~0.03).
+    config = EagleConfig.from_hf_config(
+        hf.config,
+        draft_vocab_size=200,
+        feature_scale=1 / float(out.hidden_BTD.std()),
+        embed_scale=1 / float(parts.embed_VD.std()),
+    )
+    counts = torch.bincount(seqs.flatten(), minlength=259)
+    vocab = torch.argsort(counts, descending=True, stable=True)[:200]
+    head = EagleHead(config)
+    head.draft_vocab_N = vocab
+    head.attach(parts)
+    vocab_index = torch.full((259,), -1, dtype=torch.long)
+    vocab_index[head.draft_vocab_N] = torch.arange(200)
+    probs = torch.softmax(out.logits_BTV.clone(), -1)
+    top_p, top_i = probs.topk(4, dim=-1)
+    batch = {
+        "features": out.hidden_BTD.clone(),
+        "tokens": seqs.clone(),
+        "topk_ids": top_i,
+        "topk_probs": top_p,
+        "valid": torch.ones_like(seqs, dtype=torch.bool),
+    }
+    cfg = TrainConfig(unroll=2, feature_noise=0.0)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    accuracy = []  # the head's top-1 agreement with the target (teacher-forced step)
+    for _ in range(100):
+        losses = unrolled_losses(head, batch, vocab_index, cfg, 1 / config.feature_scale)
+        opt.zero_grad()
+        losses["loss"].backward()
+        opt.step()
+        accuracy.append(float(losses["acc1"]))
+    weights = tmp_path_factory.mktemp("head") / "head.safetensors"
+    head.draft_vocab_N = vocab  # frequency order, as the recipe saves it
+    save_eagle_head(head, weights, target_name="tiny", embed_VD=parts.embed_VD)
+    return {
+        "path": path,
+        "target": target,
+        "hf": hf,
+        "weights": weights,
+        "accuracy": accuracy,
+        "config": config,
+        "parts": parts,
+    }
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 3)]
+
+
+def test_training_learns_the_targets_next_tokens(tiny):
+    accuracy = tiny["accuracy"]
+    assert accuracy[0] < 0.1 and min(accuracy[-10:]) > 0.3
+
+
+def test_cache_steps_equal_the_reference_forward(tiny):
+    head, _ = load_eagle_head(tiny["weights"], tiny["parts"])
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(2, 11, 64, generator=g)
+    tokens = torch.randint(0, 259, (2, 11), generator=g)
+    with torch.no_grad():
+        ref = head(feats, tokens)
+        cache = EagleCache(head, 2, 4)  # grows on demand
+        outs = []
+        for a, b in [(0, 4), (4, 5), (5, 11)]:  # a block, one token, a block
+            slots = torch.arange(a, b).expand(2, -1)
+            visible = torch.arange(b) <= slots.unsqueeze(-1)
+            outs.append(cache.step(head, feats[:, a:b], tokens[:, a:b], slots, slots, visible))
+    torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("step", [2, 3])
+def test_unrolled_training_step_equals_inference_drafting(tiny, step):
+    """Training-time test step s at position t == the s-th draft at inference after true features ≤ t−s+1."""
+    head, _ = load_eagle_head(tiny["weights"], tiny["parts"])
+    g = torch.Generator().manual_seed(1)
+    T = 10
+    feats = torch.randn(1, T, 64, generator=g)
+    next_tokens = torch.randint(0, 259, (1, T), generator=g)
+    with torch.no_grad():
+        preds = unrolled_features(head, feats, next_tokens, step)
+        for m in range(0, T - step + 1):
+            cache = EagleCache(head, 1, T)
+            slots = torch.arange(m + 1).unsqueeze(0)
+            out = cache.step(
+                head,
+                feats[:, : m + 1],
+                next_tokens[:, : m + 1],
+                slots,
+                slots,
+                torch.arange(m + 1) <= slots.unsqueeze(-1),
+            )
+            f = out[:, -1:]
+            for r in range(2, step + 1):
+                slot = torch.tensor([[m + r - 1]])
+                f = cache.step(
+                    head,
+                    f,
+                    next_tokens[:, m + r - 1 : m + r],
+                    slot,
+                    slot,
+                    torch.arange(m + r) <= slot.unsqueeze(-1),
+                )
+            torch.testing.assert_close(f[0, 0], preds[step - 1][0, m + step - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_draft_distribution_equals_full_vocab_processing():
+    g = torch.Generator().manual_seed(2)
+    vocab = torch.sort(torch.randperm(50, generator=g)[:20]).values
+    logits_N = torch.randn(3, 20, generator=g)
+    logits_N[:, 3] = logits_N[:, 4]  # a tie
+    full = torch.full((3, 50), float("-inf"))
+    full[:, vocab] = logits_N
+    for sp in [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.2, top_k=5, top_p=0.8),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=30),
+    ]:
+        want = logits_to_probs(full, sp.temperature, sp.top_k, sp.top_p)
+        torch.testing.assert_close(draft_distribution(logits_N, vocab, 50, sp), want)
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree"])
+def test_greedy_equals_plain_decoding_ragged_batch(tiny, drafter):
+    target, prompts = tiny["target"], _prompts()
+    ref = specdec.generate(
+        target, prompts, drafter="none", max_new_tokens=30, temperature=0.0, ignore_eos=True
+    )
+    out = specdec.generate(
+        target,
+        prompts,
+        drafter=drafter,
+        drafter_options={"weights": str(tiny["weights"])},
+        max_new_tokens=30,
+        temperature=0.0,
+        gamma=4,
+        ignore_eos=True,
+    )
+    assert out.token_ids == ref.token_ids
+    assert out.metrics.num_accepted > 0  # the trained tiny head is right some of the time
+    for b, p in enumerate(prompts):  # each row alone: same tokens
+        single = specdec.generate(
+            target,
+            [p],
+            drafter=drafter,
+            drafter_options={"weights": str(tiny["weights"])},
+            max_new_tokens=30,
+            temperature=0.0,
+            gamma=4,
+            ignore_eos=True,
+        )
+        assert single.token_ids[0] == ref.token_ids[b]
+
+
+def test_batched_proposals_equal_single_row_proposals(tiny):
+    """Row b's drafts in a ragged batch are exactly its drafts when run alone."""
+    target, prompts = tiny["target"], _prompts()
+
+    class Recording(EagleDrafter):
+        def propose(self, state, gamma, generator=None):
+            p = super().propose(state, gamma, generator)
+            self.log.append((state.lengths_B.tolist(), p.tokens_BK.tolist()))
+            return p
+
+    def run(rows):
+        d = Recording(target, weights=tiny["weights"])
+        d.log = []
+        specdec.generate(
+            target, rows, drafter=d, max_new_tokens=30, temperature=0.0, gamma=3, ignore_eos=True
+        )
+        return d.log
+
+    batched = run(prompts)
+    for b, p in enumerate(prompts):
+        alone = {tuple(lengths): drafts[0] for lengths, drafts in ((lg, dr) for lg, dr in run([p]))}
+        seen = 0
+        for lengths, drafts in batched:
+            if (lengths[b],) in alone:
+                mine, single = drafts[b], alone[(lengths[b],)]
+                n = min(len(mine), len(single))  # γ is cut near the end by the longest row's room
+                assert mine[:n] == single[:n]
+                seen += n > 0
+        assert seen > 3
+
+
+def test_sampling_is_seeded_and_valid(tiny):
+    target, prompts = tiny["target"], _prompts()
+    runs = [
+        specdec.generate(
+            target,
+            prompts,
+            drafter=name,
+            drafter_options={"weights": str(tiny["weights"])},
+            max_new_tokens=20,
+            temperature=0.9,
+            top_k=50,
+            seed=4,
+            ignore_eos=True,
+        )
+        for name in ("eagle", "eagle", "eagle-tree")
+    ]
+    assert runs[0].token_ids == runs[1].token_ids
+    assert all(len(r) == 20 for run in runs for r in run.token_ids)
+
+
+def test_bad_input_raises_valueerror(tiny, tmp_path):
+    target = tiny["target"]
+    with pytest.raises(ValueError, match="no such file"):
+        EagleDrafter(target, weights=tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        EagleDrafter(target, weights=tiny["weights"], draft_vocab_size=10_000)
+    with pytest.raises(ValueError, match="embed_tokens"):
+        EagleDrafter(object(), weights=tiny["weights"])
+    other = LlamaTarget.from_pretrained(save_tiny_checkpoint(tmp_path / "other", seed=9))
+    with pytest.raises(ValueError, match="trained for target"):
+        EagleDrafter(other, weights=tiny["weights"])
+    hf_target = HFTarget(tiny["hf"])
+    with pytest.raises(ValueError, match="copy_slots"):
+        EagleTreeDrafter(hf_target, weights=tiny["weights"])
+    with pytest.raises(ValueError, match="unknown tree preset"):
+        EagleTreeDrafter(target, weights=tiny["weights"], tree="nope")
+
+
+def test_hf_target_chain_matches(tiny):
+    """The chain drafter also runs on the generic HF target (features via its hook)."""
+    hf_target = HFTarget(tiny["hf"])
+    prompts = _prompts()[:2]
+    ref = specdec.generate(
+        hf_target, prompts, drafter="none", max_new_tokens=12, temperature=0.0, ignore_eos=True
+    )
+    out = specdec.generate(
+        hf_target,
+        prompts,
+        drafter="eagle",
+        drafter_options={"weights": str(tiny["weights"])},
+        max_new_tokens=12,
+        temperature=0.0,
+        ignore_eos=True,
+    )
+    assert out.token_ids == ref.token_ids
+
+
+def test_smaller_draft_vocab_keeps_the_most_frequent(tiny):
+    d = EagleDrafter(tiny["target"], weights=tiny["weights"], draft_vocab_size=50)
+    from safetensors import safe_open
+
+    with safe_open(str(tiny["weights"]), framework="pt") as f:
+        stored = f.get_tensor("draft_vocab_N")
+    assert d.head.draft_vocab_N.tolist() == sorted(stored[:50].tolist())
+    assert d.head.head_ND.shape == (50, 64)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree"])
+def test_smollm2_greedy_equals_transformers(drafter):
+    """Greedy output with the shipped head equals transformers' greedy generate, token for token."""
+    from specdec.targets import load_target
+    from specdec.targets.loading import load_hf_model
+
+    target = load_target("smollm2-135m")
+    tok = target.tokenizer
+    hf = load_hf_model("smollm2-135m")
+    texts = [
+        'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+        "Write a short poem about the sea.",
+        "The three most important inventions of the 20th century are",
+    ]
+    prompts = [tok(t).input_ids for t in texts]
+    out = specdec.generate(
+        target, prompts, drafter=drafter, max_new_tokens=48, temperature=0.0, gamma=5, ignore_eos=True
+    )
+    for p, got in zip(prompts, out.token_ids, strict=True):
+        x = torch.tensor([p])
+        with torch.inference_mode():
+            want = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=48,
+                do_sample=False,
+                pad_token_id=2,
+                eos_token_id=None,
+            )[0, len(p) :].tolist()
+        assert got == want
+    assert out.metrics.mean_accepted_tokens > 1.5
+
+
+@pytest.mark.model
+def test_default_drafter_is_the_shipped_eagle_head_for_smollm2():
+    from specdec.drafters.default import default_drafter, default_drafter_name
+    from specdec.targets import load_target
+
+    target = load_target("smollm2-135m")
+    assert default_drafter_name(target) == "eagle"
+    drafter = default_drafter(target)
+    assert isinstance(drafter, EagleDrafter) and drafter.registry_name == "eagle"
+
+
+def test_default_drafter_falls_back_for_other_targets(tiny, capsys):
+    from specdec.drafters.default import default_drafter
+    from specdec.drafters.ngram import NGramDrafter
+
+    drafter = default_drafter(tiny["target"])
+    assert isinstance(drafter, NGramDrafter) and drafter.registry_name == "ngram"
+    assert "not this target" in capsys.readouterr().err
