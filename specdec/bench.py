@@ -163,13 +163,13 @@ class PromptResult:
 
 
 def _run_ours(
-    target, prompts: list[Prompt], drafter, temperature: float, cfg: BenchConfig, tick
+    target, prompts: list[Prompt], drafter, temperature: float, cfg: BenchConfig, tick, warmup: bool = True
 ) -> list[PromptResult]:
     import specdec
     from specdec.policies import make_policy
 
     policy = make_policy(cfg.gamma_policy, gamma=cfg.gamma)
-    if cfg.warmup:
+    if cfg.warmup and warmup:
         specdec.generate(
             target,
             [prompts[0].ids],
@@ -213,7 +213,16 @@ def _hf_generate_kwargs(mode: str, temperature: float, cfg: BenchConfig, assista
 HF_BASELINES = ("plain", "prompt_lookup", "assistant")
 
 
-def _run_hf(model, prompts: list[Prompt], mode: str, temperature: float, cfg: BenchConfig, assistant, tick):
+def _run_hf(
+    model,
+    prompts: list[Prompt],
+    mode: str,
+    temperature: float,
+    cfg: BenchConfig,
+    assistant,
+    tick,
+    warmup: bool = True,
+):
     import torch
 
     kwargs = _hf_generate_kwargs(mode, temperature, cfg, assistant)
@@ -231,7 +240,7 @@ def _run_hf(model, prompts: list[Prompt], mode: str, temperature: float, cfg: Be
             y = model.generate(x, attention_mask=torch.ones_like(x), **{**kwargs, "max_new_tokens": max_new})
         return y[0, len(ids) :].tolist(), time.perf_counter() - t0
 
-    if cfg.warmup:
+    if cfg.warmup and warmup:
         one(prompts[0].ids, min(8, cfg.max_new_tokens), cfg.seed)
     results = []
     for p in prompts:
@@ -435,7 +444,7 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
             (
                 "ours/none",
                 temperature,
-                lambda T, tick: _run_ours(target, prompts, drafters["none"], T, cfg, tick),
+                lambda T, tick, ps, w: _run_ours(target, ps, drafters["none"], T, cfg, tick, w),
             )
         )
         for mode in cfg.hf_baselines:
@@ -445,7 +454,7 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
                 (
                     f"hf/{mode}",
                     temperature,
-                    lambda T, tick, mode=mode: _run_hf(hf_model, prompts, mode, T, cfg, assistant, tick),
+                    lambda T, tick, ps, w, mode=mode: _run_hf(hf_model, ps, mode, T, cfg, assistant, tick, w),
                 )
             )
         for name, drafter in drafters.items():
@@ -454,7 +463,7 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
                     (
                         f"ours/{name}",
                         temperature,
-                        lambda T, tick, d=drafter: _run_ours(target, prompts, d, T, cfg, tick),
+                        lambda T, tick, ps, w, d=drafter: _run_ours(target, ps, d, T, cfg, tick, w),
                     )
                 )
 
@@ -471,22 +480,32 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
     }
     out_dir = Path(cfg.out)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    # Interleaved: per temperature, every method warms up once, then each prompt runs through every
+    # method before the next prompt starts (the order rotates per prompt), so slow drifts of a
+    # shared machine hit all methods alike and the ratios stay side by side.
     with Progress(*columns, console=console) as progress:
         overall = progress.add_task("all runs", total=len(plan) * len(prompts))
-        for method, temperature, fn in plan:
-            task = progress.add_task(f"{method} T={temperature:g}", total=len(prompts))
+        for temperature in cfg.temperatures:
+            group = [(m, fn) for m, t, fn in plan if t == temperature]
+            results: dict[str, list] = {m: [] for m, _ in group}
+            for m, _ in group:
+                runs.append({"method": m, "temperature": temperature, "results": results[m]})
+            task = progress.add_task(f"T={temperature:g}", total=len(group) * len(prompts))
 
             def tick(task=task) -> None:
                 progress.advance(task)
                 progress.advance(overall)
 
-            results = fn(temperature, tick)
+            for i, p in enumerate(prompts):
+                shift = i % len(group)
+                for m, fn in group[shift:] + group[:shift]:
+                    results[m].extend(fn(temperature, tick, [p], i == 0))
+                payload["summary"] = summarize(runs, cfg.prompt_sets)
+                payload["runs"] = [_serialise_run(r) for r in runs]
+                _write(out_dir, payload, command)
             progress.remove_task(task)
-            runs.append({"method": method, "temperature": temperature, "results": results})
-            payload["summary"] = summarize(runs, cfg.prompt_sets)
-            payload["runs"] = [_serialise_run(r) for r in runs]
-            _write(out_dir, payload, command)
-            console.print(f"{method} T={temperature:g}: {_tps(results):.1f} tok/s")
+            for m, _ in group:
+                console.print(f"{m} T={temperature:g}: {_tps(results[m]):.1f} tok/s")
     return payload
 
 

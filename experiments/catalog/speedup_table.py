@@ -169,12 +169,20 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         f"$\\gamma = {cfg.gamma}$, {cfg.num_threads} torch thread(s); "
         "CPU-sized, so each cell is one or a few generations"
     )
+    held, total = _eagle_heldout(sorted({r.config.category for r in records}), cfg.num_prompts)
+    contamination = (
+        f" EAGLE's head was trained on some of these prompts: {held} of {total} are in its held-out split, "
+        "so its cells are optimistic (\\texttt{specdec bench} uses held-out prompts only)."
+        if total and held < total and any(d.startswith("eagle") for d in drafters)
+        else ""
+    )
     by_category = table_from_rows(
         "by-category",
         f"Spec-Bench-style speedup over our plain decode ($\\times$, measured in the same run on the same "
         f"prompts) and mean accepted tokens per target call $\\tau$, per drafter and prompt category "
         f"(HumanEval and the MT-Bench categories, MT-Bench in the chat template) on {cfg.target}: {sizes}. "
         "Overall: pooled tokens over pooled time."
+        + contamination
         + (f" Not run: {'; '.join(r.split(' (')[0] for r in pending)}." if pending else ""),
         columns,
         rows,
@@ -242,3 +250,21 @@ EXPERIMENT = Experiment(
     runners={SpeedupConfig: run_speedup},
     summarize=summarize,
 )
+
+
+def _eagle_heldout(categories: Sequence[str], num_prompts: int) -> tuple[int, int]:
+    """How many of the prompts these categories use are held out from the EAGLE head's training
+    data (``experiments.drafter_data.is_heldout``), and how many there are."""
+    from experiments.catalog.specdec_runs import category_prompts
+    from experiments.drafter_data import is_heldout
+    from specdec.bench import humaneval_prompts, mtbench_questions
+
+    index = {("humaneval", t): i for i, t in enumerate(humaneval_prompts())}
+    index.update({("mtbench", q["turns"][0]): i for i, q in enumerate(mtbench_questions())})
+    held = total = 0
+    for category in categories:
+        source = "humaneval" if category == "humaneval" else "mtbench"
+        for text in category_prompts(category, num_prompts):
+            total += 1
+            held += is_heldout(source, index[(source, text)])
+    return held, total
