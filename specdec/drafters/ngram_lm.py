@@ -59,13 +59,13 @@ DEFAULT_MAX_CHARS = 1_500_000
 
 
 def _humaneval_documents() -> list[str]:
-    from specdec.bench import humaneval_prompts
+    from specdec.prompt_sets import humaneval_prompts
 
     return humaneval_prompts()
 
 
 def _mtbench_documents() -> list[str]:
-    from specdec.bench import mtbench_questions
+    from specdec.prompt_sets import mtbench_questions
 
     return [turn for q in mtbench_questions() for turn in q["turns"]]
 

@@ -1,0 +1,173 @@
+"""``specdec bench`` results: per-prompt records, the summary rows, and the JSON / Markdown files.
+
+:func:`summarize` turns runs (one per method and temperature, each a list of :class:`PromptResult`)
+into one row per (prompt set, temperature, method) plus the pooled set ``all``: tok/s, speedup over
+``ours/none``, α, τ, the predicted speedup from the run's own α and measured costs
+(:func:`specdec.metrics.predicted_speedup_from_metrics`), measured / predicted, and for greedy runs
+the exact-match rate against ``ours/none``. ``experiments`` reuses it for its decoding experiments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PromptResult",
+    "environment",
+    "summarize",
+    "markdown_table",
+    "pooled_tokens_per_second",
+    "write_results",
+    "serialise_run",
+]
+
+
+@dataclass
+@dataclass
+class PromptResult:
+    """One prompt through one method."""
+
+    set: str
+    index: int
+    token_ids: list[int]
+    time_s: float
+    metrics: Any = None  # SpecMetrics for our runs
+
+
+def summarize(runs: list[dict], prompt_sets: Sequence[str]) -> list[dict]:
+    """One row per (prompt set, temperature, method), plus the pooled set ``all``."""
+    from specdec.metrics import merge_metrics, predicted_speedup_from_metrics
+
+    rows = []
+    for set_name in [*prompt_sets, "all"]:
+        for temperature in sorted({r["temperature"] for r in runs}):
+            same_t = [r for r in runs if r["temperature"] == temperature]
+            picked = {
+                r["method"]: [x for x in r["results"] if set_name == "all" or x.set == set_name]
+                for r in same_t
+            }
+            base = picked.get("ours/none")
+            base_tps = pooled_tokens_per_second(base) if base else None
+            base_metrics = merge_metrics([x.metrics for x in base]) if base else None
+            t_target = (base_metrics.verify_time_by_block.get(1) if base_metrics else None) or None
+            for method, results in picked.items():
+                if not results:
+                    continue
+                tps = pooled_tokens_per_second(results)
+                row: dict[str, Any] = {
+                    "prompt_set": set_name,
+                    "temperature": temperature,
+                    "method": method,
+                    "num_prompts": len(results),
+                    "num_tokens": sum(len(x.token_ids) for x in results),
+                    "time_s": sum(x.time_s for x in results),
+                    "tokens_per_second": tps,
+                    "speedup": tps / base_tps if base_tps else None,
+                }
+                if results[0].metrics is not None:
+                    m = merge_metrics([x.metrics for x in results])
+                    predicted = predicted_speedup_from_metrics(m, t_target) if t_target else 0.0
+                    row.update(
+                        acceptance_rate=m.acceptance_rate,
+                        alpha_iid=m.alpha_iid,
+                        mean_accepted_tokens=m.mean_accepted_tokens,
+                        acceptance_histogram=m.acceptance_histogram,
+                        predicted_speedup=predicted or None,
+                        measured_over_predicted=(row["speedup"] / predicted)
+                        if predicted and row["speedup"]
+                        else None,
+                        draft_ms_per_token=m.draft_time_per_token_s * 1e3,
+                        verify_ms_by_block={str(k): v * 1e3 for k, v in m.verify_time_by_block.items()},
+                        target_time_s=m.target_time_s,
+                        draft_time_s=m.draft_time_s,
+                        overhead_time_s=m.overhead_time_s,
+                        ttft_s=m.ttft_s,
+                        tpot_s=m.tpot_s,
+                        latency_p50_s=m.latency_p50_s,
+                        latency_p99_s=m.latency_p99_s,
+                    )
+                if temperature == 0 and base and method != "ours/none":
+                    ref = {(x.set, x.index): x.token_ids for x in base}
+                    same = sum(1 for x in results if ref.get((x.set, x.index)) == x.token_ids)
+                    row["exact_match_rate"] = same / len(results)
+                rows.append(row)
+    return rows
+
+
+def pooled_tokens_per_second(results: list[PromptResult]) -> float:
+    """Pooled tokens over pooled time."""
+    t = sum(x.time_s for x in results)
+    return sum(len(x.token_ids) for x in results) / t if t > 0 else 0.0
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The summary rows as a Markdown table."""
+    head = (
+        "| prompts | T | method | tok/s | speedup | α | τ | predicted | measured/predicted | exact match |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        lines.append(
+            f"| {r['prompt_set']} | {r['temperature']:g} | {r['method']} | {r['tokens_per_second']:.1f} | "
+            f"{_fmt(r.get('speedup'), '.2f')}× | {_fmt(r.get('acceptance_rate'), '.2f')} | "
+            f"{_fmt(r.get('mean_accepted_tokens'), '.2f')} | {_fmt(r.get('predicted_speedup'), '.2f')} | "
+            f"{_fmt(r.get('measured_over_predicted'), '.2f')} | {_fmt(r.get('exact_match_rate'), '.0%')} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def environment() -> dict[str, Any]:
+    """Versions, platform and thread count of this process, for the results file."""
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_results(out_dir: Path, payload: dict, command: str) -> None:
+    """Write ``bench.json`` (atomically) and ``bench.md`` to ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "bench.json.tmp"
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(out_dir / "bench.json")  # atomic: a reader never sees half a file
+    notes = "".join(f"- {n}\n" for n in payload["notes"])
+    md = f"# specdec bench\n\nCommand: `{command}`\n\n{markdown_table(payload['summary'])}"
+    (out_dir / "bench.md").write_text(md + (f"\nNotes:\n{notes}" if notes else ""))
+
+
+def serialise_run(run: dict) -> dict:
+    """One run (method, temperature, per-prompt results) as JSON-ready data."""
+    return {
+        "method": run["method"],
+        "temperature": run["temperature"],
+        "prompts": [
+            {
+                "set": x.set,
+                "index": x.index,
+                "num_tokens": len(x.token_ids),
+                "time_s": x.time_s,
+                "token_ids": x.token_ids,
+                "metrics": x.metrics.to_dict() if x.metrics is not None else None,
+            }
+            for x in run["results"]
+        ],
+    }

