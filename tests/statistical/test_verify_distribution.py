@@ -12,7 +12,8 @@ The same check then runs on test-local mutants (wrappers around the real code wi
 never a change to product code) and must reject each of them at the same N and seed.
 
 False-alarm arithmetic (the statistical suite of specdec.testing: this file,
-test_generate_distribution.py and the three calibration tests in tests/test_testing_module.py):
+test_generate_distribution.py, test_tree_distribution.py and the three calibration tests in
+tests/test_testing_module.py):
 - a check on correct code rejects with probability ALPHA = 1e-6 (the nominal G-test level; the
   measured far-tail rate is ≤ ~1.25 × nominal at our cell sizes, so budget 2e-6 per check);
 - a mutation test misses its bug with probability ≤ BETA = 1e-6: N = required_sample_size(DESIGN_TV,
@@ -22,8 +23,10 @@ test_generate_distribution.py and the three calibration tests in tests/test_test
   0.03 in the loop tests, where the planted bug's TV is 0.09;
 - each calibration test fails a correct implementation with probability < 1e-6 (binomial tails).
 Counting checks (the ragged-prompt test makes two): 17 on correct code and 16 mutation or calibration
-tests, so by Bonferroni (a union bound, no independence assumed) a CI run fails spuriously with
-probability ≤ 17 × 2e-6 + 16 × 1e-6 = 5.0e-5 < 1e-4. The budget holds up to 30 + 20 such tests.
+tests here and in the generate/calibration files, plus 6 Monte-Carlo checks and 1 mutation test of
+tree verification (test_tree_distribution.py): 23 and 17. By Bonferroni (a union bound, no
+independence assumed) a CI run fails spuriously with probability ≤ 23 × 2e-6 + 17 × 1e-6 = 6.3e-5
+< 1e-4. The budget holds up to 30 + 20 such tests.
 Seeds are fixed, so each commit's result is reproducible; the probabilities are over seeds.
 
 Every test prints its p-value and worst cells (``pytest -m statistical -rA`` or ``-s`` shows them).
