@@ -115,6 +115,7 @@ DRAFTERS = Registry(
         "bigram": "specdec.drafters.ngram_lm:BigramDrafter",
         "eagle": "specdec.drafters.eagle:EagleDrafter",
         "eagle-tree": "specdec.drafters.eagle_tree:EagleTreeDrafter",
+        "ngram-eagle": "specdec.drafters.fallback:ngram_eagle",
         "default": "specdec.drafters.default:default_drafter",
     },
 )

@@ -172,7 +172,7 @@ def test_draft_distribution_equals_full_vocab_processing():
         torch.testing.assert_close(draft_distribution(logits_N, vocab, 50, sp), want)
 
 
-@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree"])
+@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree", "ngram-eagle"])
 def test_greedy_equals_plain_decoding_ragged_batch(tiny, drafter):
     target, prompts = tiny["target"], _prompts()
     ref = specdec.generate(
@@ -249,9 +249,10 @@ def test_sampling_is_seeded_and_valid(tiny):
             seed=4,
             ignore_eos=True,
         )
-        for name in ("eagle", "eagle", "eagle-tree")
+        for name in ("eagle", "eagle", "eagle-tree", "ngram-eagle", "ngram-eagle")
     ]
     assert runs[0].token_ids == runs[1].token_ids
+    assert runs[3].token_ids == runs[4].token_ids
     assert all(len(r) == 20 for run in runs for r in run.token_ids)
 
 
@@ -304,7 +305,7 @@ def test_smaller_draft_vocab_keeps_the_most_frequent(tiny):
 
 @pytest.mark.model
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree"])
+@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree", "ngram-eagle"])
 def test_smollm2_greedy_equals_transformers(drafter):
     """Greedy output with the shipped head equals transformers' greedy generate, token for token."""
     from specdec.targets import load_target
@@ -338,14 +339,17 @@ def test_smollm2_greedy_equals_transformers(drafter):
 
 
 @pytest.mark.model
-def test_default_drafter_is_the_shipped_eagle_head_for_smollm2():
+def test_default_drafter_is_lookup_then_the_shipped_eagle_head_for_smollm2():
     from specdec.drafters.default import default_drafter, default_drafter_name
+    from specdec.drafters.fallback import FallbackDrafter
+    from specdec.drafters.ngram import NGramDrafter
     from specdec.targets import load_target
 
     target = load_target("smollm2-135m")
-    assert default_drafter_name(target) == "eagle"
+    assert default_drafter_name(target) == "ngram-eagle"
     drafter = default_drafter(target)
-    assert isinstance(drafter, EagleDrafter) and drafter.registry_name == "eagle"
+    assert isinstance(drafter, FallbackDrafter) and drafter.registry_name == "ngram-eagle"
+    assert isinstance(drafter.primary, NGramDrafter) and isinstance(drafter.fallback, EagleDrafter)
 
 
 def test_default_drafter_falls_back_for_other_targets(tiny, capsys):
@@ -355,3 +359,52 @@ def test_default_drafter_falls_back_for_other_targets(tiny, capsys):
     drafter = default_drafter(tiny["target"])
     assert isinstance(drafter, NGramDrafter) and drafter.registry_name == "ngram"
     assert "not this target" in capsys.readouterr().err
+
+
+class _Checking:
+    """Runs a fallback drafter; whenever it falls back to EAGLE, a separately fed EAGLE agrees."""
+
+    def __init__(self, hybrid, shadow):
+        self.hybrid, self.shadow, self.checked = hybrid, shadow, 0
+
+    def begin(self, state, out):
+        self.hybrid.begin(state, out)
+        self.shadow.begin(state, out)
+
+    def observe(self, state, n, out):
+        self.hybrid.observe(state, n, out)
+        self.shadow.observe(state, n, out)
+
+    def propose(self, state, gamma, generator=None):
+        p = self.hybrid.propose(state, gamma, generator)
+        s = self.shadow.propose(state, gamma, generator)
+        if self.hybrid.last_choice == "fallback":
+            assert p.tokens_BK.tolist() == s.tokens_BK.tolist()
+            self.checked += 1
+        return p
+
+
+def test_ngram_eagle_uses_both_drafters_and_keeps_eagle_in_step(tiny):
+    """A repetitive prompt makes prompt lookup propose; elsewhere EAGLE drafts. EAGLE's cache must
+    take in the committed tokens either way: after lookup steps its drafts still equal those of an
+    EAGLE drafter that drafted at every step."""
+    from specdec.drafters.fallback import FallbackDrafter
+    from specdec.drafters.ngram import NGramDrafter
+
+    target = tiny["target"]
+    g = torch.Generator().manual_seed(9)
+    motif = torch.randint(0, 256, (6,), generator=g).tolist()
+    prompt = motif * 4 + torch.randint(0, 256, (5,), generator=g).tolist()
+    hybrid = FallbackDrafter(NGramDrafter(target, min_ngram=2), EagleDrafter(target, weights=tiny["weights"]))
+    checking = _Checking(hybrid, EagleDrafter(target, weights=tiny["weights"]))
+    ref = specdec.generate(
+        target, [prompt], drafter="none", max_new_tokens=40, temperature=0.0, ignore_eos=True
+    )
+    out = specdec.generate(
+        target, [prompt], drafter=checking, max_new_tokens=40, temperature=0.0, gamma=4, ignore_eos=True
+    )
+    assert out.token_ids == ref.token_ids
+    assert hybrid.counts["primary"] > 0 and hybrid.counts["fallback"] > 0
+    assert checking.checked == hybrid.counts["fallback"]
+    with pytest.raises(ValueError, match="min_tokens"):
+        FallbackDrafter(hybrid.primary, hybrid.fallback, min_tokens=0)

@@ -134,7 +134,7 @@ def drafter_unavailable(name: str, target: str) -> str | None:
 
     if name not in DRAFTERS:
         return f"{name}: not registered"
-    if DRAFTERS.resolve(name) in ("eagle", "eagle-tree"):
+    if DRAFTERS.resolve(name) in ("eagle", "eagle-tree", "ngram-eagle"):
         if target == TINY_TARGET:
             return f"{name}: trained for smollm2-135m only"
         from importlib import resources

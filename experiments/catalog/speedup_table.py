@@ -35,7 +35,7 @@ from experiments.sweep import Sweep
 
 __all__ = ["DRAFTERS", "SpeedupConfig", "plan", "run_speedup", "EXPERIMENT"]
 
-DRAFTERS = ("ngram", "bigram", "layerskip", "eagle", "eagle-tree")
+DRAFTERS = ("ngram", "bigram", "layerskip", "eagle", "eagle-tree", "ngram-eagle")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +173,7 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
     contamination = (
         f" EAGLE's head was trained on some of these prompts: {held} of {total} are in its held-out split, "
         "so its cells are optimistic (\\texttt{specdec bench} uses held-out prompts only)."
-        if total and held < total and any(d.startswith("eagle") for d in drafters)
+        if total and held < total and any("eagle" in d for d in drafters)
         else ""
     )
     by_category = table_from_rows(

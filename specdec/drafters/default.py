@@ -1,13 +1,14 @@
 """The ``default`` drafter: the best drafter shipped for the target at hand.
 
-``specdec generate --drafter default`` (and ``drafter="default"``) builds the trained EAGLE head
-(``eagle``, weights in ``specdec/weights/``) when one was trained for this target, which today
-means ``smollm2-135m``. For any other target it falls back to prompt lookup (``ngram``), which
-needs no weights, and says so once on stderr. Either way the output distribution is the target's:
-the drafter only changes speed.
+``specdec generate --drafter default`` (and ``drafter="default"``) builds ``ngram-eagle`` when a
+trained EAGLE head ships for this target (``specdec/weights/``; today ``smollm2-135m``): prompt
+lookup where the text repeats itself, the trained head everywhere else
+(:mod:`specdec.drafters.fallback`), the fastest exact drafter we measured on this target. For any
+other target it falls back to prompt lookup (``ngram``), which needs no weights, and says so once
+on stderr. Either way the output distribution is the target's: the drafter only changes speed.
 
 Options are passed to the chosen drafter. Asking for options of a specific drafter is asking for
-that drafter: name it (``eagle``, ``ngram``) instead of ``default``.
+that drafter: name it (``ngram-eagle``, ``eagle``, ``ngram``) instead of ``default``.
 """
 
 from __future__ import annotations
@@ -38,20 +39,23 @@ def _eagle_unavailable(target: Any) -> str | None:
     return None
 
 
+_WITH_HEAD = "ngram-eagle"
+
+
 def default_drafter_name(target: Any) -> str:
-    """The registered drafter that ``default`` builds for ``target``: ``eagle`` or ``ngram``."""
-    return "eagle" if _eagle_unavailable(target) is None else _FALLBACK
+    """The registered drafter that ``default`` builds for ``target``: ``ngram-eagle`` or ``ngram``."""
+    return _WITH_HEAD if _eagle_unavailable(target) is None else _FALLBACK
 
 
 def default_drafter(target: Any, **options: Any) -> Any:
-    """Build ``eagle`` for a target with a shipped head, else ``ngram`` (with a note on stderr).
+    """Build ``ngram-eagle`` for a target with a shipped head, else ``ngram`` (with a note on stderr).
 
     The returned drafter carries ``registry_name``, the name it was built under.
     """
     from specdec.registry import create_drafter
 
     reason = _eagle_unavailable(target)
-    name = "eagle" if reason is None else _FALLBACK
+    name = _WITH_HEAD if reason is None else _FALLBACK
     if reason is not None:
         print(f"[specdec] drafter 'default' -> '{_FALLBACK}': {reason}", file=sys.stderr)
     drafter = create_drafter(name, target, **options)
