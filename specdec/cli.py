@@ -133,7 +133,7 @@ def _metrics_line(m: Any, drafter: str) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     import specdec
     from specdec.policies import make_policy
-    from specdec.registry import DRAFTERS
+    from specdec.registry import DRAFTERS, create_drafter
 
     drafter_options = parse_options(args.drafter_option, "--drafter-option")
     policy = make_policy(args.gamma_policy, gamma=args.gamma)
@@ -150,16 +150,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(detok.push(ids))
             sys.stdout.flush()
 
-    drafter_name = DRAFTERS.resolve(args.drafter)
-    if drafter_name == "default":
-        from specdec.drafters.default import default_drafter_name
-
-        drafter_name = default_drafter_name(target)
+    # Built here, once, so the name reported is the drafter that ran (``default`` picks one).
+    drafter = create_drafter(args.drafter, target, **drafter_options)
+    drafter_name = getattr(drafter, "registry_name", DRAFTERS.resolve(args.drafter))
     out = specdec.generate(
         target,
         [prompt_ids],
-        drafter=args.drafter,
-        drafter_options=drafter_options,
+        drafter=drafter,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,

@@ -22,21 +22,19 @@ _FALLBACK = "ngram"
 
 
 def _eagle_unavailable(target: Any) -> str | None:
-    """Why the shipped EAGLE head cannot serve ``target`` (None when it can); loads no weights."""
-    from specdec.drafters.eagle import DEFAULT_WEIGHTS, _fingerprint, _resolve_weights, target_parts
+    """Why the shipped EAGLE head cannot serve ``target`` (None when it can); reads only metadata."""
+    from safetensors import safe_open
+
+    from specdec.drafters.eagle import DEFAULT_WEIGHTS, _resolve_weights, target_mismatch, target_parts
 
     try:
         path = _resolve_weights(DEFAULT_WEIGHTS)
         parts = target_parts(target)
     except ValueError as err:
         return str(err)
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
-    if meta.get("target_fingerprint") != _fingerprint(parts.embed_VD):
-        return f"the shipped head {path.name} was trained for {meta.get('target')!r}, not this target"
-    return None
+    return target_mismatch(meta, parts.embed_VD, path)
 
 
 _WITH_HEAD = "ngram-eagle"

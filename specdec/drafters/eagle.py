@@ -46,6 +46,7 @@ __all__ = [
     "load_eagle_head",
     "save_eagle_head",
     "DEFAULT_WEIGHTS",
+    "target_mismatch",
 ]
 
 DEFAULT_WEIGHTS = "eagle-smollm2-135m.safetensors"
@@ -372,6 +373,17 @@ def _fingerprint(embed_VD: torch.Tensor) -> str:
     return f"{float(embed_VD[:256].double().abs().sum()):.4f}"
 
 
+def target_mismatch(meta: dict, embed_VD: torch.Tensor, path: Path) -> str | None:
+    """Why head weights with metadata ``meta`` (read from ``path``) do not fit the target whose
+    embedding is ``embed_VD``; None when they do (or carry no fingerprint)."""
+    if meta.get("target_fingerprint") and meta["target_fingerprint"] != _fingerprint(embed_VD):
+        return (
+            f"weights {path.name} were trained for target {meta.get('target')!r}, not this target "
+            "(its embedding differs)"
+        )
+    return None
+
+
 def save_eagle_head(
     head: EagleHead, path: str | Path, *, target_name: str, embed_VD: torch.Tensor, extra: dict | None = None
 ) -> None:
@@ -426,11 +438,9 @@ def load_eagle_head(
     if "config" not in meta:
         raise ValueError(f"weights {path} carry no EAGLE config metadata")
     config = EagleConfig(**json.loads(meta["config"]))
-    if meta.get("target_fingerprint") and meta["target_fingerprint"] != _fingerprint(parts.embed_VD):
-        raise ValueError(
-            f"weights {path.name} were trained for target {meta.get('target')!r}, whose embedding differs "
-            "from this target's"
-        )
+    reason = target_mismatch(meta, parts.embed_VD, path)
+    if reason is not None:
+        raise ValueError(reason)
     head = EagleHead(config)
     vocab = state.pop("draft_vocab_N").to(torch.long)
     head.load_state_dict({**state, "draft_vocab_N": vocab}, strict=True)
