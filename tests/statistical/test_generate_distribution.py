@@ -16,7 +16,6 @@ verify call, so these checks are sized for DESIGN_TV = 0.03.
 """
 
 import pytest
-import torch
 
 import specdec.loop
 import specdec.verify_rules
@@ -42,15 +41,6 @@ EOS = 3
 
 TARGET = MarkovModel.random(4, order=2, seed=51, eos_token_ids=(EOS,))
 DRAFTER = MarkovModel.random(4, order=1, seed=52)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Toy-sized tensors: one intra-op thread avoids OpenMP overhead (10-100x on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def sample_size(expected: dict) -> int:

@@ -56,15 +56,6 @@ BETA = 1e-6  # per-mutant miss rate at DESIGN_TV
 DESIGN_TV = 0.02  # smallest total-variation bias every check is sized to catch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Toy-sized tensors: one intra-op thread avoids OpenMP overhead (10-100x on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def sample_size(expected: dict) -> int:
     return required_sample_size(DESIGN_TV, num_cells=max(len(expected), 2), alpha=ALPHA, beta=BETA)
 
