@@ -4,10 +4,17 @@
 
 For each token count T (default 1, 8, 512, 2048), with E=8 experts, top-2, dim 576, hidden 1536 (fp32):
 
-    ours        moe.MoE.from_hf(block): kernels' routing ops + grouped GEMM (torch backend on CPU)
+    ours        moe.MoE.from_hf(block): kernels' routing ops + experts on the automatic backend (on CPU
+                in float32: oneDNN on packed weights, expert by expert; kernels.grouped_swiglu_onednn)
+    ours_mkl    the same layer with the "torch" grouped-GEMM backend (torch.mm, i.e. MKL)
     hf_eager    MixtralSparseMoeBlock, experts_implementation="eager" (a loop over the hit experts)
     hf_grouped  MixtralSparseMoeBlock, experts_implementation="grouped_mm" (torch's grouped_mm)
     dense       one SwiGLU with hidden = top_k * hidden: the same FLOPs per token, no routing
+                (moe.SharedExperts: oneDNN on packed weights on CPU in float32)
+    dense_mkl   the same dense SwiGLU with torch.mm (MKL)
+
+The goals compare ours with the better of each pair, so a faster BLAS path for us is matched by the
+same path for the dense baseline.
 
 All four share one set of weights (the dense one has its own), run under torch.inference_mode, and are
 timed in interleaved repetitions (the order rotates every repetition) so machine noise hits them alike;
@@ -31,7 +38,21 @@ from pathlib import Path
 
 import torch
 
-IMPLS = ("ours", "hf_eager", "hf_grouped", "dense")
+IMPLS = ("ours", "ours_mkl", "hf_eager", "hf_grouped", "dense", "dense_mkl")
+
+
+class DenseSwiGLUMkl(torch.nn.Module):
+    """A dense SwiGLU on another module's weights through torch.mm (MKL on CPU)."""
+
+    def __init__(self, dense) -> None:
+        super().__init__()
+        self.dense = dense
+
+    def forward(self, x):
+        from moe.experts import swiglu
+
+        d = self.dense
+        return swiglu(x @ d.w_gate_up, d.hidden_dim) @ d.w_down
 
 
 def _parse_ints(text: str) -> list[int]:
@@ -103,8 +124,17 @@ def build_impls(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
     hf_grouped = block("grouped_mm")
     hf_grouped.load_state_dict(hf_eager.state_dict())
     ours = moe.MoE.from_hf(hf_eager).eval()
+    ours_mkl = moe.MoE.from_hf(hf_eager).eval()
+    ours_mkl.experts.backend = "torch"
     dense = moe.SharedExperts(args.dim, args.top_k * args.hidden).eval()  # SwiGLU, fused gate/up GEMM
-    return {"ours": ours, "hf_eager": hf_eager, "hf_grouped": hf_grouped, "dense": dense}
+    return {
+        "ours": ours,
+        "ours_mkl": ours_mkl,
+        "hf_eager": hf_eager,
+        "hf_grouped": hf_grouped,
+        "dense": dense,
+        "dense_mkl": DenseSwiGLUMkl(dense),
+    }
 
 
 def _time_interleaved(
@@ -143,7 +173,8 @@ def run(args: argparse.Namespace) -> dict:
             )
             reference = impls["hf_eager"](x)
             max_abs_diff = {
-                name: float((impls[name](x) - reference).abs().max()) for name in ("ours", "hf_grouped")
+                name: float((impls[name](x) - reference).abs().max())
+                for name in ("ours", "ours_mkl", "hf_grouped")
             }
             fns = {name: (lambda m=impls[name], x=x: m(x)) for name in IMPLS}
             times = _time_interleaved(
@@ -152,14 +183,17 @@ def run(args: argparse.Namespace) -> dict:
             median_s = {name: statistics.median(times[name]) for name in IMPLS}
             gflops = {name: flop_per_token * num_tokens / median_s[name] / 1e9 for name in IMPLS}
             hf_best = max(("hf_eager", "hf_grouped"), key=lambda n: gflops[n])
+            dense_best = max(("dense", "dense_mkl"), key=lambda n: gflops[n])
             row = {
                 "tokens": num_tokens,
                 "reps": len(times["ours"]),
                 "median_ms": {name: median_s[name] * 1e3 for name in IMPLS},
                 "gflops": gflops,
                 "hf_best": hf_best,
+                "dense_best": dense_best,
                 "ours_vs_hf_best": gflops["ours"] / gflops[hf_best],
-                "ours_vs_dense": gflops["ours"] / gflops["dense"],
+                "ours_vs_dense": gflops["ours"] / gflops[dense_best],
+                "ours_vs_ours_mkl": gflops["ours"] / gflops["ours_mkl"],
                 "max_abs_diff_vs_hf_eager": max_abs_diff,
             }
             row["goal_met"] = row["ours_vs_hf_best"] >= 1.0 and (
@@ -200,8 +234,9 @@ def _env() -> dict:
 def _row_text(row: dict) -> str:
     g = row["gflops"]
     return (
-        f"T={row['tokens']:>5}  GFLOP/s  ours {g['ours']:7.2f}  hf_eager {g['hf_eager']:7.2f}  "
-        f"hf_grouped {g['hf_grouped']:7.2f}  dense {g['dense']:7.2f}  |  "
+        f"T={row['tokens']:>5}  GFLOP/s  ours {g['ours']:7.2f}  ours_mkl {g['ours_mkl']:7.2f}  "
+        f"hf_eager {g['hf_eager']:7.2f}  hf_grouped {g['hf_grouped']:7.2f}  dense {g['dense']:7.2f}  "
+        f"dense_mkl {g['dense_mkl']:7.2f}  |  "
         f"ours/hf_best {row['ours_vs_hf_best']:.2f}  ours/dense {row['ours_vs_dense']:.2f}  "
         f"({row['reps']} reps)"
     )
@@ -215,14 +250,15 @@ def to_markdown(record: dict) -> str:
         f"fp32, {record['env']['threads']} threads, torch {record['env']['torch']}, "
         f"transformers {record['env']['transformers']}. GFLOP/s (median of interleaved repetitions).",
         "",
-        "| T | ours | HF eager | HF grouped_mm | dense equal-FLOP | ours / HF best | ours / dense | goal |",
-        "|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "| T | ours | ours (MKL) | HF eager | HF grouped_mm | dense equal-FLOP | dense (MKL) "
+        "| ours / HF best | ours / dense best | goal |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for r in record["results"]:
         g = r["gflops"]
         lines.append(
-            f"| {r['tokens']} | {g['ours']:.1f} | {g['hf_eager']:.1f} | {g['hf_grouped']:.1f} "
-            f"| {g['dense']:.1f} "
+            f"| {r['tokens']} | {g['ours']:.1f} | {g['ours_mkl']:.1f} | {g['hf_eager']:.1f} "
+            f"| {g['hf_grouped']:.1f} | {g['dense']:.1f} | {g['dense_mkl']:.1f} "
             f"| {r['ours_vs_hf_best']:.2f} | {r['ours_vs_dense']:.2f} | {'yes' if r['goal_met'] else 'no'} |"
         )
     lines += ["", f"Command: `{record['command']}`", ""]

@@ -23,8 +23,12 @@ A typical dropless MoE forward (SwiGLU experts; w1/w3: [E, D, F], w2: [E, F, D])
     h_MF = silu(grouped_gemm(x_MD, w1_EDF, group_sizes_E)) * grouped_gemm(x_MD, w3_EDF, group_sizes_E)
     out_TD = unpermute(grouped_gemm(h_MF, w2_EFD, group_sizes_E), slots_M, weights_TK)
 
-Backends: "torch" (plain PyTorch; the CPU fast path) and "triton" (needs CUDA tensors, or CPU tensors
-under TRITON_INTERPRET=1). backend=None picks Triton on CUDA when triton is installed, torch elsewhere.
+Backends: "torch" (plain PyTorch), "onednn" (grouped GEMM only: CPU float32 on oneDNN-packed weights,
+the CPU fast path) and "triton" (needs CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+backend=None picks Triton on CUDA when triton is installed, oneDNN for float32 grouped GEMMs on CPU,
+torch elsewhere. grouped_swiglu(x_MD, w_gate_up_EDN, w_down_EHD, group_sizes_E, backend=None) runs
+whole SwiGLU experts: expert by expert on oneDNN without autograd on CPU (grouped_swiglu_onednn),
+two grouped GEMMs otherwise.
 The environment variables SPECDEC_GROUPED_GEMM_BACKEND and SPECDEC_ROUTING_BACKEND, when set, override
 the choice for grouped_gemm and for the routing ops. SPECDEC_TRITON_TMA=0 switches the Triton grouped
 GEMM's TMA-descriptor loads off, SPECDEC_TRITON_AUTOTUNE=0 its autotuning (first fitting config is used).
@@ -34,7 +38,16 @@ kernels/*/reference.py; docs/kernels.md has the design notes and measurements.
 """
 
 from ._backends import BackendRegistry, triton_available
-from .grouped_gemm import GROUPED_GEMM_BACKENDS, GroupedGemmBackend, grouped_gemm, triton_autotune_choices
+from .grouped_gemm import (
+    GROUPED_GEMM_BACKENDS,
+    GroupedGemmBackend,
+    clear_packed_weights,
+    grouped_gemm,
+    grouped_swiglu,
+    grouped_swiglu_onednn,
+    onednn_available,
+    triton_autotune_choices,
+)
 from .routing import (
     ROUTING_BACKENDS,
     ExpertSort,
@@ -52,7 +65,11 @@ __all__ = [
     "ExpertSort",
     "GroupedGemmBackend",
     "RoutingBackend",
+    "clear_packed_weights",
     "grouped_gemm",
+    "grouped_swiglu",
+    "grouped_swiglu_onednn",
+    "onednn_available",
     "permute",
     "sort_by_expert",
     "topk_routing",

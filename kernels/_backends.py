@@ -75,6 +75,10 @@ class BackendRegistry(Generic[B]):
                 f"unknown {self.family} backend {name!r}; known backends: {', '.join(self.names())}"
             ) from None
 
+    def env_override(self) -> str:
+        """The backend name set in the environment variable, or "" when unset."""
+        return os.environ.get(self.env_var, "").strip()
+
     def select(self, backend: str | None, device: torch.device) -> str:
         """Resolve the backend name for tensors on `device` (see the module docstring for the order)."""
         env = os.environ.get(self.env_var, "").strip()

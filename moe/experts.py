@@ -57,11 +57,12 @@ class SwiGLUExperts(nn.Module):
         nn.init.uniform_(self.w_down, -1 / math.sqrt(self.hidden_dim), 1 / math.sqrt(self.hidden_dim))
 
     def forward(self, x_MD: Tensor, group_sizes_E: Tensor) -> Tensor:
-        """y_MD for rows of x_MD grouped by expert (group_sizes_E rows each, in expert order)."""
-        h_MN = kernels.grouped_gemm(x_MD, self.w_gate_up, group_sizes_E, backend=self.backend)
-        return kernels.grouped_gemm(
-            swiglu(h_MN, self.hidden_dim), self.w_down, group_sizes_E, backend=self.backend
-        )
+        """y_MD for rows of x_MD grouped by expert (group_sizes_E rows each, in expert order).
+
+        kernels.grouped_swiglu: on CPU in float32 without autograd, expert by expert on oneDNN;
+        otherwise two grouped GEMMs around the SwiGLU.
+        """
+        return kernels.grouped_swiglu(x_MD, self.w_gate_up, self.w_down, group_sizes_E, backend=self.backend)
 
     def expert(self, e: int, x_TD: Tensor) -> Tensor:
         """Plain-PyTorch expert e applied to x_TD (the reference the grouped path is tested against)."""
@@ -106,8 +107,16 @@ class SharedExperts(nn.Module):
             nn.init.uniform_(self.output_gate, -1 / math.sqrt(self.dim), 1 / math.sqrt(self.dim))
 
     def forward(self, x_TD: Tensor) -> Tensor:
-        """y_TD = SwiGLU(x_TD), times sigmoid(x_TD . output_gate) when gated."""
-        y_TD = swiglu(x_TD @ self.w_gate_up, self.hidden_dim) @ self.w_down
+        """y_TD = SwiGLU(x_TD), times sigmoid(x_TD . output_gate) when gated (oneDNN on CPU in float32
+        without autograd, as for the routed experts)."""
+        if torch.is_grad_enabled() and (x_TD.requires_grad or self.w_gate_up.requires_grad):
+            y_TD = swiglu(x_TD @ self.w_gate_up, self.hidden_dim) @ self.w_down
+        else:  # one group: the dense SwiGLU on the inference fast path
+            x_2d = x_TD.reshape(-1, self.dim).contiguous()
+            sizes = torch.tensor([x_2d.shape[0]])
+            y_TD = kernels.grouped_swiglu(x_2d, self.w_gate_up[None], self.w_down[None], sizes).reshape(
+                x_TD.shape
+            )
         if self.output_gate is not None:
             y_TD = y_TD * torch.sigmoid(F.linear(x_TD, self.output_gate))
         return y_TD

@@ -19,9 +19,11 @@ import torch
 from torch import Tensor
 
 from .._backends import BackendRegistry, can_check_values, eager_direct_call
+from .onednn_backend import grouped_gemm_onednn, onednn_available
 from .torch_backend import grouped_gemm_torch, grouped_gemm_weight_grad_torch
 
 ENV_VAR = "SPECDEC_GROUPED_GEMM_BACKEND"
+_ONEDNN = onednn_available()  # a constant, so torch.compile does not trace into torch.backends
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -60,6 +62,12 @@ GROUPED_GEMM_BACKENDS.register(
     "torch",
     GroupedGemmBackend(
         forward=grouped_gemm_torch, weight_grad=grouped_gemm_weight_grad_torch, dtypes=_FLOAT_DTYPES
+    ),
+)
+GROUPED_GEMM_BACKENDS.register(
+    "onednn",
+    GroupedGemmBackend(
+        forward=grouped_gemm_onednn, weight_grad=grouped_gemm_weight_grad_torch, dtypes=(torch.float32,)
     ),
 )
 GROUPED_GEMM_BACKENDS.register(
@@ -132,8 +140,9 @@ def grouped_gemm(x_MK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor, backend: st
             contiguous [E, N, K] tensor (e.g. `w_ENK.transpose(1, 2)` of nn.Linear-style weights), which is
             read in place without a copy.
         group_sizes_E: [E] int32/int64 row counts, non-negative, summing to M; on x's device or the CPU.
-        backend: "triton", "torch", or None for automatic (Triton on CUDA when available, torch elsewhere).
-            The environment variable SPECDEC_GROUPED_GEMM_BACKEND, when set, overrides it.
+        backend: "triton", "torch", "onednn" (CPU, float32), or None for automatic: Triton on CUDA when
+            available, oneDNN for float32 on CPU when this PyTorch has it, torch otherwise. The
+            environment variable SPECDEC_GROUPED_GEMM_BACKEND, when set, overrides it.
 
     Returns:
         y_MN: [M, N] in x's dtype (products accumulate in float32 or wider).
@@ -143,7 +152,7 @@ def grouped_gemm(x_MK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor, backend: st
             negative group sizes or group sizes that do not sum to M, or an unknown/unusable backend.
     """
     _check_inputs(x_MK, w_EKN, group_sizes_E)
-    name = GROUPED_GEMM_BACKENDS.select(backend, x_MK.device)
+    name = select_backend(backend, x_MK)
     if x_MK.dtype not in GROUPED_GEMM_BACKENDS.get(name).dtypes:
         raise ValueError(f"x_MK.dtype {x_MK.dtype} is not supported by the {name!r} grouped GEMM backend")
     trans_w = not w_EKN.is_contiguous()
@@ -153,6 +162,27 @@ def grouped_gemm(x_MK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor, backend: st
     if eager_direct_call(x_MK, w):
         return GROUPED_GEMM_BACKENDS.get(name).forward(x_MK, w, group_sizes_E, trans_w)
     return _grouped_gemm_op(x_MK, w, group_sizes_E, trans_w, name)
+
+
+def select_backend(backend: str | None, x_MK: Tensor) -> str:
+    """The backend a call with ``backend`` runs on for inputs like ``x_MK``: the environment variable,
+    else ``backend``, else automatic: Triton on CUDA, oneDNN for float32 on CPUs with oneDNN, torch
+    otherwise."""
+    name = GROUPED_GEMM_BACKENDS.select(backend, x_MK.device)
+    if (
+        backend is None
+        and name == "torch"
+        and not GROUPED_GEMM_BACKENDS.env_override()
+        and x_MK.device.type == "cpu"
+        and x_MK.dtype == torch.float32
+        and _ONEDNN
+    ):
+        return "onednn"
+    if name == "onednn" and x_MK.device.type != "cpu":
+        raise ValueError(f"backend 'onednn' runs on CPU tensors only, got {x_MK.device}")
+    if name == "onednn" and not _ONEDNN:
+        raise ValueError("backend 'onednn' cannot run here: this PyTorch build has no usable oneDNN")
+    return name
 
 
 def triton_autotune_choices() -> dict[str, str]:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .._backends import BackendRegistry, can_check_values, eager_direct_call
 from . import reference as ref
+from .torch_backend import unpermute_torch
 
 ENV_VAR = "SPECDEC_ROUTING_BACKEND"
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -44,7 +45,7 @@ ROUTING_BACKENDS.register(
         topk_backward=ref.topk_routing_backward_reference,
         sort=ref.sort_by_expert_reference,
         permute=ref.permute_reference,
-        unpermute=ref.unpermute_reference,
+        unpermute=unpermute_torch,
         unpermute_backward=ref.unpermute_backward_reference,
     ),
 )
