@@ -116,6 +116,7 @@ DRAFTERS = Registry(
         "eagle": "specdec.drafters.eagle:EagleDrafter",
         "eagle-tree": "specdec.drafters.eagle_tree:EagleTreeDrafter",
         "ngram-eagle": "specdec.drafters.fallback:ngram_eagle",
+        "ngram-eagle-tree": "specdec.drafters.fallback:ngram_eagle_tree",
         "default": "specdec.drafters.default:default_drafter",
     },
 )

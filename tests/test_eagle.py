@@ -23,6 +23,7 @@ from specdec.drafters.eagle import (
     target_parts,
 )
 from specdec.drafters.eagle_tree import EagleTreeDrafter
+from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.targets.hf import HFTarget
 from specdec.targets.llama import LlamaTarget
@@ -172,7 +173,7 @@ def test_draft_distribution_equals_full_vocab_processing():
         torch.testing.assert_close(draft_distribution(logits_N, vocab, 50, sp), want)
 
 
-@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree", "ngram-eagle"])
+@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree", "ngram-eagle", "ngram-eagle-tree"])
 def test_greedy_equals_plain_decoding_ragged_batch(tiny, drafter):
     target, prompts = tiny["target"], _prompts()
     ref = specdec.generate(
@@ -305,7 +306,7 @@ def test_smaller_draft_vocab_keeps_the_most_frequent(tiny):
 
 @pytest.mark.model
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree", "ngram-eagle"])
+@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree", "ngram-eagle", "ngram-eagle-tree"])
 def test_smollm2_greedy_equals_transformers(drafter):
     """Greedy output with the shipped head equals transformers' greedy generate, token for token."""
     from specdec.targets import load_target
@@ -408,3 +409,20 @@ def test_ngram_eagle_uses_both_drafters_and_keeps_eagle_in_step(tiny):
     assert checking.checked == hybrid.counts["fallback"]
     with pytest.raises(ValueError, match="min_tokens"):
         FallbackDrafter(hybrid.primary, hybrid.fallback, min_tokens=0)
+
+
+def test_ngram_eagle_tree_mixes_lookup_chains_and_eagle_trees(tiny):
+    """ngram-eagle-tree: lookup chains on the repeated motif, EAGLE trees elsewhere, greedy = plain."""
+    target = tiny["target"]
+    g = torch.Generator().manual_seed(9)
+    motif = torch.randint(0, 256, (6,), generator=g).tolist()
+    prompt = motif * 4 + torch.randint(0, 256, (5,), generator=g).tolist()
+    drafter = create_drafter("ngram-eagle-tree", target, weights=str(tiny["weights"]))
+    ref = specdec.generate(
+        target, [prompt], drafter="none", max_new_tokens=40, temperature=0.0, ignore_eos=True
+    )
+    out = specdec.generate(
+        target, [prompt], drafter=drafter, max_new_tokens=40, temperature=0.0, gamma=4, ignore_eos=True
+    )
+    assert out.token_ids == ref.token_ids
+    assert drafter.counts["primary"] > 0 and drafter.counts["fallback"] > 0

@@ -1,10 +1,11 @@
 """A drafter that asks a cheap primary drafter first and falls back to a second one.
 
-Registered as ``ngram-eagle``: prompt lookup (``ngram``, only n-grams of at least ``min_ngram``
-tokens) proposes when the text repeats itself, which costs nothing and is accepted often; otherwise
-the trained EAGLE head drafts. Both drafters see every ``begin`` and ``observe``; when the primary's
-proposal is used, a fallback with a ``catch_up(state)`` method (EAGLE: its KV cache must take in the
-true features of every committed token) still runs it, so it stays in step.
+Registered as ``ngram-eagle`` (and ``ngram-eagle-tree``, whose fallback drafts EAGLE token trees):
+prompt lookup (``ngram``, only n-grams of at least ``min_ngram`` tokens) proposes when the text
+repeats itself, which costs nothing and is accepted often; otherwise the trained EAGLE head drafts.
+Both drafters see every ``begin`` and ``observe``; when the primary's proposal is used, a fallback
+with a ``catch_up(state)`` method (EAGLE: its KV cache must take in the true features of every
+committed token) still runs it, so it stays in step.
 
 The choice is made per step for the whole batch: the primary's proposal is used when every
 unfinished row has at least ``min_tokens`` drafted tokens from it (for B > 1 the primary is asked
@@ -20,7 +21,7 @@ import torch
 
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 
-__all__ = ["FallbackDrafter", "ngram_eagle"]
+__all__ = ["FallbackDrafter", "ngram_eagle", "ngram_eagle_tree"]
 
 
 class FallbackDrafter:
@@ -104,5 +105,26 @@ def ngram_eagle(
     return FallbackDrafter(
         NGramDrafter(target, max_ngram=max_ngram, min_ngram=min_ngram),
         EagleDrafter(target, **eagle_options),
+        min_tokens=min_tokens,
+    )
+
+
+def ngram_eagle_tree(
+    target: Any,
+    *,
+    min_ngram: int = 2,
+    max_ngram: int = 3,
+    min_tokens: int = 1,
+    **eagle_tree_options: Any,
+) -> FallbackDrafter:
+    """Prompt lookup as in :func:`ngram_eagle`, an EAGLE token tree otherwise (``eagle_tree_options``:
+    ``weights``, ``tree``, ``tree_nodes``, ``tree_width``, ...). Each step is one chain or one tree,
+    verified in one target call either way."""
+    from specdec.drafters.eagle_tree import EagleTreeDrafter
+    from specdec.drafters.ngram import NGramDrafter
+
+    return FallbackDrafter(
+        NGramDrafter(target, max_ngram=max_ngram, min_ngram=min_ngram),
+        EagleTreeDrafter(target, **eagle_tree_options),
         min_tokens=min_tokens,
     )
