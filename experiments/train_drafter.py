@@ -449,6 +449,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--greedy-tokens", type=int, default=d.data.greedy_tokens)
     p.add_argument("--sample-tokens", type=int, default=d.data.sample_tokens)
     p.add_argument(
+        "--sample-continuations",
+        type=int,
+        default=d.data.sample_continuations,
+        help="sampled continuations per training HumanEval/MT-Bench prompt",
+    )
+    p.add_argument(
+        "--function-prompts",
+        type=int,
+        default=d.data.function_prompts,
+        help="standard-library functions used as extra prompts (x3: code, instruction, chat)",
+    )
+    p.add_argument(
         "--data-root", type=Path, default=None, help="feature cache root (default ~/.cache/specdec)"
     )
     p.add_argument("--work", type=Path, default=None, help="checkpoint directory (default inside the cache)")
@@ -458,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
         "--no-autocast", action="store_true", help="train in fp32 (slower) instead of bf16 autocast"
     )
     a = p.parse_args(argv)
+    for name in ("sample_continuations", "function_prompts"):
+        if getattr(a, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
     for name in ("steps", "draft_vocab_size", "unroll", "batch_size", "seq_len", "eval_prompts"):
         if getattr(a, name) < (0 if name == "eval_prompts" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -474,7 +489,12 @@ def main(argv: list[str] | None = None) -> int:
         eval_prompts=a.eval_prompts,
         autocast_bf16=not a.no_autocast,
         data=replace(
-            d.data, text_tokens=a.text_tokens, greedy_tokens=a.greedy_tokens, sample_tokens=a.sample_tokens
+            d.data,
+            text_tokens=a.text_tokens,
+            greedy_tokens=a.greedy_tokens,
+            sample_tokens=a.sample_tokens,
+            sample_continuations=a.sample_continuations,
+            function_prompts=a.function_prompts,
         ),
     )
     train(
