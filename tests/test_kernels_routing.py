@@ -246,3 +246,14 @@ def test_routing_pipeline_with_no_tokens(backend):
     assert out_TD.shape == (0, 8)
     out_TD.sum().backward()
     assert x_TD.grad.shape == (0, 8) and weights_TK.grad.shape == (0, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_choice_follows_the_logits_when_scores_round_equal(backend, scoring):
+    """sigmoid(20) and sigmoid(30) are both 1.0 in float32 (softmax likewise rounds tiny gaps away):
+    without a bias the expert with the larger logit wins, whatever the scores round to. (Found on an
+    H200: Triton's exp and torch's ordered near-equal sigmoid scores differently at E=128, k=8.)"""
+    logits_TE = torch.tensor([[20.0, 30.0, -5.0, 25.0], [0.0, 1e-7, 0.0, -1.0]])
+    _, experts_TK = kernels.topk_routing(logits_TE, 2, scoring=scoring, backend=backend)
+    assert experts_TK.tolist() == [[1, 3], [1, 0]]

@@ -6,9 +6,9 @@ lists slots grouped by expert, ascending slot index within an expert (a stable s
 deterministic.
 
   topk_routing    scores = softmax or sigmoid of the router logits; pick the top-k experts per token by
-                  score (+ an optional selection bias, DeepSeek-V3 aux-loss-free balancing,
-                  arXiv:2412.19437); the weights are the unbiased scores, optionally renormalised to sum 1.
-                  Ties go to the lower expert index.
+                  logit (the scores' order), or by score + a selection bias (DeepSeek-V3 aux-loss-free
+                  balancing, arXiv:2412.19437); the weights are the unbiased scores, optionally
+                  renormalised to sum 1. Ties go to the lower expert index.
   sort_by_expert  counting sort of the slots by expert: sorted_slots_M, group_sizes_E, expert_offsets_E1.
   permute         x_MD[i] = x_TD[sorted_slots_M[i] // K]   (gather rows into expert order)
   unpermute       out_TD[t] = sum_k weights_TK[t, k] * y_MD[row of slot t*K+k]   (dropped slots add 0)
@@ -30,8 +30,11 @@ def topk_routing_reference(
 ) -> tuple[Tensor, Tensor]:
     """(weights_TK float32, experts_TK int64); differentiable in logits_TE by plain autograd."""
     scores_TE = SCORING_FUNCTIONS[scoring](logits_TE.float())
-    select_TE = scores_TE if bias_E is None else scores_TE + bias_E.float()
-    # A stable descending sort keeps the lower expert first among equal scores (a zero-initialised router).
+    # Without a bias the choice is made on the logits: softmax and sigmoid are strictly increasing, so
+    # this is the same top-k, but it does not depend on how the scores were rounded (two
+    # implementations of exp can order near-equal scores differently; a saturated sigmoid ties at 1).
+    select_TE = logits_TE.float() if bias_E is None else scores_TE + bias_E.float()
+    # A stable descending sort keeps the lower expert first among equal values (a zero-initialised router).
     order_TE = torch.sort(select_TE.detach(), dim=-1, descending=True, stable=True).indices
     experts_TK = order_TE[:, :top_k].contiguous()
     weights_TK = scores_TE.gather(1, experts_TK)

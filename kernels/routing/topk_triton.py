@@ -60,11 +60,15 @@ def topk_routing_kernel(
     k_cols = tl.arange(0, K_PAD)
     scores = _scores(logits_ptr, rows, cols, T, E, stride_lt, SCORING)
 
-    # ---- selection score: the bias steers the choice only (DeepSeek-V3 aux-loss-free balancing)
-    select = scores
+    # ---- selection score: the bias steers the choice only (DeepSeek-V3 aux-loss-free balancing);
+    # without one, the logits (same order as the scores, independent of how exp rounds; see reference.py)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)
-        select = select + bias[None, :]
+        select = scores + bias[None, :]
+    else:
+        valid = (rows[:, None] < T) & (cols[None, :] < E)
+        select = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :], mask=valid, other=0.0)
+        select = select.to(tl.float32)
     select = tl.where(cols[None, :] < E, select, float("-inf"))
 
     # ---- K rounds of argmax, each winner masked out for the next round
