@@ -5,6 +5,8 @@ third-party name) to an implementation object. `select_backend` resolves the nam
 
     environment variable (if set)  >  the `backend` argument  >  automatic (Triton on CUDA, torch elsewhere)
 
+(grouped_gemm's own `select_backend` then swaps the automatic "torch" for "onednn" on float32 CPU tensors.)
+
 The environment variable wins over the argument on purpose: it lets a researcher force the plain-PyTorch
 path for a whole run (to rule out a kernel bug, say) without editing model code that passes a backend.
 """
