@@ -337,7 +337,6 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
         return out
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     tokenizer = load_tokenizer(cfg.target)
-    model = load_hf_model(cfg.target)
     prompts = load_prompts(tokenizer)
     log(f"[data] {len(prompts)} prompts ({sum(p.heldout for p in prompts)} held out) -> {out}")
 
@@ -375,7 +374,8 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
         tmp = cont_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(conts[name]))
         tmp.replace(cont_path)
-    del target
+    del target  # only transformers' model is needed from here on (its pre-norm hook)
+    model = load_hf_model(cfg.target)
 
     # Stage 2: all sequences, then features shard by shard.
     seqs: list[tuple[str, bool, list[int]]] = []

@@ -385,6 +385,17 @@ class _Checking:
         return p
 
 
+def _motif_prompt_and_plain_decode(target):
+    """A prompt that repeats a 6-token motif (so prompt lookup proposes) and its plain greedy decode."""
+    g = torch.Generator().manual_seed(9)
+    motif = torch.randint(0, 256, (6,), generator=g).tolist()
+    prompt = motif * 4 + torch.randint(0, 256, (5,), generator=g).tolist()
+    ref = specdec.generate(
+        target, [prompt], drafter="none", max_new_tokens=40, temperature=0.0, ignore_eos=True
+    )
+    return prompt, ref
+
+
 def test_ngram_eagle_uses_both_drafters_and_keeps_eagle_in_step(tiny):
     """A repetitive prompt makes prompt lookup propose; elsewhere EAGLE drafts. EAGLE's cache must
     take in the committed tokens either way: after lookup steps its drafts still equal those of an
@@ -393,14 +404,9 @@ def test_ngram_eagle_uses_both_drafters_and_keeps_eagle_in_step(tiny):
     from specdec.drafters.ngram import NGramDrafter
 
     target = tiny["target"]
-    g = torch.Generator().manual_seed(9)
-    motif = torch.randint(0, 256, (6,), generator=g).tolist()
-    prompt = motif * 4 + torch.randint(0, 256, (5,), generator=g).tolist()
+    prompt, ref = _motif_prompt_and_plain_decode(target)
     hybrid = FallbackDrafter(NGramDrafter(target, min_ngram=2), EagleDrafter(target, weights=tiny["weights"]))
     checking = _Checking(hybrid, EagleDrafter(target, weights=tiny["weights"]))
-    ref = specdec.generate(
-        target, [prompt], drafter="none", max_new_tokens=40, temperature=0.0, ignore_eos=True
-    )
     out = specdec.generate(
         target, [prompt], drafter=checking, max_new_tokens=40, temperature=0.0, gamma=4, ignore_eos=True
     )
@@ -414,13 +420,8 @@ def test_ngram_eagle_uses_both_drafters_and_keeps_eagle_in_step(tiny):
 def test_ngram_eagle_tree_mixes_lookup_chains_and_eagle_trees(tiny):
     """ngram-eagle-tree: lookup chains on the repeated motif, EAGLE trees elsewhere, greedy = plain."""
     target = tiny["target"]
-    g = torch.Generator().manual_seed(9)
-    motif = torch.randint(0, 256, (6,), generator=g).tolist()
-    prompt = motif * 4 + torch.randint(0, 256, (5,), generator=g).tolist()
+    prompt, ref = _motif_prompt_and_plain_decode(target)
     drafter = create_drafter("ngram-eagle-tree", target, weights=str(tiny["weights"]))
-    ref = specdec.generate(
-        target, [prompt], drafter="none", max_new_tokens=40, temperature=0.0, ignore_eos=True
-    )
     out = specdec.generate(
         target, [prompt], drafter=drafter, max_new_tokens=40, temperature=0.0, gamma=4, ignore_eos=True
     )

@@ -36,14 +36,7 @@ from specdec.testing import (
 )
 from specdec.verify import rejection_sample
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Toy-sized tensors: one intra-op thread avoids OpenMP overhead (10-100x on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _max_diff(a: dict, b: dict) -> float:

@@ -27,13 +27,7 @@ from specdec.verify import VerifyResult, rejection_sample
 EXACT = 1e-12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Toy-sized tensors: one intra-op thread avoids OpenMP overhead (10-100x on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gen(seed: int) -> torch.Generator:

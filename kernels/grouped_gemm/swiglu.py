@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .._backends import eager_direct_call
 from .onednn_backend import grouped_swiglu_onednn
-from .op import grouped_gemm, select_backend
+from .op import _check_inputs, grouped_gemm, select_backend
 
 
 def grouped_swiglu(
@@ -47,8 +47,6 @@ def grouped_swiglu(
         and eager_direct_call(x_MD, w_gate_up_EDN, w_down_EHD)
     ):
         # grouped_gemm validates everything on the general path; check the same here.
-        from .op import _check_inputs
-
         _check_inputs(x_MD, w_gate_up_EDN, group_sizes_E)
         if w_down_EHD.dtype != x_MD.dtype or w_down_EHD.shape[0] != w_gate_up_EDN.shape[0]:
             raise ValueError(

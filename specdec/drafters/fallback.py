@@ -89,6 +89,14 @@ class FallbackDrafter:
         self.counts[which] += 1
 
 
+def _lookup_first(target: Any, fallback: Any, min_ngram: int, max_ngram: int, min_tokens: int):
+    from specdec.drafters.ngram import NGramDrafter
+
+    return FallbackDrafter(
+        NGramDrafter(target, max_ngram=max_ngram, min_ngram=min_ngram), fallback, min_tokens=min_tokens
+    )
+
+
 def ngram_eagle(
     target: Any,
     *,
@@ -100,13 +108,8 @@ def ngram_eagle(
     """Prompt lookup over n-grams of ``min_ngram``–``max_ngram`` tokens first, the EAGLE head
     otherwise (``eagle_options``: ``weights``, ``draft_vocab_size``, ...)."""
     from specdec.drafters.eagle import EagleDrafter
-    from specdec.drafters.ngram import NGramDrafter
 
-    return FallbackDrafter(
-        NGramDrafter(target, max_ngram=max_ngram, min_ngram=min_ngram),
-        EagleDrafter(target, **eagle_options),
-        min_tokens=min_tokens,
-    )
+    return _lookup_first(target, EagleDrafter(target, **eagle_options), min_ngram, max_ngram, min_tokens)
 
 
 def ngram_eagle_tree(
@@ -121,10 +124,7 @@ def ngram_eagle_tree(
     ``weights``, ``tree``, ``tree_nodes``, ``tree_width``, ...). Each step is one chain or one tree,
     verified in one target call either way."""
     from specdec.drafters.eagle_tree import EagleTreeDrafter
-    from specdec.drafters.ngram import NGramDrafter
 
-    return FallbackDrafter(
-        NGramDrafter(target, max_ngram=max_ngram, min_ngram=min_ngram),
-        EagleTreeDrafter(target, **eagle_tree_options),
-        min_tokens=min_tokens,
+    return _lookup_first(
+        target, EagleTreeDrafter(target, **eagle_tree_options), min_ngram, max_ngram, min_tokens
     )

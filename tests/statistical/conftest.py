@@ -1,13 +1,8 @@
-"""Shared set-up of the statistical suite."""
+"""Shared set-up of the statistical suite: every module runs on one torch thread (tests/conftest.py)."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Toy-sized tensors: one intra-op thread avoids OpenMP overhead (10-100x on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
