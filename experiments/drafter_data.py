@@ -14,6 +14,11 @@ Sources (all offline):
 - function prompts cut from the standard library (``def`` line + docstring, as HumanEval prompts
   are), each also as an instruction ("Write a Python function ...", raw and with the chat
   template), with the target's greedy continuations: many more prompts like the ones users run;
+- self-instructed requests (Magpie, Xu et al. 2024, arXiv 2406.08464): the chat model, given only the
+  chat template up to the user turn, writes user requests itself (sampled at T=1); each complete one
+  becomes a prompt, raw and in the chat template, continued greedily and by one sample. They bring the
+  everyday chat requests (advice, plans, explanations, stories) that HumanEval and 58 training MT-Bench
+  questions cover thinly;
 - Python source from the standard library and documentation from site-packages (package READMEs).
 
 Held-out split, by prompt (never trained on): every prompt that ``specdec bench`` picks with
@@ -22,7 +27,10 @@ tasks and 22 of the 80 MT-Bench questions (both turns), see :func:`is_heldout`.
 
 Every sequence is run through the target once; per token we store the feature (last decoder layer
 output before the final norm, fp16) and the target's top-k next-token probabilities (T=1). The
-cache is written in shards with a manifest, so an interrupted run resumes where it stopped.
+cache is written in shards of 64 sequences with a manifest, so an interrupted run resumes where it
+stopped. Shards are content-addressed (``shards/<target>-<hash of names and tokens>``), shared by
+every config whose sequences they hold: a config that adds a source extracts features for the new
+sequences only (new sources come after the old ones in the sequence order).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ __all__ = [
     "Prompt",
     "load_prompts",
     "function_prompts",
+    "self_instruct_requests",
     "generate_continuations",
     "is_heldout",
     "build_dataset",
@@ -71,6 +80,11 @@ class DataConfig:
     function_prompts: int = 400
     """Standard-library functions turned into prompts (each as code, instruction and chat
     instruction: 3 prompts), continued greedily for ``greedy_tokens``."""
+    self_instruct: int = 800
+    """User requests sampled from the chat model itself (Magpie); the complete, distinct ones become
+    prompts (raw and chat: 2 each), continued greedily and by one T=``sample_temperature`` sample."""
+    self_instruct_tokens: int = 96
+    """Longest sampled request; requests without an end of turn by then are dropped."""
     heldout_continuations: bool = False
     """Also generate continuations of held-out prompts (only used for held-out monitoring)."""
     text_tokens: int = 30_000
@@ -199,6 +213,70 @@ def function_prompts(
     return out[: 3 * n]
 
 
+def self_instruct_requests(
+    target,
+    n: int,
+    *,
+    max_tokens: int,
+    seed: int,
+    batch_size: int,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    log=print,
+) -> list[str]:
+    """User requests written by the chat model itself (Magpie, arXiv 2406.08464): ``n`` samples of
+    the user turn from the chat template's prefix alone; the ones that end their turn within
+    ``max_tokens``, distinct and non-trivial, in sampling order."""
+    import specdec
+
+    tokenizer = target.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("self_instruct needs a target whose tokenizer has a chat template")
+    marker = "\x00REQUEST\x00"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], add_generation_prompt=False, tokenize=False
+    )
+    prefix_ids = tokenizer(rendered[: rendered.index(marker)], add_special_tokens=False).input_ids
+    requests: list[str] = []
+    seen: set[str] = set()
+    t0 = time.perf_counter()
+    for b, start in enumerate(range(0, n, batch_size)):
+        rows = min(batch_size, n - start)
+        gen = specdec.generate(
+            target,
+            [list(prefix_ids)] * rows,
+            drafter="none",
+            gamma=0,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_tokens,
+            seed=seed * 1_000_003 + 17 * b + 1,
+        )
+        for row, why in zip(gen.token_ids, gen.finish_reasons, strict=True):
+            if why != "eos":
+                continue  # cut off before the end of its turn
+            text = tokenizer.decode(row[:-1], skip_special_tokens=True).strip()
+            if len(text) < 16 or text in seen:
+                continue
+            seen.add(text)
+            requests.append(text)
+        log(
+            f"  self-instruct: {start + rows}/{n} sampled, {len(requests)} kept, "
+            f"{time.perf_counter() - t0:.0f}s"
+        )
+    return requests
+
+
+def self_instruct_prompts(tokenizer, requests: list[str]) -> list[Prompt]:
+    """Each request as two training prompts: raw text and the chat template's user turn."""
+    out = []
+    for i, text in enumerate(requests):
+        pid = f"self/{i}"
+        out.append(Prompt(pid, "self", False, tuple(tokenizer(text).input_ids)))
+        out.append(Prompt(pid + "/chat", "self-chat", False, tuple(chat_ids(tokenizer, text))))
+    return out
+
+
 def text_sequences(tokenizer, cfg: DataConfig) -> list[tuple[str, bool, list[int]]]:
     """Chunks of Python/doc text, ~``cfg.text_tokens`` in all; every 10th file is held out."""
     out, total = [], 0
@@ -321,6 +399,21 @@ def _cache_root(cfg: DataConfig, root: Path | None) -> Path:
     return (root or cache_dir() / "eagle-data") / f"{cfg.target}-{cfg.key()}"
 
 
+def shard_key(target: str, topk: int, chunk: list[tuple[str, bool, list[int]]]) -> str:
+    """Content address of a feature shard: the target, k, and every sequence's name, split and tokens
+    (features are a function of these alone)."""
+    h = hashlib.sha1(f"{target}|{topk}".encode())
+    for name, held, ids in chunk:
+        h.update(json.dumps([name, bool(held), list(ids)]).encode())
+    return f"{target}-{h.hexdigest()[:16]}"
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
 def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
     """Generate continuations and features (skipping stages already cached); returns the directory."""
     from safetensors.torch import save_file
@@ -353,6 +446,30 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
         jobs.append(("functions", 0.0, cfg.greedy_tokens, 1, fn_prompts))
     if cfg.sample_tokens > 0 and cfg.sample_continuations > 0:
         jobs.append(("sample", cfg.sample_temperature, cfg.sample_tokens, cfg.sample_continuations, trained))
+    self_prompts: list[Prompt] = []
+    if cfg.self_instruct > 0:
+        req_path = (
+            out.parent
+            / f"{cfg.target}-self-instruct-n{cfg.self_instruct}-t{cfg.self_instruct_tokens}-s{cfg.seed}.json"
+        )
+        if req_path.exists():
+            requests = json.loads(req_path.read_text())
+        else:
+            log(f"[data] self-instruct: sampling {cfg.self_instruct} user requests from the target")
+            requests = self_instruct_requests(
+                target,
+                cfg.self_instruct,
+                max_tokens=cfg.self_instruct_tokens,
+                seed=cfg.seed,
+                batch_size=cfg.gen_batch_size,
+                log=log,
+            )
+            _write_json(req_path, requests)
+        self_prompts = self_instruct_prompts(tokenizer, requests)
+        log(f"[data] {len(requests)} self-instructed requests -> {len(self_prompts)} prompts")
+        jobs.append(("self-greedy", 0.0, cfg.greedy_tokens, 1, self_prompts))
+        if cfg.sample_tokens > 0:
+            jobs.append(("self-sample", cfg.sample_temperature, cfg.sample_tokens, 1, self_prompts))
     for name, temp, n, k, ps in jobs:
         key = hashlib.sha1(json.dumps([p.ids for p in ps]).encode()).hexdigest()[:8]
         cont_path = out.parent / f"{cfg.target}-specdec-{name}-T{temp:g}-n{n}x{k}-s{cfg.seed}-{key}.json"
@@ -371,9 +488,7 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
             log=log,
         )
         conts[name] = {p.pid: g for p, g in zip(ps, gen, strict=True)}
-        tmp = cont_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(conts[name]))
-        tmp.replace(cont_path)
+        _write_json(cont_path, conts[name])
     del target  # only transformers' model is needed from here on (its pre-norm hook)
     model = load_hf_model(cfg.target)
 
@@ -387,19 +502,31 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
         if not have:  # a held-out prompt without continuations: its prompt alone
             seqs.append((p.pid, p.heldout, list(p.ids)))
     seqs += text_sequences(tokenizer, cfg)
+    # Sources added later come last, so the shards of older configs stay the same and are shared.
+    for p in self_prompts:
+        for name in ("self-greedy", "self-sample"):
+            for j, cont in enumerate(conts.get(name, {}).get(p.pid, [])):
+                seqs.append((f"{p.pid}/{name}{j}", p.heldout, list(p.ids) + cont))
     total = sum(len(s) for _, _, s in seqs)
     log(f"[data] {len(seqs)} sequences, {total} tokens; features in shards")
     shard_size = 64
     t0 = time.perf_counter()
-    for shard, start in enumerate(range(0, len(seqs), shard_size)):
-        name = f"shard-{shard:04d}.safetensors"
-        if name in manifest["shards"]:
-            continue
+    store = out.parent / "shards"
+    store.mkdir(exist_ok=True)
+    manifest["shards"] = []
+    reused = 0
+    for start in range(0, len(seqs), shard_size):
         chunk = seqs[start : start + shard_size]
+        name = f"../shards/{shard_key(cfg.target, cfg.topk, chunk)}.safetensors"
+        if (out / name).exists():
+            manifest["shards"].append(name)
+            reused += 1
+            continue
         feats, ids, probs = extract_features(model, [s for _, _, s in chunk], cfg.topk)
         if max(float(f.float().abs().max()) for f in feats) > 6e4:
             raise ValueError("features overflow fp16; store them as bf16 instead")
         lens = torch.tensor([len(s) for _, _, s in chunk], dtype=torch.int64)
+        tmp = out / (name + ".tmp")
         save_file(
             {
                 "tokens": torch.tensor([t for _, _, s in chunk for t in s], dtype=torch.int32),
@@ -409,13 +536,15 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
                 "lengths": lens,
                 "heldout": torch.tensor([h for _, h, _ in chunk], dtype=torch.bool),
             },
-            str(out / name),
+            str(tmp),
             metadata={"names": json.dumps([n for n, _, _ in chunk])},
         )
+        tmp.replace(out / name)
         manifest["shards"].append(name)
-        manifest_path.write_text(json.dumps(manifest))
         done = min(start + shard_size, len(seqs))
         log(f"  features: {done}/{len(seqs)} sequences, {time.perf_counter() - t0:.0f}s")
+    if reused:
+        log(f"[data] {reused} of {len(manifest['shards'])} shards were already in {store}")
     manifest["complete"] = True
     manifest["num_tokens"] = total
     manifest_path.write_text(json.dumps(manifest))

@@ -461,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
         help="standard-library functions used as extra prompts (x3: code, instruction, chat)",
     )
     p.add_argument(
+        "--self-instruct",
+        type=int,
+        default=d.data.self_instruct,
+        help="user requests sampled from the target itself (Magpie); each kept one is 2 prompts",
+    )
+    p.add_argument(
         "--data-root", type=Path, default=None, help="feature cache root (default ~/.cache/specdec)"
     )
     p.add_argument("--work", type=Path, default=None, help="checkpoint directory (default inside the cache)")
@@ -470,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-autocast", action="store_true", help="train in fp32 (slower) instead of bf16 autocast"
     )
     a = p.parse_args(argv)
-    for name in ("sample_continuations", "function_prompts"):
+    for name in ("sample_continuations", "function_prompts", "self_instruct"):
         if getattr(a, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
     for name in ("steps", "draft_vocab_size", "unroll", "batch_size", "seq_len", "eval_prompts"):
@@ -495,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             sample_tokens=a.sample_tokens,
             sample_continuations=a.sample_continuations,
             function_prompts=a.function_prompts,
+            self_instruct=a.self_instruct,
         ),
     )
     train(

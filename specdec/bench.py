@@ -245,11 +245,15 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
                 notes.append("hf/assistant skipped: no --draft-model given")
 
     drafters: dict[str, Any] = {}
-    for name in cfg.drafters:
+    for entry in cfg.drafters:
+        # "LABEL=DRAFTER" runs a registered drafter under its own label, with the options given for
+        # that label, so one run can compare settings of one drafter (eagle,eagle-stop=eagle).
+        label, _, registered = entry.rpartition("=")
+        name, label = registered, label or registered
         if name not in DRAFTERS:
-            notes.append(f"ours/{name} skipped: not registered (known: {', '.join(DRAFTERS.names())})")
+            notes.append(f"ours/{label} skipped: not registered (known: {', '.join(DRAFTERS.names())})")
             continue
-        options = dict(cfg.drafter_options.get(name, {}))
+        options = dict(cfg.drafter_options.get(label, {}))
         if DRAFTERS.resolve(name) == "model":
             if not cfg.draft_model and "model" not in options:
                 notes.append("ours/model skipped: no --draft-model given")
@@ -257,9 +261,9 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
             if "model" not in options:
                 options["model"] = open_target(cfg.draft_model, backend=cfg.backend, dtype=cfg.dtype)
         try:
-            drafters[name] = create_drafter(name, target, **options)
+            drafters[label] = create_drafter(name, target, **options)
         except (ImportError, ValueError, NotImplementedError) as e:
-            notes.append(f"ours/{name} skipped: {type(e).__name__}: {e}")
+            notes.append(f"ours/{label} skipped: {type(e).__name__}: {e}")
     if "none" not in drafters:
         drafters = {"none": create_drafter("none", target), **drafters}
 
@@ -353,7 +357,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temperatures", type=_csv(float), default=d.temperatures, help="e.g. 0,0.7")
     p.add_argument(
-        "--drafters", type=_csv(str), default=d.drafters, help="ours: none,ngram,layerskip,model,eagle,..."
+        "--drafters",
+        type=_csv(str),
+        default=d.drafters,
+        help="ours: none,ngram,layerskip,model,eagle,... (LABEL=DRAFTER runs a drafter under a label "
+        "that takes its own --drafter-option LABEL.KEY=VALUE)",
     )
     p.add_argument(
         "--hf-baselines",

@@ -152,3 +152,28 @@ def test_markdown_table_formats_missing_values():
         "speedup": 0.5,
     }
     assert "| all | 0 | hf/plain | 10.0 | 0.50× | – |" in markdown_table([row])
+
+
+def test_labelled_drafters_compare_settings_of_one_drafter(ckpts, tiny_sets, tmp_path):
+    """LABEL=DRAFTER runs a drafter under its own label with that label's options."""
+    target, _ = ckpts
+    cfg = BenchConfig(
+        target=target,
+        prompt_sets=("code",),
+        num_prompts=2,
+        max_new_tokens=8,
+        temperatures=(0.0,),
+        drafters=("none", "ngram", "ngram-1=ngram", "bad=ngram", "x=no-such-drafter"),
+        drafter_options={"ngram-1": {"max_ngram": 1}, "bad": {"max_ngram": 0}},
+        hf_baselines=(),
+        backend="hf",
+        out=str(tmp_path / "out"),
+        warmup=False,
+    )
+    payload = run_bench(cfg)
+    methods = {r["method"] for r in payload["summary"]}
+    assert methods == {"ours/none", "ours/ngram", "ours/ngram-1"}
+    assert any(n.startswith("ours/bad skipped: ValueError: max_ngram") for n in payload["notes"])
+    assert any(n.startswith("ours/x skipped: not registered") for n in payload["notes"])
+    rows = {r["method"]: r for r in payload["summary"] if r["prompt_set"] == "all"}
+    assert rows["ours/ngram-1"]["exact_match_rate"] == 1.0

@@ -90,3 +90,59 @@ def test_continuations_are_the_targets_own_decodes(target):
     assert len({tuple(c) for conts in sampled for c in conts}) > 3  # samples differ
     again = sample()
     assert again == sampled  # seeded
+
+
+def test_self_instruct_requests_are_complete_distinct_user_turns(target):
+    def sample(seed):
+        return drafter_data.self_instruct_requests(
+            target, 12, max_tokens=400, seed=seed, batch_size=5, log=lambda s: None
+        )
+
+    requests = sample(0)
+    assert requests, "a random tiny model ends some of 12 turns within 400 tokens"
+    assert len(requests) <= 12 and len(set(requests)) == len(requests)
+    assert all(len(r) >= 16 and r == r.strip() and "<|im_end|>" not in r for r in requests)
+    assert sample(0) == requests  # seeded
+    assert sample(1) != requests
+    # A turn cut off by max_tokens is dropped, never kept half-written.
+    assert (
+        drafter_data.self_instruct_requests(target, 6, max_tokens=1, seed=0, batch_size=6, log=lambda s: None)
+        == []
+    )
+
+
+def test_self_instruct_prompts_are_raw_and_chat_forms():
+    tok = byte_tokenizer()
+    prompts = drafter_data.self_instruct_prompts(tok, ["Plan a garden for me.", "Explain tides."])
+    assert [(p.pid, p.kind, p.heldout) for p in prompts] == [
+        ("self/0", "self", False),
+        ("self/0/chat", "self-chat", False),
+        ("self/1", "self", False),
+        ("self/1/chat", "self-chat", False),
+    ]
+    assert tok.decode(prompts[2].ids) == "Explain tides."
+    assert tok.decode(prompts[3].ids) == "<|im_start|>user\nExplain tides.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_self_instruct_needs_a_chat_template(tmp_path):
+    tok = byte_tokenizer()
+    tok.chat_template = None
+    plain = LlamaTarget.from_pretrained(save_tiny_checkpoint(tmp_path, tokenizer=tok, seed=3))
+    with pytest.raises(ValueError, match="chat template"):
+        drafter_data.self_instruct_requests(plain, 2, max_tokens=4, seed=0, batch_size=2)
+
+
+def test_shard_key_addresses_content():
+    chunk = [("a/greedy0", False, [1, 2, 3]), ("b", True, [4, 5])]
+    key = drafter_data.shard_key("smollm2-135m", 8, chunk)
+    assert key == drafter_data.shard_key("smollm2-135m", 8, [(n, h, list(t)) for n, h, t in chunk])
+    assert key.startswith("smollm2-135m-")
+    changed = [
+        drafter_data.shard_key("other", 8, chunk),
+        drafter_data.shard_key("smollm2-135m", 4, chunk),
+        drafter_data.shard_key("smollm2-135m", 8, [chunk[0], ("b", True, [4, 6])]),
+        drafter_data.shard_key("smollm2-135m", 8, [chunk[0], ("b", False, [4, 5])]),
+        drafter_data.shard_key("smollm2-135m", 8, [("c/greedy0", False, [1, 2, 3]), chunk[1]]),
+        drafter_data.shard_key("smollm2-135m", 8, chunk[::-1]),
+    ]
+    assert len({key, *changed}) == 7

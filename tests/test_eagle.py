@@ -100,6 +100,13 @@ def _prompts():
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 3)]
 
 
+def _options(tiny, drafter: str) -> dict:
+    """The tiny head's weights, with the combined drafters' stop rules off: the tiny head is unsure
+    (top probabilities ~1/200), so their tuned defaults would leave it no drafts to test."""
+    stops = {"ngram-eagle": {"min_prob": 0.0}, "ngram-eagle-tree": {"tree_min_prob": 0.0}}
+    return {"weights": str(tiny["weights"]), **stops.get(drafter, {})}
+
+
 def test_training_learns_the_targets_next_tokens(tiny):
     accuracy = tiny["accuracy"]
     assert accuracy[0] < 0.1 and min(accuracy[-10:]) > 0.3
@@ -183,7 +190,7 @@ def test_greedy_equals_plain_decoding_ragged_batch(tiny, drafter):
         target,
         prompts,
         drafter=drafter,
-        drafter_options={"weights": str(tiny["weights"])},
+        drafter_options=_options(tiny, drafter),
         max_new_tokens=30,
         temperature=0.0,
         gamma=4,
@@ -196,13 +203,47 @@ def test_greedy_equals_plain_decoding_ragged_batch(tiny, drafter):
             target,
             [p],
             drafter=drafter,
-            drafter_options={"weights": str(tiny["weights"])},
+            drafter_options=_options(tiny, drafter),
             max_new_tokens=30,
             temperature=0.0,
             gamma=4,
             ignore_eos=True,
         )
         assert single.token_ids[0] == ref.token_ids[b]
+
+
+@pytest.mark.parametrize(
+    "drafter,options",
+    [
+        ("eagle", {"min_prob": 0.005}),
+        ("ngram-eagle", {"min_prob": 0.005}),
+        ("eagle-tree", {"tree_min_prob": 0.002}),
+    ],
+)
+def test_confidence_stop_keeps_greedy_output_and_drafts_less(tiny, drafter, options):
+    """The confidence stop (chain) and the tree's probability floor change only what is drafted.
+    (The tiny head is unsure, its top probabilities ~1/200, hence the low thresholds.)"""
+    target, prompts = tiny["target"], _prompts()
+
+    def run(rows, opts):
+        return specdec.generate(
+            target,
+            rows,
+            drafter=drafter,
+            drafter_options={**_options(tiny, drafter), **opts},
+            max_new_tokens=30,
+            temperature=0.0,
+            gamma=4,
+            ignore_eos=True,
+        )
+
+    # Batched (the chain stops when every row is unsure) and one row (the dynamic tree's only case).
+    for rows in (prompts, prompts[:1]) if drafter != "eagle-tree" else (prompts[:1],):
+        ref, cut = run(rows, {}), run(rows, options)
+        assert cut.token_ids == ref.token_ids
+        assert cut.metrics.num_accepted > 0
+        assert cut.metrics.num_proposed < ref.metrics.num_proposed
+        assert cut.metrics.acceptance_rate > ref.metrics.acceptance_rate  # it drops the unlikely drafts
 
 
 def test_batched_proposals_equal_single_row_proposals(tiny):
@@ -243,7 +284,7 @@ def test_sampling_is_seeded_and_valid(tiny):
             target,
             prompts,
             drafter=name,
-            drafter_options={"weights": str(tiny["weights"])},
+            drafter_options=_options(tiny, name),
             max_new_tokens=20,
             temperature=0.9,
             top_k=50,
@@ -351,6 +392,9 @@ def test_default_drafter_is_lookup_then_the_shipped_eagle_head_for_smollm2():
     drafter = default_drafter(target)
     assert isinstance(drafter, FallbackDrafter) and drafter.registry_name == "ngram-eagle"
     assert isinstance(drafter.primary, NGramDrafter) and isinstance(drafter.fallback, EagleDrafter)
+    assert drafter.fallback.min_prob == 0.2  # the tuned confidence stop (docs/eagle.md)
+    tree = create_drafter("ngram-eagle-tree", target)
+    assert tree.fallback.tree_min_prob == 0.05 and create_drafter("eagle", target).min_prob == 0.0
 
 
 def test_default_drafter_falls_back_for_other_targets(tiny, capsys):
@@ -421,7 +465,7 @@ def test_ngram_eagle_tree_mixes_lookup_chains_and_eagle_trees(tiny):
     """ngram-eagle-tree: lookup chains on the repeated motif, EAGLE trees elsewhere, greedy = plain."""
     target = tiny["target"]
     prompt, ref = _motif_prompt_and_plain_decode(target)
-    drafter = create_drafter("ngram-eagle-tree", target, weights=str(tiny["weights"]))
+    drafter = create_drafter("ngram-eagle-tree", target, **_options(tiny, "ngram-eagle-tree"))
     out = specdec.generate(
         target, [prompt], drafter=drafter, max_new_tokens=40, temperature=0.0, gamma=4, ignore_eos=True
     )

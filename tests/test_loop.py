@@ -291,12 +291,15 @@ def _exact_joint(target: TableTarget, prompt: list[int], n: int, **sampling) -> 
         ("model", {"temperature": 1.0}),
         ("model", {"temperature": 0.7, "top_k": 4, "top_p": 0.9}),
         ("ngram", {"temperature": 1.0}),
+        ("model-stop", {"temperature": 1.0}),
+        ("model-stop", {"temperature": 0.7, "top_k": 4, "top_p": 0.9}),
     ],
 )
 def test_sampling_distribution_is_exact(drafter, sampling):
-    """Joint law of the first 3 generated tokens = the target's, through ragged batched speculation.
+    """Joint law of the first 3 (4 with the confidence stop) generated tokens = the target's, through
+    ragged batched speculation.
 
-    G-test on the 5^3 joint cells through ``specdec.testing`` (small cells pooled, impossible cells must
+    G-test on the 5^n joint cells through ``specdec.testing`` (small cells pooled, impossible cells must
     stay empty) at a false-alarm rate of 1e-6, the per-check budget of the statistical suite (see
     tests/statistical/test_verify_distribution.py for the suite-wide arithmetic).
     """
@@ -305,9 +308,38 @@ def test_sampling_distribution_is_exact(drafter, sampling):
     V, N, n = 5, 20000, 3
     target = TableTarget(random_table(V, seed=0))
     prompt = [1, 2, 1, 2]  # repetitive, so the n-gram drafter proposes
-    d = ModelDrafter(target, model=TableTarget(random_table(V, seed=1))) if drafter == "model" else drafter
+    cut = []  # (γ asked, drafts proposed) per step
+
+    class Recording(ModelDrafter):
+        def propose(self, state, gamma, generator=None):
+            p = super().propose(state, gamma, generator)
+            cut.append((gamma, p.tokens_BK.shape[1]))
+            return p
+
+    d = drafter
+    if drafter == "model":
+        d = Recording(target, model=TableTarget(random_table(V, seed=1)))
+    elif drafter == "model-stop":
+        # Confidence stop at 0.4 with γ = 2, built so the stop cuts a chain after one token. The
+        # target's first token is 3 (a +20 logit after the prompt), so every row drafts from the
+        # same context (2, 3) first; there the draft model is sure of one token (q ≈ 0.83 at T = 1),
+        # and after any (3, x) it is flat (q ≤ 0.25), so every row's running product falls below 0.4
+        # at the second token: each row proposes one token (K = 1 < γ). Elsewhere it is peaked
+        # (scale 4), so later drafts often run to γ. One more token keeps three random ones.
+        n = 4
+        table = random_table(V, seed=0)
+        table[1, 2] = 0.0
+        table[1, 2, 3] = 20.0
+        target = TableTarget(table)
+        draft = random_table(V, seed=1, scale=4.0)
+        draft[2, 3] = 0.0
+        draft[2, 3, int(table[2, 3].argmax())] = 3.0  # a token the target keeps under top-k / top-p
+        draft[3] = 0.0
+        d = Recording(target, model=TableTarget(draft), min_prob=0.4)
     out = specdec.generate(target, [prompt] * N, drafter=d, max_new_tokens=n, gamma=2, seed=123, **sampling)
     assert out.metrics.num_proposed > 0 and 0 < out.metrics.acceptance_rate < 1
+    if drafter == "model-stop":  # the stop cut a chain after one token; other drafts ran to γ
+        assert cut[0] == (2, 1) and any(k == g > 0 for g, k in cut[1:])
     exact = _exact_joint(target, prompt, n, **sampling)
     counts: dict[tuple[int, ...], int] = {}
     for row in out.token_ids:

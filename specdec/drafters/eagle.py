@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.drafters.confidence import ConfidenceStop, check_min_prob
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
 
@@ -479,6 +480,9 @@ class EagleDrafter:
         dtype: compute dtype of the head (float32 by default; bfloat16 is an option).
         linear_backend: ``specdec.targets.linear`` backend for the head's matrix products
             (``"auto"``: the packed CPU kernel where it builds; ``"reference"``: plain ``F.linear``).
+        min_prob: confidence stop (:mod:`specdec.drafters.confidence`): stop the chain once the
+            head's running probability of its own draft is below this in every row (0: always
+            draft γ tokens).
 
     Greedy runs (temperature 0) propose the head's argmax as a point-mass proposal
     (``probs_BKV=None``); sampling runs draw from :func:`draft_distribution` and return it.
@@ -492,7 +496,9 @@ class EagleDrafter:
         draft_vocab_size: int | None = None,
         dtype: torch.dtype = torch.float32,
         linear_backend: str = "auto",
+        min_prob: float = 0.0,
     ) -> None:
+        self.min_prob = check_min_prob(min_prob)
         self.target = target
         parts = target_parts(target)
         self.head, self.metadata = load_eagle_head(weights, parts, dtype=dtype, linear_backend=linear_backend)
@@ -545,14 +551,23 @@ class EagleDrafter:
         tokens, probs = [], []
         slot_B = self.cache_len_B.clone()
         rows_B = torch.arange(B, device=device)
+        stop = ConfidenceStop(self.min_prob, B, device)
         for k in range(gamma):
-            token_B, probs_BV = self.choose(self.head.logits(feat_BD), state.sampling, generator)
+            logits_BN = self.head.logits(feat_BD)
+            token_B, probs_BV = self.choose(logits_BN, state.sampling, generator)
+            if self.min_prob > 0:
+                if probs_BV is None:  # greedy: the head's own probability of its argmax (T = 1)
+                    kept = stop.keep(logits_BN.argmax(dim=-1), logits_BV=logits_BN)
+                else:
+                    kept = stop.keep(token_B, probs_BV=probs_BV)
+                if not kept:
+                    break
             tokens.append(token_B)
             probs.append(probs_BV)
             if k + 1 < gamma:
                 feat_BD = self.chain_step(feat_BD, token_B, slot_B, rows_B)
                 slot_B = slot_B + 1
-        if gamma == 0:
+        if not tokens:
             return Proposal(torch.zeros(B, 0, dtype=torch.long, device=device), None)
         probs_BKV = None if state.sampling.greedy else torch.stack(probs, dim=1)
         return Proposal(torch.stack(tokens, dim=1), probs_BKV)

@@ -26,6 +26,7 @@ probability.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,11 @@ class EagleTreeDrafter(EagleDrafter):
         tree: ``"dynamic"`` (default: EAGLE-2's dynamic tree for greedy single-row runs, the static
             ``"small"`` preset otherwise), a preset name (``specdec.tree.PRESET_TREES``), a
             :class:`specdec.tree.TokenTree` or rank paths.
-        tree_nodes, tree_width: the dynamic tree's draft nodes and its beam width per depth.
+        tree_nodes, tree_width: the dynamic tree's draft nodes (at most) and its beam width per depth.
+        tree_min_prob: the dynamic tree keeps only nodes whose cumulative draft probability (the
+            head's estimate that the target accepts the node) is at least this, and stops expanding
+            once no frontier node reaches it: a node costs verify time whether accepted or not, so
+            unlikely ones are dropped (0 keeps ``tree_nodes`` nodes, as EAGLE-2 does).
         weights, draft_vocab_size, dtype, linear_backend: as for
             :class:`specdec.drafters.eagle.EagleDrafter`.
     """
@@ -71,6 +76,7 @@ class EagleTreeDrafter(EagleDrafter):
         tree: str | TokenTree | Sequence[Sequence[int]] = "dynamic",
         tree_nodes: int = 11,
         tree_width: int = 4,
+        tree_min_prob: float = 0.0,
         weights: str | Path | None = None,
         draft_vocab_size: int | None = None,
         dtype: torch.dtype = torch.float32,
@@ -92,7 +98,9 @@ class EagleTreeDrafter(EagleDrafter):
         self.tree = resolve_tree("small" if self.dynamic else tree)
         if tree_nodes < 1 or tree_width < 1:
             raise ValueError(f"tree_nodes and tree_width must be >= 1, got {tree_nodes}, {tree_width}")
-        self.tree_nodes, self.tree_width = tree_nodes, tree_width
+        if not 0.0 <= tree_min_prob < 1.0:
+            raise ValueError(f"tree_min_prob must be in [0, 1), got {tree_min_prob}")
+        self.tree_nodes, self.tree_width, self.tree_min_prob = tree_nodes, tree_width, tree_min_prob
 
     @torch.inference_mode()
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
@@ -163,9 +171,11 @@ class EagleTreeDrafter(EagleDrafter):
     def _propose_dynamic(self, feat_BD: torch.Tensor, depth: int, num_nodes: int) -> Proposal:
         """EAGLE-2 dynamic tree (Li et al. 2024, arXiv 2406.16858), greedy and one row: expand the
         ``tree_width`` best nodes per depth by cumulative draft log-probability, then keep the
-        ``tree_nodes`` best nodes overall. (Greedy verification is exact for any tree; with sampling
-        the shape must not depend on the drawn tokens, so sampling uses the static tree.)"""
+        ``tree_nodes`` best nodes overall, none below ``tree_min_prob``. (Greedy verification is
+        exact for any tree; with sampling the shape must not depend on the drawn tokens, so sampling
+        uses the static tree.)"""
         head, device, W = self.head, feat_BD.device, self.tree_width
+        min_logp = math.log(self.tree_min_prob) if self.tree_min_prob > 0 else -math.inf
         base = int(self.cache_len_B[0])  # expanded node e sits at head-cache slot base + e
         parent, token, score, node_depth = [-1], [0], [0.0], [0]
         slot_of: dict[int, int] = {}  # node → head-cache slot (expanded nodes only)
@@ -184,7 +194,9 @@ class EagleTreeDrafter(EagleDrafter):
                     new.append(len(parent) - 1)
             if d + 1 == depth:
                 break
-            frontier = sorted(new, key=lambda c: -score[c])[:W]
+            frontier = [c for c in sorted(new, key=lambda c: -score[c])[:W] if score[c] >= min_logp]
+            if not frontier:
+                break  # no child of these can reach tree_min_prob
             # Features of the new frontier: one head call with tree attention in the head's cache.
             for c in frontier:
                 slot_of[c] = base + len(slot_of)
@@ -210,7 +222,8 @@ class EagleTreeDrafter(EagleDrafter):
                 feats[c] = out[0, i]
         # The best nodes overall; a child never scores above its parent, so (−score, depth) order
         # keeps every chosen node's parent chosen before it.
-        chosen = sorted(range(1, len(parent)), key=lambda c: (-score[c], node_depth[c]))[:num_nodes]
+        ranked = sorted(range(1, len(parent)), key=lambda c: (-score[c], node_depth[c]))[:num_nodes]
+        chosen = [c for c in ranked if score[c] >= min_logp] or ranked[:1]
         chosen.sort(key=lambda c: (node_depth[c], -score[c]))
         index = {0: 0, **{c: i + 1 for i, c in enumerate(chosen)}}
         tree = TokenTree((-1, *(index[parent[c]] for c in chosen)))

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from specdec.drafters.confidence import ConfidenceStop, check_min_prob
 from specdec.protocols import DecodeState, Proposal, Target, TargetOutput
 from specdec.sampling import logits_to_probs, sample_from_probs
 
@@ -70,7 +71,9 @@ class ModelDrafter:
 
     Options: ``model`` (required: a built-in name, a local checkpoint directory, or a ready
     :class:`specdec.protocols.Target`), ``backend`` (``"auto"``, ``"hf"``, ``"llama"``: see
-    :func:`specdec.targets.load_target`), ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``).
+    :func:`specdec.targets.load_target`), ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``),
+    ``min_prob`` (confidence stop, :mod:`specdec.drafters.confidence`: stop the chain once the draft
+    model's running probability of its own draft is below this in every row; 0 = always γ tokens).
     """
 
     def __init__(
@@ -80,7 +83,9 @@ class ModelDrafter:
         model: str | os.PathLike | Target | None = None,
         backend: str = "auto",
         dtype: str | torch.dtype | None = None,
+        min_prob: float = 0.0,
     ) -> None:
+        self.min_prob = check_min_prob(min_prob)
         if model is None:
             raise ValueError(
                 "drafter 'model' needs the option model=NAME_OR_PATH (a small causal LM that shares the "
@@ -141,19 +146,33 @@ class ModelDrafter:
         block_BT = state.tokens_BL.gather(1, start_B.unsqueeze(1) + torch.arange(T, device=start_B.device))
         last_index_BN = (lengths_B - 1 - start_B).unsqueeze(1)
         tokens, probs = [], []
+        stop = ConfidenceStop(self.min_prob, B, lengths_B.device)
+        fed = 0  # blocks fed to the draft model
         for k in range(gamma):
             out = self.draft.forward(block_BT, start_B, logits_index_BN=last_index_BN)
-            draft_probs_BV = logits_to_probs(
-                self._fit_vocab(out.logits_BTV[:, -1]), s.temperature, s.top_k, s.top_p
-            )
+            fed += 1
+            logits_BV = self._fit_vocab(out.logits_BTV[:, -1])
+            draft_probs_BV = logits_to_probs(logits_BV, s.temperature, s.top_k, s.top_p)
             token_B = sample_from_probs(draft_probs_BV, generator)
+            if self.min_prob > 0:
+                greedy = s.greedy
+                kept = stop.keep(
+                    token_B,
+                    logits_BV=logits_BV if greedy else None,
+                    probs_BV=None if greedy else draft_probs_BV,
+                )
+                if not kept:
+                    break
             tokens.append(token_B)
             probs.append(draft_probs_BV)
             start_B = lengths_B + k
             block_BT = token_B.unsqueeze(1)
             last_index_BN = torch.zeros_like(last_index_BN)
-        # Cached now: the committed tokens and d_1 .. d_{γ-1} (d_γ was sampled, never fed).
-        self.cached_B = lengths_B - 1 + gamma
+        # Cached now: the committed tokens and the drafts fed back (d_1 .. d_{γ-1} after a full
+        # draft; d_1 .. d_K after a confidence stop at K tokens, which fed d_K before dropping d_{K+1}).
+        self.cached_B = lengths_B - 1 + fed
+        if not tokens:
+            return Proposal(tokens_BK=state.tokens_BL.new_empty((B, 0)))
         return Proposal(tokens_BK=torch.stack(tokens, dim=1), probs_BKV=torch.stack(probs, dim=1))
 
     def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:

@@ -24,9 +24,10 @@ tests/test_testing_module.py):
 - each calibration test fails a correct implementation with probability < 1e-6 (binomial tails).
 Counting checks (the ragged-prompt test makes two): 17 on correct code and 16 mutation or calibration
 tests here and in the generate/calibration files, plus 6 Monte-Carlo checks and 1 mutation test of
-tree verification (test_tree_distribution.py): 23 and 17. By Bonferroni (a union bound, no
-independence assumed) a CI run fails spuriously with probability ≤ 23 × 2e-6 + 17 × 1e-6 = 6.3e-5
-< 1e-4. The budget holds up to 30 + 20 such tests.
+tree verification (test_tree_distribution.py): 23 and 17; with the five generate checks of
+tests/test_loop.py (two of them through the drafters' confidence stop), 28 and 17. By Bonferroni
+(a union bound, no independence assumed) a CI run fails spuriously with probability
+≤ 28 × 2e-6 + 17 × 1e-6 = 7.3e-5 < 1e-4. The budget holds up to 30 + 20 such tests.
 Seeds are fixed, so each commit's result is reproducible; the probabilities are over seeds.
 
 Every test prints its p-value and worst cells (``pytest -m statistical -rA`` or ``-s`` shows them).

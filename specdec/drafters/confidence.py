@@ -1,0 +1,60 @@
+"""Confidence stop for chain drafts: draft while the drafter still believes in its draft.
+
+Legend: B batch, V vocabulary.
+
+A chain drafter asked for γ tokens drafts them one at a time. Each drafted token costs drafter time
+and a verify slot whether the target accepts it or not, and a token after a rejected one is never
+used. The confidence stop ends the draft early: after each token the drafter multiplies in its own
+probability of that token, and once that running product (its estimate that the target accepts the
+whole draft so far) is below ``min_prob`` in every row, that token is dropped and drafting stops.
+This is the stop rule of transformers' assisted generation (``assistant_confidence_threshold``)
+and the hand-set form of SpecDec++'s learned one (Huang et al. 2024, arXiv 2405.19715).
+
+Exactness: where the draft stops depends only on the drafter's own tokens and randomness, never on
+the target's, and verification of any proposal is exact, so output distributions do not change
+(the statistical suite checks it for sampled drafts); only speed does.
+
+Greedy runs use the drafter's softmax at temperature 1 (the probability it gives its argmax); sampled
+runs use the probability of the drawn token under the draft distribution that is verified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ConfidenceStop", "check_min_prob"]
+
+
+def check_min_prob(min_prob: float) -> float:
+    """``min_prob`` as a float in [0, 1); ``ValueError`` otherwise."""
+    if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob < 1.0:
+        raise ValueError(f"min_prob must be a number in [0, 1), got {min_prob!r}")
+    return float(min_prob)
+
+
+class ConfidenceStop:
+    """Running product of the drafter's probabilities of its own drafted tokens, per row."""
+
+    def __init__(self, min_prob: float, batch_size: int, device: torch.device | str) -> None:
+        self.min_prob = check_min_prob(min_prob)
+        self.running_B = torch.ones(batch_size, device=device, dtype=torch.float64)
+
+    def keep(
+        self,
+        token_B: torch.Tensor,
+        *,
+        probs_BV: torch.Tensor | None = None,
+        logits_BV: torch.Tensor | None = None,
+    ) -> bool:
+        """Multiply in each row's probability of ``token_B`` (a column index into ``probs_BV`` or
+        ``logits_BV``); False when every row's product is now below ``min_prob`` (drop this token
+        and stop). With ``min_prob`` 0 it is always True and computes nothing."""
+        if self.min_prob <= 0.0:
+            return True
+        if probs_BV is None:
+            if logits_BV is None:
+                raise ValueError("keep() needs probs_BV or logits_BV")
+            probs_BV = torch.softmax(logits_BV.float(), dim=-1)
+        p_B = probs_BV.gather(-1, token_B.unsqueeze(-1)).squeeze(-1).to(torch.float64)
+        self.running_B = self.running_B * p_B
+        return bool((self.running_B >= self.min_prob).any())
