@@ -408,6 +408,22 @@ def shard_key(target: str, topk: int, chunk: list[tuple[str, bool, list[int]]]) 
     return f"{target}-{h.hexdigest()[:16]}"
 
 
+def _continued(
+    prompts: list[Prompt], conts: dict[str, dict[str, list[list[int]]]]
+) -> list[tuple[str, bool, list[int]]]:
+    """(name, held out, prompt + continuation) for every continuation of every prompt, in the jobs'
+    order; a prompt without continuations (held out) is its prompt alone."""
+    seqs = []
+    for p in prompts:
+        have = [name for name in conts if p.pid in conts[name]]
+        for name in have:
+            for j, cont in enumerate(conts[name][p.pid]):
+                seqs.append((f"{p.pid}/{name}{j}", p.heldout, list(p.ids) + cont))
+        if not have:
+            seqs.append((p.pid, p.heldout, list(p.ids)))
+    return seqs
+
+
 def _write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj))
@@ -493,20 +509,9 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
     model = load_hf_model(cfg.target)
 
     # Stage 2: all sequences, then features shard by shard.
-    seqs: list[tuple[str, bool, list[int]]] = []
-    for p in prompts + fn_prompts:
-        have = [name for name in conts if p.pid in conts[name]]
-        for name in have:
-            for j, cont in enumerate(conts[name][p.pid]):
-                seqs.append((f"{p.pid}/{name}{j}", p.heldout, list(p.ids) + cont))
-        if not have:  # a held-out prompt without continuations: its prompt alone
-            seqs.append((p.pid, p.heldout, list(p.ids)))
-    seqs += text_sequences(tokenizer, cfg)
+    seqs = _continued(prompts + fn_prompts, conts) + text_sequences(tokenizer, cfg)
     # Sources added later come last, so the shards of older configs stay the same and are shared.
-    for p in self_prompts:
-        for name in ("self-greedy", "self-sample"):
-            for j, cont in enumerate(conts.get(name, {}).get(p.pid, [])):
-                seqs.append((f"{p.pid}/{name}{j}", p.heldout, list(p.ids) + cont))
+    seqs += _continued(self_prompts, conts)
     total = sum(len(s) for _, _, s in seqs)
     log(f"[data] {len(seqs)} sequences, {total} tokens; features in shards")
     shard_size = 64

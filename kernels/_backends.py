@@ -83,7 +83,7 @@ class BackendRegistry(Generic[B]):
 
     def select(self, backend: str | None, device: torch.device) -> str:
         """Resolve the backend name for tensors on `device` (see the module docstring for the order)."""
-        env = os.environ.get(self.env_var, "").strip()
+        env = self.env_override()
         if env:
             if env not in self._impls:
                 raise ValueError(

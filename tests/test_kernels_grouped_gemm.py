@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _numerics import rel_err
 
 import kernels
 from kernels.grouped_gemm.reference import grouped_gemm_reference, grouped_gemm_weight_grad_reference
@@ -24,12 +25,6 @@ CASES = [
     pytest.param(19, 40, 35, [1, 2, 0, 3, 5, 0, 7, 1, 0], id="nine-experts"),
 ]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert torch.isfinite(actual).all()
-    denom = expected.norm().item()
-    return (actual.double() - expected).norm().item() / (denom if denom > 0 else 1.0)
 
 
 def _make(m, k, n, sizes, dtype, layout, seed=0):
@@ -63,14 +58,14 @@ def test_forward_and_backward_match_reference(m, k, n, sizes, dtype, layout, bac
     w_ref = w_EKN.double().requires_grad_()
     y_ref = grouped_gemm_reference(x_ref, w_ref, group_sizes_E)
     tol = TOLERANCE[dtype]
-    assert _rel_err(y_MN, y_ref) < tol
+    assert rel_err(y_MN, y_ref) < tol
 
     dy_MN = torch.randn(m, n, generator=torch.Generator().manual_seed(1)).to(dtype)
     dx, dw = torch.autograd.grad(y_MN, (x, w), dy_MN)
     dx_ref, dw_ref = torch.autograd.grad(y_ref, (x_ref, w_ref), dy_MN.double())
     assert dx.shape == x.shape and dw.shape == w.shape
-    assert _rel_err(dx, dx_ref) < tol
-    assert _rel_err(dw, dw_ref) < tol
+    assert rel_err(dx, dx_ref) < tol
+    assert rel_err(dw, dw_ref) < tol
     for e, size in enumerate(sizes):  # an empty group's weight gradient is exactly zero
         if size == 0:
             assert torch.count_nonzero(dw[e]) == 0
@@ -86,7 +81,7 @@ def test_tma_and_pointer_paths_agree(tma, monkeypatch):
     assert triton_kernel._tma_ok(x_MK, w_EKN) == (tma == "1")
     y_MN = kernels.grouped_gemm(x_MK, w_EKN, group_sizes_E, backend="triton")
     y_ref = grouped_gemm_reference(x_MK.double(), w_EKN.double(), group_sizes_E)
-    assert _rel_err(y_MN, y_ref) < 1e-5
+    assert rel_err(y_MN, y_ref) < 1e-5
 
 
 def test_every_output_element_is_written(monkeypatch):
@@ -99,7 +94,7 @@ def test_every_output_element_is_written(monkeypatch):
     dw_EKN = triton_kernel.grouped_gemm_weight_grad_triton(x_MK, y_MN, group_sizes_E)
     assert torch.isfinite(y_MN).all() and torch.isfinite(dw_EKN).all()
     expected = grouped_gemm_weight_grad_reference(x_MK.double(), y_MN.double(), group_sizes_E)
-    assert _rel_err(dw_EKN, expected) < 1e-5
+    assert rel_err(dw_EKN, expected) < 1e-5
     assert torch.count_nonzero(dw_EKN[1]) == 0  # the empty group
 
 
@@ -126,4 +121,4 @@ def test_tma_failure_falls_back_to_pointer_loads(monkeypatch):
         y_MN = kernels.grouped_gemm(x_MK, w_EKN, group_sizes_E, backend="triton")
     assert triton_kernel._TMA_FAILURE is not None and not triton_kernel._tma_ok(x_MK, w_EKN)
     y_ref = grouped_gemm_reference(x_MK.double(), w_EKN.double(), group_sizes_E)
-    assert _rel_err(y_MN, y_ref) < 1e-5
+    assert rel_err(y_MN, y_ref) < 1e-5

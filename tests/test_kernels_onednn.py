@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _numerics import rel_err
 
 import kernels
 import moe
@@ -21,10 +22,6 @@ pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyT
 def _no_backend_override(monkeypatch):
     monkeypatch.delenv("SPECDEC_GROUPED_GEMM_BACKEND", raising=False)
     kernels.clear_packed_weights()
-
-
-def _rel_err(actual, expected) -> float:
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 def test_automatic_choice_is_onednn_for_float32_on_cpu_only(monkeypatch):
@@ -100,7 +97,7 @@ def test_grouped_swiglu_matches_the_per_expert_reference(sizes, layout):
     for e, m in enumerate(sizes):
         if m:
             expected = experts.expert(e, x_MD[start : start + m].double().float())
-            assert _rel_err(got[start : start + m], expected) < 1e-5
+            assert rel_err(got[start : start + m], expected) < 1e-5
         start += m
 
 

@@ -25,10 +25,10 @@ import torch
 __all__ = ["ConfidenceStop", "check_min_prob"]
 
 
-def check_min_prob(min_prob: float) -> float:
-    """``min_prob`` as a float in [0, 1); ``ValueError`` otherwise."""
+def check_min_prob(min_prob: float, name: str = "min_prob") -> float:
+    """``min_prob`` as a float in [0, 1); ``ValueError`` naming ``name`` otherwise."""
     if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob < 1.0:
-        raise ValueError(f"min_prob must be a number in [0, 1), got {min_prob!r}")
+        raise ValueError(f"{name} must be a number in [0, 1), got {min_prob!r}")
     return float(min_prob)
 
 

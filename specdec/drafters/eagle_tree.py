@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from specdec.drafters.confidence import check_min_prob
 from specdec.drafters.eagle import EagleDrafter
 from specdec.protocols import DecodeState, Proposal
 from specdec.sampling import logits_to_probs
@@ -98,9 +99,8 @@ class EagleTreeDrafter(EagleDrafter):
         self.tree = resolve_tree("small" if self.dynamic else tree)
         if tree_nodes < 1 or tree_width < 1:
             raise ValueError(f"tree_nodes and tree_width must be >= 1, got {tree_nodes}, {tree_width}")
-        if not 0.0 <= tree_min_prob < 1.0:
-            raise ValueError(f"tree_min_prob must be in [0, 1), got {tree_min_prob}")
-        self.tree_nodes, self.tree_width, self.tree_min_prob = tree_nodes, tree_width, tree_min_prob
+        self.tree_nodes, self.tree_width = tree_nodes, tree_width
+        self.tree_min_prob = check_min_prob(tree_min_prob, "tree_min_prob")
 
     @torch.inference_mode()
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:

@@ -154,15 +154,9 @@ class ModelDrafter:
             logits_BV = self._fit_vocab(out.logits_BTV[:, -1])
             draft_probs_BV = logits_to_probs(logits_BV, s.temperature, s.top_k, s.top_p)
             token_B = sample_from_probs(draft_probs_BV, generator)
-            if self.min_prob > 0:
-                greedy = s.greedy
-                kept = stop.keep(
-                    token_B,
-                    logits_BV=logits_BV if greedy else None,
-                    probs_BV=None if greedy else draft_probs_BV,
-                )
-                if not kept:
-                    break
+            # Greedy: the draft model's own softmax at T = 1; sampled: the verified draft distribution.
+            if not stop.keep(token_B, probs_BV=None if s.greedy else draft_probs_BV, logits_BV=logits_BV):
+                break
             tokens.append(token_B)
             probs.append(draft_probs_BV)
             start_B = lengths_B + k
