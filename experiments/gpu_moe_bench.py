@@ -6,6 +6,10 @@
 Legend: T tokens, E experts, K input features, N output features, M = T * top_k rows in expert order.
 
 Phases (JSON is rewritten after each one, so a run cut short keeps what it finished):
+  0. variants   every config the forward kernel's autotuner may pick (tile shape, TMA or pointer loads,
+                flattened tile+K loop or not), run one by one in bf16 on an odd problem with empty
+                experts, both weight layouts, against the float64 reference; if no flattened config
+                compiles, SPECDEC_TRITON_FLATTEN=0 is set for the rest of the run (and reported).
   1. checks     Triton kernels against the references on the device: grouped GEMM forward/dX/dW in fp32,
                 bf16 and fp16, both weight layouts, TMA on and off, odd shapes and empty experts; top-k
                 routing, sort, permute and unpermute (forward and backward) against the torch backend.
@@ -15,6 +19,8 @@ Phases (JSON is rewritten after each one, so a run cut short keeps what it finis
                 top-6/8) expert shapes, against (a) one cuBLAS GEMM with the same M, K, N (same FLOPs),
                 (b) torch._grouped_mm on the same problem (the better of its two weight layouts), (c) the
                 measured peak; each Triton output is checked against the cuBLAS-backed torch backend.
+                The autotuner's timing of every candidate is kept per row (`tuning`), with the gain of
+                the flattened loop and of TMA over the best candidate without them.
   4. routing    Triton routing ops against the torch backend at large T (times only; correctness is phase 1).
 Timing: CUDA events around each call, after warm-up, with the L2 flushed before every timed call; the
 median is reported. The issue's goals (>= 0.8x cuBLAS, >= 1.0x torch._grouped_mm at large T) are printed
@@ -93,6 +99,7 @@ class Bench:
             "triton": _version("triton"),
             "cuda": torch.version.cuda,
             "checks": [],
+            "variants": [],
             "peak": None,
             "gemm": [],
             "routing": [],
@@ -209,6 +216,40 @@ class Bench:
                 )
         bad = [c["name"] for c in self.report["checks"] if not c["ok"]]
         self.log(f"checks: {len(self.report['checks']) - len(bad)} ok, {len(bad)} failed")
+
+    def run_variants(self) -> None:
+        """Every autotune candidate on its own, so a config that only wins on some shape is checked too."""
+        torch = self.torch
+        from kernels.grouped_gemm import grouped_gemm_reference, triton_kernel
+
+        sizes = [3, 0, 5] if self.dry_run else [0, 300, 17, 0, 513, 129, 1, 64]
+        k, n = (32, 48) if self.dry_run else (208, 336)  # multiples of 16 (TMA), not of the tiles
+        group_sizes_E = torch.tensor(sizes, device=self.device)
+        dtype = torch.float32 if self.dry_run else torch.bfloat16
+        x_MK = self.randn(sum(sizes), k, dtype=dtype)
+        w_EKN = self.randn(len(sizes), k, n, dtype=dtype, scale=k**-0.5)
+        expected = grouped_gemm_reference(x_MK.double(), w_EKN.double(), group_sizes_E.cpu())
+        flatten_ok = False
+        for trans_w, w in ((False, w_EKN), (True, w_EKN.transpose(1, 2).contiguous())):
+            for config in triton_kernel._forward_configs():
+                name = f"variant {'ENK' if trans_w else 'EKN'} {_config_name(config)}"
+                row = {"name": name, "config": _config_dict(config), "trans_w": trans_w}
+                try:
+                    y_MN = triton_kernel.grouped_gemm_triton_config(x_MK, w, group_sizes_E, trans_w, config)
+                    self.check(name, y_MN, expected, 1e-2)
+                    row["ok"] = self.report["checks"][-1]["ok"]
+                    flatten_ok |= row["ok"] and config.kwargs["FLATTEN"]
+                except Exception as err:  # a config that does not compile here: reported, not fatal
+                    row.update(ok=False, error=f"{type(err).__name__}: {err}"[:500])
+                    self.log(f"variant failed {name}: {row['error'][:200]}")
+                self.report["variants"].append(row)
+        if not flatten_ok:
+            os.environ[triton_kernel.FLATTEN_ENV_VAR] = "0"
+            self.report["flatten_disabled"] = True
+        good = sum(r["ok"] for r in self.report["variants"])
+        self.log(
+            f"variants: {good} of {len(self.report['variants'])} configs correct; flatten ok: {flatten_ok}"
+        )
 
     def guarded(self, name: str, check, *args) -> None:
         """Run one check; an exception (a kernel that fails to compile, say) is a failed check."""
@@ -337,14 +378,21 @@ class Bench:
             "cublas_dense": ("1", lambda: x_MK @ w_EKN[0]),
         }
         out = {"M": rows, "K": k, "N": n, "flops": 2 * rows * k * n, "ms": {}, "errors": {}, "warnings": []}
+        out["tuning"] = {}
+        from kernels.grouped_gemm import triton_kernel
+
+        tuner = triton_kernel.grouped_gemm_forward_kernel
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for name, (tma, fn) in variants.items():
                 os.environ["SPECDEC_TRITON_TMA"] = tma
+                keys = set(tuner.cache)
                 try:
                     out["ms"][name] = self.time_ms(fn)
                 except Exception as err:  # e.g. torch._grouped_mm unsupported here: report it, go on
                     out["errors"][name] = f"{type(err).__name__}: {err}"[:500]
+                if name.startswith("triton") and set(tuner.cache) - keys:  # this call tuned a new key
+                    out["tuning"][name] = _tuning(tuner)
             os.environ.pop("SPECDEC_TRITON_TMA")
         out["warnings"] = sorted({str(w.message)[:500] for w in caught})
         out["tflops"] = {v: out["flops"] / ms / 1e9 for v, ms in out["ms"].items()}
@@ -394,7 +442,7 @@ class Bench:
     def run(self) -> int:
         torch = self.torch
         self.log(f"{self.report['device']}: torch {torch.__version__}, triton {self.report['triton']}")
-        for phase in (self.run_checks, self.run_peak, self.run_gemm, self.run_routing):
+        for phase in (self.run_variants, self.run_checks, self.run_peak, self.run_gemm, self.run_routing):
             phase()
             self.save()
         failed = [c["name"] for c in self.report["checks"] if not c["ok"]]
@@ -408,6 +456,49 @@ def _version(package: str) -> str | None:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _config_dict(config) -> dict:
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def _config_name(config) -> str:
+    c = config.kwargs
+    return (
+        f"{c['BM']}x{c['BN']}x{c['BK']} w{config.num_warps} s{config.num_stages} x{c['PROGRAMS_PER_SM']}"
+        f"{' tma' if c['USE_TMA'] else ''}{' flat' if c['FLATTEN'] else ''}"
+    )
+
+
+def _tuning(tuner) -> dict:
+    """The autotuner's last benchmark: every candidate's median ms, the winner, and what the flattened
+    loop and TMA each gained (best candidate with the feature vs best without; > 1 means it helped)."""
+    timings = getattr(tuner, "configs_timings", None) or {}
+    ms = {_config_name(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+    ranked = sorted(ms.items(), key=lambda kv: kv[1])
+    best = getattr(tuner, "best_config", None)
+
+    def gain(feature: str) -> float | None:
+        with_f = [t for c, t in timings.items() if c.kwargs[feature] and _finite(t)]
+        without = [t for c, t in timings.items() if not c.kwargs[feature] and _finite(t)]
+        if not with_f or not without:
+            return None
+        return min(_ms(t) for t in without) / min(_ms(t) for t in with_f)
+
+    return {
+        "best": _config_name(best) if best is not None else None,
+        "flatten_gain": gain("FLATTEN"),
+        "tma_gain": gain("USE_TMA"),
+        "candidates_ms": dict(ranked),
+    }
+
+
+def _ms(t) -> float:
+    return float(t[0] if isinstance(t, (list, tuple)) else t)
+
+
+def _finite(t) -> bool:
+    return _ms(t) < float("inf")
 
 
 def _ratios(tflops: dict, peak: float) -> dict:
@@ -462,6 +553,12 @@ def _summary(report: dict) -> str:
             _fmt(r[v]) for v in ("triton_vs_cublas", "triton_vs_grouped_mm", "triton_fraction_of_peak")
         )
         lines.append(f"{head} {cells}  {ratios}")
+        tuned = row.get("tuning", {}).get("triton")
+        if tuned:
+            lines.append(
+                f"{'':>33}best {tuned['best']}; flatten gain {_fmt(tuned['flatten_gain'], 0)}, "
+                f"TMA gain {_fmt(tuned['tma_gain'], 0)}"
+            )
     failed = [c["name"] for c in report["checks"] if not c["ok"]]
     lines.append(f"checks: {len(report['checks']) - len(failed)} ok, {len(failed)} failed {failed[:5]}")
     return "\n".join(lines)

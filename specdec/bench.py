@@ -87,6 +87,7 @@ class BenchConfig:
     seed: int = 0
     dtype: str | None = None
     backend: str = "auto"
+    device: str = "cpu"
     warmup: bool = True
     out: str = "results/bench"
 
@@ -190,11 +191,14 @@ def _run_hf(
     kwargs["pad_token_id"] = pad
 
     def one(ids: list[int], max_new: int, seed: int) -> tuple[list[int], float]:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         torch.manual_seed(seed)
+        sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+        sync()
         t0 = time.perf_counter()
         with torch.inference_mode():
             y = model.generate(x, attention_mask=torch.ones_like(x), **{**kwargs, "max_new_tokens": max_new})
+        sync()
         return y[0, len(ids) :].tolist(), time.perf_counter() - t0
 
     if cfg.warmup and warmup:
@@ -220,7 +224,7 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
 
     console = console or Console(stderr=True)
     notes: list[str] = []
-    target = open_target(cfg.target, backend=cfg.backend, dtype=cfg.dtype)
+    target = open_target(cfg.target, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device)
     tokenizer = target_tokenizer(target, cfg.target)
     prompts = [
         Prompt(set_name, i, encode_prompt(tokenizer, text, chat=cfg.chat))
@@ -237,10 +241,10 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
         hf_model = getattr(target, "model", None)
         if hf_model is None or not hasattr(hf_model, "generate"):
-            hf_model = load_hf_model(cfg.target, dtype=dtype)
+            hf_model = load_hf_model(cfg.target, dtype=dtype).to(cfg.device)
         if "assistant" in cfg.hf_baselines:
             if cfg.draft_model:
-                assistant = load_hf_model(cfg.draft_model, dtype=dtype)
+                assistant = load_hf_model(cfg.draft_model, dtype=dtype).to(cfg.device)
             else:
                 notes.append("hf/assistant skipped: no --draft-model given")
 
@@ -259,7 +263,9 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
                 notes.append("ours/model skipped: no --draft-model given")
                 continue
             if "model" not in options:
-                options["model"] = open_target(cfg.draft_model, backend=cfg.backend, dtype=cfg.dtype)
+                options["model"] = open_target(
+                    cfg.draft_model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device
+                )
         try:
             drafters[label] = create_drafter(name, target, **options)
         except (ImportError, ValueError, NotImplementedError) as e:
@@ -325,10 +331,27 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
                 progress.advance(task)
                 progress.advance(overall)
 
+            failed: set[str] = set()
             for i, p in enumerate(prompts):
                 shift = i % len(group)
                 for m, fn in group[shift:] + group[:shift]:
-                    results[m].extend(fn(temperature, tick, [p], i == 0))
+                    if m in failed:
+                        tick()
+                        continue
+                    try:
+                        results[m].extend(fn(temperature, tick, [p], i == 0))
+                    except Exception as e:  # one broken method must not cost the others' results
+                        if m == "ours/none":
+                            raise  # the baseline of every speedup
+                        failed.add(m)  # its partial results would compare unlike prompt sets: dropped
+                        runs[:] = [
+                            r for r in runs if not (r["method"] == m and r["temperature"] == temperature)
+                        ]
+                        where = f"{m} T={temperature:g} failed at prompt {p.set}/{p.index}"
+                        note = f"{where}: {type(e).__name__}: {e}"
+                        notes.append(note[:1000])
+                        console.print(f"[red]error:[/] {note[:300]}")
+                        tick()
                 payload["summary"] = summarize(runs, cfg.prompt_sets)
                 payload["runs"] = [serialise_run(r) for r in runs]
                 write_results(out_dir, payload, command)
@@ -382,6 +405,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     p.add_argument("--backend", default=d.backend, help="target backend: auto | hf | llama")
+    p.add_argument("--device", default=d.device, help="torch device for every model: cpu, cuda, cuda:1, ...")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per run")
     p.add_argument("--out", default=d.out, help="output folder for bench.json and bench.md")
     p.set_defaults(func=cmd_bench)
@@ -413,6 +437,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         dtype=args.dtype,
         backend=args.backend,
+        device=args.device,
         warmup=not args.no_warmup,
         out=args.out,
     )

@@ -39,8 +39,8 @@ def parse_options(items: Sequence[str] | None, flag: str) -> dict[str, Any]:
     return out
 
 
-def open_target(name: str, *, backend: str = "auto", dtype: str | None = None):
-    """Load a target with :func:`specdec.targets.load_target`.
+def open_target(name: str, *, backend: str = "auto", dtype: str | None = None, device: str | None = None):
+    """Load a target with :func:`specdec.targets.load_target` (on ``device``: ``cpu``, ``cuda``, ...).
 
     With ``backend="auto"`` it falls back to the ``transformers`` adapter while the native Llama
     target (``specdec.targets.llama``) is not installed.
@@ -54,6 +54,8 @@ def open_target(name: str, *, backend: str = "auto", dtype: str | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         options["dtype"] = getattr(torch, dtype)
+    if device is not None:
+        options["device"] = check_device(device)
     try:
         return load_target(name, backend=backend, **options)
     except ModuleNotFoundError as e:
@@ -61,6 +63,19 @@ def open_target(name: str, *, backend: str = "auto", dtype: str | None = None):
             raise
         print("[specdec] native llama target not available; using the transformers adapter", file=sys.stderr)
         return load_target(name, backend="hf", **options)
+
+
+def check_device(device: str) -> str:
+    """``device`` if torch can place tensors there, else a ``ValueError`` naming it."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from e
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device here")
+    return str(parsed)
 
 
 def target_tokenizer(target: Any, name: str):
@@ -137,7 +152,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     drafter_options = parse_options(args.drafter_option, "--drafter-option")
     policy = make_policy(args.gamma_policy, gamma=args.gamma)
-    target = open_target(args.target, backend=args.backend, dtype=args.dtype)
+    target = open_target(args.target, backend=args.backend, dtype=args.dtype, device=args.device)
     tokenizer = target_tokenizer(target, args.target)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)
 
@@ -216,6 +231,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=None, help="target dtype (default: the target's, fp32)")
     p.add_argument(
         "--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)"
+    )
+    p.add_argument(
+        "--device", default=None, help="torch device of the target: cpu (default), cuda, cuda:1, ..."
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument(

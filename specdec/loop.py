@@ -346,6 +346,10 @@ class _Decoder:
                     )
 
                 verified, out = verify_tree_proposal(target, state, proposal.tree, self.generator)
+                # greedy tree verification walks the tree on the host: its result comes back there
+                verified = verified._replace(
+                    tokens=verified.tokens.to(self.device), num_accepted=verified.num_accepted.to(self.device)
+                )
                 t_fwd = now()
                 K = verified.tokens.shape[1] - 1
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from _tiny import save_tiny_checkpoint
 
 from specdec import bench
@@ -108,6 +109,57 @@ def test_bench_keeps_finished_runs_when_interrupted(ckpts, tiny_sets, tmp_path, 
     # Methods run interleaved per prompt: the finished prompt is kept for every method.
     assert [r["method"] for r in data["runs"]] == ["ours/none", "hf/plain", "ours/ngram"]
     assert [[p["index"] for p in r["prompts"]] for r in data["runs"]] == [[0], [0], [0]]
+
+
+def test_a_failing_method_is_dropped_with_a_note_and_the_others_finish(
+    ckpts, tiny_sets, tmp_path, monkeypatch
+):
+    target, _ = ckpts
+    calls = {"n": 0}
+    real = bench._run_ours
+
+    def broken_third_call(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # ours/ngram on prompt 0 (after ours/none and hf/plain)
+            raise RuntimeError("simulated device mismatch")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "_run_ours", broken_third_call)
+    cfg = BenchConfig(
+        target=target,
+        prompt_sets=("code",),
+        num_prompts=2,
+        max_new_tokens=6,
+        temperatures=(0.0,),
+        drafters=("none", "ngram"),
+        hf_baselines=("plain",),
+        backend="hf",
+        out=str(tmp_path / "out"),
+        warmup=False,
+    )
+    run_bench(cfg)
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert [r["method"] for r in data["runs"]] == ["ours/none", "hf/plain"]
+    assert all([p["index"] for p in r["prompts"]] == [0, 1] for r in data["runs"])
+    assert {r["method"] for r in data["summary"]} == {"ours/none", "hf/plain"}
+    assert any("ours/ngram" in n and "simulated device mismatch" in n for n in data["notes"])
+
+
+def test_device_option_is_checked_at_the_boundary(tmp_path):
+    import argparse
+
+    from specdec.cli import check_device
+
+    assert check_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="device"):
+        check_device("not-a-device")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            check_device("cuda")
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--device", "cpu", "--out", str(tmp_path)])
+    assert bench.config_from_args(args).device == "cpu"
 
 
 def test_config_validation_and_cli_parsing(tmp_path):

@@ -84,6 +84,68 @@ def test_tma_and_pointer_paths_agree(tma, monkeypatch):
     assert rel_err(y_MN, y_ref) < 1e-5
 
 
+@pytest.mark.parametrize("trans_w", [False, True], ids=["EKN", "ENK"])
+def test_every_autotune_candidate_is_correct(trans_w, monkeypatch):
+    """Each config the autotuner may pick (TMA or pointer loads, flattened loop or not) computes the same
+    function, writing every output element: the GPU run checks its own, larger list the same way."""
+    from kernels.grouped_gemm import triton_kernel
+
+    monkeypatch.setattr(triton_kernel, "_empty", lambda like, *shape: like.new_full(shape, float("nan")))
+    m, k, n, sizes = 64, 32, 48, [16, 0, 40, 8]
+    x_MK, w_EKN, group_sizes_E = _make(m, k, n, sizes, torch.float32, "EKN", seed=7)
+    w = w_EKN.transpose(1, 2).contiguous() if trans_w else w_EKN
+    y_ref = grouped_gemm_reference(x_MK.double(), w_EKN.double(), group_sizes_E)
+    configs = triton_kernel._forward_configs()
+    assert {(c.kwargs["USE_TMA"], c.kwargs["FLATTEN"]) for c in configs} == {
+        (True, True),
+        (True, False),
+        (False, True),
+        (False, False),
+    }
+    for config in configs:
+        y_MN = triton_kernel.grouped_gemm_triton_config(x_MK, w, group_sizes_E, trans_w, config)
+        assert torch.isfinite(y_MN).all(), config
+        assert rel_err(y_MN, y_ref) < 1e-5, config
+
+
+def test_tma_config_without_descriptors_is_refused(monkeypatch):
+    from kernels.grouped_gemm import triton_kernel
+
+    monkeypatch.setenv(triton_kernel.TMA_ENV_VAR, "0")
+    x_MK, w_EKN, group_sizes_E = _make(64, 32, 48, [16, 0, 40, 8], torch.float32, "EKN", seed=8)
+    tma_config = next(c for c in triton_kernel._forward_configs() if c.kwargs["USE_TMA"])
+    with pytest.raises(ValueError, match="TMA"):
+        triton_kernel.grouped_gemm_triton_config(x_MK, w_EKN, group_sizes_E, False, tma_config)
+
+
+def test_prune_keeps_only_runnable_configs(monkeypatch):
+    """Without descriptors no TMA config survives; SPECDEC_TRITON_FLATTEN=0 drops the flattened loops."""
+    from kernels.grouped_gemm import triton_kernel
+
+    configs = [
+        triton_kernel._config(*tile, use_tma=tma, flatten=flat)
+        for tile in triton_kernel.FORWARD_TILES
+        for tma in (True, False)
+        for flat in (True, False)
+    ]
+    x16 = torch.empty(4, 4, dtype=torch.bfloat16)
+    monkeypatch.setattr(triton_kernel, "triton_interpreting", lambda: False)
+    kept = triton_kernel._prune_configs(configs, {"x_ptr": x16, "TMA_OK": 0})
+    assert kept and not any(c.kwargs["USE_TMA"] for c in kept)
+    assert any(c.kwargs["FLATTEN"] for c in kept)
+    monkeypatch.setenv(triton_kernel.FLATTEN_ENV_VAR, "0")
+    kept = triton_kernel._prune_configs(configs, {"x_ptr": x16, "TMA_OK": 1})
+    assert kept and not any(c.kwargs["FLATTEN"] for c in kept)
+    assert any(c.kwargs["USE_TMA"] for c in kept)
+    x32 = torch.empty(4, 4, dtype=torch.float32)  # fp32: the 128x256x64 three-stage tile (288 KiB) is out
+    kept = triton_kernel._prune_configs(configs, {"x_ptr": x32, "TMA_OK": 1})
+    assert all(
+        c.num_stages * (c.kwargs["BM"] + c.kwargs["BN"]) * c.kwargs["BK"] * 4 <= 200 * 1024 for c in kept
+    )
+    monkeypatch.setenv(triton_kernel.AUTOTUNE_ENV_VAR, "0")
+    assert len(triton_kernel._prune_configs(configs, {"x_ptr": x16, "TMA_OK": 1})) == 1
+
+
 def test_every_output_element_is_written(monkeypatch):
     """Outputs start as NaN: a tile the schedule skipped would leave NaN behind."""
     from kernels.grouped_gemm import triton_kernel

@@ -13,6 +13,10 @@ Forward, y_MN = x_g @ w[e] per group (or x_g @ w[e]^T when TRANS_W):
   Operands come in through Hopper TMA descriptors when the strides allow it (USE_TMA), else through
   masked pointer loads; both run under TRITON_INTERPRET=1. A TMA tile of x may run past the group into
   the next group's rows: those rows only feed output rows that are never stored, so it is harmless.
+  With FLATTEN the tile loop and the K loop are fused into one software pipeline (tl.range(flatten=True),
+  as in Triton's persistent-matmul tutorial), so the next tile's first loads overlap this tile's
+  epilogue: it pays where K is short (few K steps per tile), e.g. the down projection of fine-grained
+  experts. Tile shape, TMA and FLATTEN are autotuned per (N, K, rows-per-group bucket, layout).
 Weight gradient, dw[e] = x_g^T @ dy_g: one program per (e, k-tile, n-tile) reduces over the group's
   rows with masked loads; an empty group stores zeros.
 dX is the forward kernel with TRANS_W flipped (see op.py).
@@ -37,6 +41,7 @@ from .._backends import triton_interpreting
 _UPCAST_DOT = triton_interpreting()
 TMA_ENV_VAR = "SPECDEC_TRITON_TMA"  # "0" switches the TMA path off (for comparisons and debugging)
 AUTOTUNE_ENV_VAR = "SPECDEC_TRITON_AUTOTUNE"  # "0": no tuning, the first config that fits is used
+FLATTEN_ENV_VAR = "SPECDEC_TRITON_FLATTEN"  # "0" drops the flattened-loop configs (a Triton that cannot)
 # Set when the TMA kernel failed to compile or launch (a Triton build that cannot lower it): from then on
 # the pointer-load path is used, after one warning.
 _TMA_FAILURE: str | None = None
@@ -61,60 +66,88 @@ def _set_descriptor_blocks(nargs: dict) -> None:
     nargs["w_desc"].block_shape = [1, bn, bk] if nargs["TRANS_W"] else [1, bk, bn]
 
 
+# (BM, BN, BK, warps, stages, programs per SM): Hopper-sized tiles for 16-bit inputs first, then tiles
+# small enough for two resident programs per SM (one's epilogue hides behind the other's main loop),
+# then small ones for fp32 and decode-sized groups. Shared memory per program is
+# stages * (BM + BN) * BK * element bytes (the prune below drops what does not fit).
+FORWARD_TILES = [
+    (128, 256, 64, 8, 3, 1),
+    (128, 256, 64, 8, 4, 1),
+    (128, 128, 64, 8, 4, 1),
+    (128, 128, 128, 8, 3, 1),
+    (128, 128, 64, 8, 3, 2),
+    (64, 256, 64, 4, 4, 1),
+    (64, 128, 64, 4, 4, 2),
+    (64, 64, 32, 4, 3, 2),
+]
+
+
+def _config(bm, bn, bk, warps, stages, per_sm, *, use_tma: bool, flatten: bool, group_m: int = 8):
+    kwargs = {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": group_m, "PROGRAMS_PER_SM": per_sm}
+    kwargs.update(USE_TMA=use_tma, FLATTEN=flatten)
+    return triton.Config(kwargs, num_warps=warps, num_stages=stages, pre_hook=_set_descriptor_blocks)
+
+
 def _forward_configs() -> list[triton.Config]:
-    if triton_interpreting():  # small tiles keep the interpreter quick; one config, so no tuning runs
+    if triton_interpreting():  # small tiles keep the interpreter quick; the prune keeps one, so no tuning
         return [
-            triton.Config(
-                {"BM": 16, "BN": 16, "BK": 16, "GROUP_M": 2, "PROGRAMS_PER_SM": 1},
-                num_warps=4,
-                num_stages=1,
-                pre_hook=_set_descriptor_blocks,
-            )
+            _config(16, 16, 16, 4, 1, 1, use_tma=tma, flatten=flatten, group_m=2)
+            for tma in (True, False)
+            for flatten in (True, False)
         ]
-    shapes = [  # (BM, BN, BK, warps, stages, programs per SM): Hopper-sized tiles for 16-bit inputs first,
-        # smaller ones (two resident programs per SM) for fp32 and for decode-sized groups
-        (128, 256, 64, 8, 3, 1),
-        (128, 128, 64, 8, 4, 1),
-        (128, 128, 64, 4, 4, 2),
-        (64, 128, 64, 4, 4, 2),
-        (64, 64, 32, 4, 3, 2),
-    ]
     return [
-        triton.Config(
-            {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "PROGRAMS_PER_SM": per_sm},
-            num_warps=w,
-            num_stages=s,
-            pre_hook=_set_descriptor_blocks,
-        )
-        for bm, bn, bk, w, s, per_sm in shapes
+        _config(*tile, use_tma=tma, flatten=flatten)
+        for tile in FORWARD_TILES
+        for tma in (True, False)
+        for flatten in (True, False)
     ]
 
 
 def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Drop configs whose pipelined tiles do not fit in shared memory (fp32 tiles are twice as big);
-    keep only the first that fits when SPECDEC_TRITON_AUTOTUNE=0."""
+    """Drop configs that cannot run here: pipelined tiles over the shared-memory budget (fp32 tiles are
+    twice as big), TMA configs when the operands have no descriptors, flattened loops when switched
+    off; keep only the first that is left when SPECDEC_TRITON_AUTOTUNE=0 (and under the interpreter)."""
     elem = named_args["x_ptr"].element_size()
+    tma_ok = bool(named_args["TMA_OK"])
+    flatten_ok = os.environ.get(FLATTEN_ENV_VAR, "1") != "0"
+    runnable = [
+        c for c in configs if (tma_ok or not c.kwargs["USE_TMA"]) and (flatten_ok or not c.kwargs["FLATTEN"])
+    ]
     fits = [
         c
-        for c in configs
+        for c in runnable
         if c.num_stages * (c.kwargs["BM"] + c.kwargs["BN"]) * c.kwargs["BK"] * elem <= 200 * 1024
-    ] or configs[-1:]
-    return fits[:1] if os.environ.get(AUTOTUNE_ENV_VAR, "1") == "0" else fits
+    ] or runnable[-1:]
+    one = os.environ.get(AUTOTUNE_ENV_VAR, "1") == "0" or triton_interpreting()
+    return fits[:1] if one else fits
 
 
-@triton.autotune(
+def _tune_bench(kernel_call, quantiles):
+    """Shorter timing than Triton's default (25 ms warm-up, 100 ms of repeats) per candidate: with 32
+    candidates per tuning key, tuning would otherwise cost seconds per new problem shape."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+def _autotune(**kwargs):
+    try:
+        return triton.autotune(**kwargs, do_bench=_tune_bench)
+    except TypeError:  # a Triton without the do_bench argument: its default timing
+        return triton.autotune(**kwargs)
+
+
+@_autotune(
     configs=_forward_configs(),
-    key=["N", "K", "ROWS_BUCKET", "TRANS_W", "USE_TMA"],  # (+ the dtypes of the tensor arguments)
+    key=["N", "K", "ROWS_BUCKET", "TRANS_W", "TMA_OK"],  # (+ the dtypes of the tensor arguments)
     prune_configs_by={"early_config_prune": _prune_configs},
 )
-@triton.jit(do_not_specialize=["ROWS_BUCKET"])
+@triton.jit(do_not_specialize=["ROWS_BUCKET", "TMA_OK"])
 def grouped_gemm_forward_kernel(
     # tensors: x [M, K]; w [E, K, N] (or [E, N, K] when TRANS_W); y [M, N]; group sizes [E]
     x_ptr,
     w_ptr,
     y_ptr,
     group_sizes_ptr,
-    # TMA descriptors over x [M, K] and w (3-D), used when USE_TMA; None otherwise
+    # TMA descriptors over x [M, K] and w (3-D) when TMA_OK; None otherwise
     x_desc,
     w_desc,
     # problem sizes
@@ -127,20 +160,23 @@ def grouped_gemm_forward_kernel(
     stride_wk,
     stride_wn,
     stride_ym,
-    # autotune key only: log2 bucket of rows per group (decode-sized vs prefill-sized problems)
+    # autotune key only: log2 bucket of rows per group (decode-sized vs prefill-sized problems), and
+    # whether descriptors were passed (configs with USE_TMA are pruned without them)
     ROWS_BUCKET,
+    TMA_OK,
     # compile-time switches
     TRANS_W: tl.constexpr,
-    USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     E_PAD: tl.constexpr,
-    # tile shape (from the autotune config)
+    # tile shape and loop structure (from the autotune config)
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
     PROGRAMS_PER_SM: tl.constexpr,  # read by the launch grid only
+    USE_TMA: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     # ---- the tile schedule: prefix sums over the E groups, in registers
     e_idx = tl.arange(0, E_PAD)
@@ -150,7 +186,7 @@ def grouped_gemm_forward_kernel(
     tiles_end_E = tl.cumsum(tiles_E, axis=0)
     total_tiles = tl.max(tiles_end_E, axis=0)
 
-    for tile in range(tl.program_id(0), total_tiles, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), total_tiles, tl.num_programs(0), flatten=FLATTEN):
         # ---- which group, and where this tile sits inside it
         group = tl.sum((tiles_end_E <= tile).to(tl.int32), axis=0)
         before = e_idx < group
@@ -316,8 +352,31 @@ def grouped_gemm_triton(x_MK: Tensor, w: Tensor, group_sizes_E: Tensor, trans_w:
     return y_MN
 
 
+def grouped_gemm_triton_config(
+    x_MK: Tensor, w: Tensor, group_sizes_E: Tensor, trans_w: bool, config: triton.Config
+) -> Tensor:
+    """The forward kernel with one given config instead of the autotuned one (for checking every
+    candidate of the autotuner, and for sweeps). A config with USE_TMA needs TMA-ready operands."""
+    if config.kwargs["USE_TMA"] and not _tma_ok(x_MK, w):
+        raise ValueError("config uses TMA but x_MK / w cannot be described by TMA descriptors here")
+    n = w.shape[1] if trans_w else w.shape[2]
+    y_MN = _empty(x_MK, x_MK.shape[0], n)
+    if x_MK.shape[0] and n:
+        _launch_forward(
+            x_MK, w, y_MN, group_sizes_E, trans_w, use_tma=config.kwargs["USE_TMA"], config=config
+        )
+    return y_MN
+
+
 def _launch_forward(
-    x_MK: Tensor, w: Tensor, y_MN: Tensor, group_sizes_E: Tensor, trans_w: bool, *, use_tma: bool
+    x_MK: Tensor,
+    w: Tensor,
+    y_MN: Tensor,
+    group_sizes_E: Tensor,
+    trans_w: bool,
+    *,
+    use_tma: bool,
+    config: triton.Config | None = None,
 ) -> None:
     num_rows, k = x_MK.shape
     num_experts, n = w.shape[0], y_MN.shape[1]
@@ -335,7 +394,11 @@ def _launch_forward(
         bound = (triton.cdiv(num_rows, meta["BM"]) + num_experts) * triton.cdiv(n, meta["BN"])
         return (max(1, min(processors * meta["PROGRAMS_PER_SM"], bound)),)
 
-    grouped_gemm_forward_kernel[grid](
+    kernel, fixed = grouped_gemm_forward_kernel, {}
+    if config is not None:  # bypass the autotuner: its pre-hook, then the JIT function with this config
+        kernel, fixed = grouped_gemm_forward_kernel.fn, config.all_kwargs()
+        config.pre_hook({"x_desc": x_desc, "w_desc": w_desc, "TRANS_W": trans_w, **config.kwargs})
+    kernel[grid](
         x_MK,
         w,
         y_MN,
@@ -351,11 +414,12 @@ def _launch_forward(
         stride_wn,
         y_MN.stride(0),
         min(rows_per_group.bit_length(), 8),
+        int(use_tma),
         TRANS_W=trans_w,
-        USE_TMA=use_tma,
         UPCAST_DOT=_UPCAST_DOT and x_MK.dtype != torch.float32,
         INPUT_PRECISION=_input_precision(x_MK.dtype),
         E_PAD=triton.next_power_of_2(num_experts),
+        **fixed,
     )
 
 

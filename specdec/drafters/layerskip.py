@@ -70,7 +70,7 @@ class LayerSkipDrafter:
         V = int(self.target.vocab_size)
         if gamma <= 0:
             empty = state.tokens_BL.new_empty((B, 0))
-            return Proposal(tokens_BK=empty, probs_BKV=torch.empty(B, 0, V))
+            return Proposal(tokens_BK=empty, probs_BKV=torch.empty(B, 0, V, device=empty.device))
         sampling = state.sampling
         start_B = state.lengths_B - 1
         token_B1 = state.last_tokens_B()[:, None]

@@ -255,7 +255,10 @@ def _sample(
 
 def _empty(state: DecodeState, V: int) -> Proposal:
     B = state.batch_size
-    return Proposal(tokens_BK=state.tokens_BL.new_empty((B, 0)), probs_BKV=torch.empty(B, 0, V))
+    return Proposal(
+        tokens_BK=state.tokens_BL.new_empty((B, 0)),
+        probs_BKV=torch.empty(B, 0, V, device=state.tokens_BL.device),
+    )
 
 
 class UnigramDrafter:

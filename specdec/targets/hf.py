@@ -49,12 +49,18 @@ class HFTarget:
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, **kwargs
+        cls,
+        name_or_path: str | os.PathLike,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        **kwargs,
     ) -> HFTarget:
-        """Load a built-in name (``smollm2-135m``) or a local checkpoint directory."""
+        """Load a built-in name (``smollm2-135m``) or a local checkpoint directory onto ``device``."""
         from specdec.targets.loading import load_hf_model, load_tokenizer
 
-        return cls(load_hf_model(name_or_path, dtype=dtype), load_tokenizer(name_or_path), **kwargs)
+        model = load_hf_model(name_or_path, dtype=dtype).to(device)
+        return cls(model, load_tokenizer(name_or_path), **kwargs)
 
     def reset(self, batch_size: int, max_len: int) -> None:
         from transformers import DynamicCache
