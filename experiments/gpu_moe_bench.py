@@ -20,7 +20,8 @@ Phases (JSON is rewritten after each one, so a run cut short keeps what it finis
                 (b) torch._grouped_mm on the same problem (the better of its two weight layouts), (c) the
                 measured peak; each Triton output is checked against the cuBLAS-backed torch backend.
                 The autotuner's timing of every candidate is kept per row (`tuning`), with the gain of
-                the flattened loop and of TMA over the best candidate without them.
+                the flattened loop and of TMA over the best candidate without them. Every variant is
+                also timed replayed from a CUDA graph (`ms_graph`: host-side work excluded alike).
   4. routing    Triton routing ops against the torch backend at large T (times only; correctness is phase 1).
 Timing: CUDA events around each call, after warm-up, with the L2 flushed before every timed call; the
 median is reported. The issue's goals (>= 0.8x cuBLAS, >= 1.0x torch._grouped_mm at large T) are printed
@@ -143,6 +144,37 @@ class Bench:
             torch.cuda.synchronize()
             samples.append(begin.elapsed_time(end))
         return statistics.median(samples)
+
+    def time_ms_graph(self, fn) -> float:
+        """Median milliseconds of fn() replayed from a CUDA graph (host-side work excluded, for every
+        variant alike): a graph of [L2 flush, fn] minus a graph of the flush alone. Call after fn has
+        run once outside capture (autotuning must not happen inside the capture)."""
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = {}
+        for name, body in (("flush", lambda: None), ("fn", fn)):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.flush_buffer.zero_()
+                body()
+            graphs[name] = graph
+        medians = {}
+        for name, graph in graphs.items():
+            graph.replay()
+            samples = []
+            for _ in range(20):
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(begin.elapsed_time(end))
+            medians[name] = statistics.median(samples)
+        return max(medians["fn"] - medians["flush"], 1e-6)
 
     def routing_plan(self, num_tokens: int, num_experts: int, top_k: int):
         """Group sizes of a random router's top-k choice (roughly balanced, as in a trained model)."""
@@ -393,8 +425,20 @@ class Bench:
                     out["errors"][name] = f"{type(err).__name__}: {err}"[:500]
                 if name.startswith("triton") and set(tuner.cache) - keys:  # this call tuned a new key
                     out["tuning"][name] = _tuning(tuner)
+            # the same calls replayed from CUDA graphs: kernel time without the host-side path
+            out["ms_graph"], out["graph_errors"] = {}, {}
+            if not self.dry_run:
+                for name, (tma, fn) in variants.items():
+                    if name not in out["ms"]:
+                        continue
+                    os.environ["SPECDEC_TRITON_TMA"] = tma
+                    try:
+                        out["ms_graph"][name] = self.time_ms_graph(fn)
+                    except Exception as err:  # not capturable here: reported, not fatal
+                        out["graph_errors"][name] = f"{type(err).__name__}: {err}"[:500]
             os.environ.pop("SPECDEC_TRITON_TMA")
         out["warnings"] = sorted({str(w.message)[:500] for w in caught})
+        out["tflops_graph"] = {v: out["flops"] / ms / 1e9 for v, ms in out["ms_graph"].items()}
         out["tflops"] = {v: out["flops"] / ms / 1e9 for v, ms in out["ms"].items()}
         if "triton" in out["ms"]:
             reference = self.kernels.grouped_gemm(x_MK, w_EKN, sizes_E, backend="torch")
@@ -553,6 +597,10 @@ def _summary(report: dict) -> str:
             _fmt(r[v]) for v in ("triton_vs_cublas", "triton_vs_grouped_mm", "triton_fraction_of_peak")
         )
         lines.append(f"{head} {cells}  {ratios}")
+        graph = row.get("tflops_graph") or {}
+        if graph:
+            g_cells = ", ".join(f"{v} {graph[v]:.1f}" for v in names if v in graph)
+            lines.append(f"{'':>33}graph replay (TFLOP/s): {g_cells}")
         tuned = row.get("tuning", {}).get("triton")
         if tuned:
             lines.append(
