@@ -16,7 +16,10 @@ the cost model predicts from the run's own α and measured draft / verify costs
 greedy runs the exact-match rate against our plain decode (token for token). Results go to
 ``<out>/bench.json`` and ``<out>/bench.md`` (:mod:`specdec.bench_report`), rewritten after every
 prompt: methods run interleaved, each prompt through every method before the next, so an
-interrupted benchmark keeps every finished prompt and machine drift hits all methods alike.
+interrupted benchmark keeps every finished prompt and machine drift hits all methods alike. A method
+that raises is dropped from that temperature's results with a note (the error, the prompt), and the
+others go on; only a failure of plain decoding, the baseline of every ratio, ends the run.
+``--device cuda`` puts the target, a model drafter and transformers' models on a GPU.
 
 Prompts (:mod:`specdec.prompt_sets`): HumanEval and the first turn of the 80 MT-Bench questions,
 read as data files; ``--num-prompts`` takes that many per set, evenly spaced.
