@@ -518,31 +518,22 @@ def _tuning(tuner) -> dict:
     """The autotuner's last benchmark: every candidate's median ms, the winner, and what the flattened
     loop and TMA each gained (best candidate with the feature vs best without; > 1 means it helped)."""
     timings = getattr(tuner, "configs_timings", None) or {}
-    ms = {_config_name(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
-    ranked = sorted(ms.items(), key=lambda kv: kv[1])
+    # Triton keeps (median, p20, p80) per candidate (a bare float in some versions); inf = did not run
+    ms_by_config = {c: float(t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
     best = getattr(tuner, "best_config", None)
 
     def gain(feature: str) -> float | None:
-        with_f = [t for c, t in timings.items() if c.kwargs[feature] and _finite(t)]
-        without = [t for c, t in timings.items() if not c.kwargs[feature] and _finite(t)]
-        if not with_f or not without:
-            return None
-        return min(_ms(t) for t in without) / min(_ms(t) for t in with_f)
+        with_f = [ms for c, ms in ms_by_config.items() if c.kwargs[feature] and ms < float("inf")]
+        without = [ms for c, ms in ms_by_config.items() if not c.kwargs[feature] and ms < float("inf")]
+        return min(without) / min(with_f) if with_f and without else None
 
+    ranked = sorted(ms_by_config.items(), key=lambda kv: kv[1])
     return {
         "best": _config_name(best) if best is not None else None,
         "flatten_gain": gain("FLATTEN"),
         "tma_gain": gain("USE_TMA"),
-        "candidates_ms": dict(ranked),
+        "candidates_ms": {_config_name(c): ms for c, ms in ranked},
     }
-
-
-def _ms(t) -> float:
-    return float(t[0] if isinstance(t, (list, tuple)) else t)
-
-
-def _finite(t) -> bool:
-    return _ms(t) < float("inf")
 
 
 def _ratios(tflops: dict, peak: float) -> dict:

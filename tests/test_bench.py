@@ -79,19 +79,23 @@ def test_bench_compares_everything_in_one_run(ckpts, tiny_sets, tmp_path):
             assert p["num_tokens"] == len(p["token_ids"]) <= 10
 
 
-def test_bench_keeps_finished_runs_when_interrupted(ckpts, tiny_sets, tmp_path, monkeypatch):
-    target, _ = ckpts
+def _third_ours_call_raises(monkeypatch, error: BaseException) -> None:
+    """Make the third `_run_ours` call raise `error` (in the two-prompt plan below: ours/ngram on
+    prompt 0, after ours/none and hf/plain)."""
     calls = {"n": 0}
     real = bench._run_ours
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 3:  # prompt 0 ran through none, hf, ngram; prompt 1 through hf only
-            raise KeyboardInterrupt
+        if calls["n"] == 3:
+            raise error
         return real(*args, **kwargs)
 
     monkeypatch.setattr(bench, "_run_ours", flaky)
-    cfg = BenchConfig(
+
+
+def _two_prompt_config(target, tmp_path) -> BenchConfig:
+    return BenchConfig(
         target=target,
         prompt_sets=("code",),
         num_prompts=2,
@@ -103,8 +107,13 @@ def test_bench_keeps_finished_runs_when_interrupted(ckpts, tiny_sets, tmp_path, 
         out=str(tmp_path / "out"),
         warmup=False,
     )
+
+
+def test_bench_keeps_finished_runs_when_interrupted(ckpts, tiny_sets, tmp_path, monkeypatch):
+    target, _ = ckpts
+    _third_ours_call_raises(monkeypatch, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
-        run_bench(cfg)
+        run_bench(_two_prompt_config(target, tmp_path))
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     # Methods run interleaved per prompt: the finished prompt is kept for every method.
     assert [r["method"] for r in data["runs"]] == ["ours/none", "hf/plain", "ours/ngram"]
@@ -115,29 +124,8 @@ def test_a_failing_method_is_dropped_with_a_note_and_the_others_finish(
     ckpts, tiny_sets, tmp_path, monkeypatch
 ):
     target, _ = ckpts
-    calls = {"n": 0}
-    real = bench._run_ours
-
-    def broken_third_call(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:  # ours/ngram on prompt 0 (after ours/none and hf/plain)
-            raise RuntimeError("simulated device mismatch")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(bench, "_run_ours", broken_third_call)
-    cfg = BenchConfig(
-        target=target,
-        prompt_sets=("code",),
-        num_prompts=2,
-        max_new_tokens=6,
-        temperatures=(0.0,),
-        drafters=("none", "ngram"),
-        hf_baselines=("plain",),
-        backend="hf",
-        out=str(tmp_path / "out"),
-        warmup=False,
-    )
-    run_bench(cfg)
+    _third_ours_call_raises(monkeypatch, RuntimeError("simulated device mismatch"))
+    run_bench(_two_prompt_config(target, tmp_path))
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert [r["method"] for r in data["runs"]] == ["ours/none", "hf/plain"]
     assert all([p["index"] for p in r["prompts"]] == [0, 1] for r in data["runs"])
