@@ -29,7 +29,8 @@ from specdec.policies import GammaPolicy, StepStats, as_policy
 from specdec.protocols import DecodeState, Drafter, Proposal, Target, TargetOutput
 from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from specdec.verify_rules import VerifyRule, make_verify_rule
+from specdec.verify import greedy_verify
+from specdec.verify_rules import ExactVerify, VerifyRule, make_verify_rule
 
 __all__ = ["GenerationOutput", "generate"]
 
@@ -321,6 +322,8 @@ class _Decoder:
 
         # --- speculative steps -------------------------------------------------------------------------
         validate = True  # check the first proposal fully (third-party drafters); then trust the loop
+        greedy_exact = self.sampling.greedy and isinstance(self.verify_rule, ExactVerify)
+        V = target.vocab_size
         while not all(self.finished):
             active = [b for b in range(B) if not self.finished[b]]
             room = max(max_new_tokens - len(self.generated[b]) for b in active)
@@ -335,6 +338,11 @@ class _Decoder:
                 raise ValueError(
                     f"drafter {type(drafter).__name__} proposed tokens of shape "
                     f"{tuple(draft_tokens_BK.shape)}; expected [B={B}, K<={gamma}]"
+                )
+            if validate and K and (int(draft_tokens_BK.min()) < 0 or int(draft_tokens_BK.max()) >= V):
+                raise ValueError(
+                    f"drafter {type(drafter).__name__} proposed token ids outside [0, V={V}): "
+                    f"{draft_tokens_BK.tolist()}"
                 )
             start_B = state.lengths_B - 1
             if getattr(proposal, "tree", None) is not None:  # a token tree: one call, KV compacted
@@ -358,16 +366,19 @@ class _Decoder:
                 )
                 out = target.forward(block_BT, start_B)
                 t_fwd = now()
-                target_probs_BKV = self._probs(out.logits_BTV)
-                verified = self.verify_rule(
-                    target_probs_BKV,
-                    draft_tokens_BK,
-                    proposal.probs_BKV,
-                    target_logits_BKV=out.logits_BTV,
-                    sampling=self.sampling,
-                    generator=self.generator,
-                    validate=validate,
-                )
+                if greedy_exact and proposal.probs_BKV is None:
+                    # the exact rule's result for a one-hot target, from the logits' argmax
+                    verified = greedy_verify(out.logits_BTV, draft_tokens_BK.to(out.logits_BTV.device))
+                else:
+                    verified = self.verify_rule(
+                        self._probs(out.logits_BTV),
+                        draft_tokens_BK,
+                        proposal.probs_BKV,
+                        target_logits_BKV=out.logits_BTV,
+                        sampling=self.sampling,
+                        generator=self.generator,
+                        validate=validate,
+                    )
                 validate = False
 
             # --- commit: accepted drafts + one recovered/bonus token, cut at stop conditions --------

@@ -36,7 +36,7 @@ import torch
 
 from specdec.sampling import sample_from_probs
 
-__all__ = ["VerifyResult", "rejection_sample", "validate_verify_inputs"]
+__all__ = ["VerifyResult", "greedy_verify", "rejection_sample", "validate_verify_inputs"]
 
 # Tolerance on Σ probs = 1 (float32 sums over a 50k vocabulary are off by ~1e-5).
 _NORM_ATOL = 1e-3
@@ -214,3 +214,35 @@ def rejection_sample(
         tokens_BK1[:, :K] = torch.where(keep_BK, draft_tokens_BK, tokens_BK1[:, :K])
     tokens_BK1[rows_B, stop_B] = stop_token_B
     return VerifyResult(tokens_BK1, num_accepted_B)
+
+
+def greedy_verify(target_logits_BKV: torch.Tensor, draft_tokens_BK: torch.Tensor) -> VerifyResult:
+    """:func:`rejection_sample` at temperature 0 for a point-mass proposal, without probabilities.
+
+    The target's processed distribution is then the one-hot of its argmax (ties to the lowest id,
+    as :func:`specdec.sampling.logits_to_probs`), so a draft token is accepted exactly when it is
+    the argmax, and the recovered or bonus token is the argmax at the first mismatch (or after the
+    last draft): the same tokens ``rejection_sample`` returns for those inputs, without building
+    ``[B, K+1, V]`` one-hot tensors or drawing random numbers.
+
+    Args:
+        target_logits_BKV: ``[B, K+1, V]`` target logits (any temperature-free scale).
+        draft_tokens_BK: ``[B, K]`` proposed token ids.
+    """
+    if target_logits_BKV.ndim != 3 or draft_tokens_BK.ndim != 2:
+        raise ValueError(
+            f"target_logits_BKV must be [B, K+1, V] and draft_tokens_BK [B, K], got "
+            f"{tuple(target_logits_BKV.shape)} and {tuple(draft_tokens_BK.shape)}"
+        )
+    B, K1, _ = target_logits_BKV.shape
+    K = K1 - 1
+    if draft_tokens_BK.shape != (B, K):
+        raise ValueError(
+            f"draft_tokens_BK must have shape [B={B}, K={K}], got {tuple(draft_tokens_BK.shape)}"
+        )
+    argmax_BK1 = target_logits_BKV.float().argmax(dim=-1)
+    match_BK = draft_tokens_BK.long() == argmax_BK1[:, :K]
+    num_accepted_B = match_BK.long().cumprod(dim=-1).sum(dim=-1)
+    positions_K1 = torch.arange(K1, device=argmax_BK1.device)
+    keep_BK1 = positions_K1.unsqueeze(0) <= num_accepted_B.unsqueeze(1)
+    return VerifyResult(torch.where(keep_BK1, argmax_BK1, -1), num_accepted_B)

@@ -128,6 +128,64 @@ def test_cache_steps_equal_the_reference_forward(tiny):
     torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_packed_fused_head_equals_the_module_path(tiny, backend, B):
+    """pack(): scales, residuals, norms and SwiGLU fused into the linear kernels and rope done with
+    fewer ops compute the same function as the nn.Linear path (a block, then chain steps)."""
+    plain, _ = load_eagle_head(tiny["weights"], tiny["parts"])
+    packed, _ = load_eagle_head(tiny["weights"], tiny["parts"], linear_backend=backend)
+    assert packed._packed is not None and plain._packed is None
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(B, 5, 64, generator=g) * 3
+    tokens = torch.randint(0, 259, (B, 7), generator=g)
+    outs = []
+    with torch.no_grad():
+        for head in (plain, packed):
+            cache = EagleCache(head, B, 4)  # grows on demand
+            slots = torch.arange(5).expand(B, -1)
+            f = cache.step(head, feats, tokens[:, :5], slots, slots, torch.arange(5) <= slots.unsqueeze(-1))
+            steps = [f, head.logits(f)]
+            f = f[:, -1:]
+            for s in (5, 6):  # two chain draft steps on the head's own features
+                slot = torch.full((B, 1), s)
+                f = cache.step(head, f, tokens[:, s : s + 1], slot, slot, None)
+                steps += [f, head.logits(f)]
+            outs.append(steps)
+    for got, want in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert outs[0][-1].abs().max() > 0.1
+
+
+def test_bf16_packed_weights_are_the_default_on_the_packed_kernel_and_stay_close(tiny):
+    """The drafter stores its packed weights in bf16 where the packed CPU kernel runs (activations
+    stay float32); the layer's weights ship as bf16, so only fc's folded scales and the LM-head
+    rows are rounded."""
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.targets.linear import resolve_backend
+
+    drafter = EagleDrafter(tiny["target"], weights=str(tiny["weights"]))
+    kernel = resolve_backend("auto", "cpu")
+    want = torch.bfloat16 if kernel == "packed" else torch.float32
+    assert {lin.dtype for lin in drafter.head._packed.values()} == {want}
+    f32 = EagleDrafter(tiny["target"], weights=str(tiny["weights"]), weight_dtype="float32")
+    assert {lin.dtype for lin in f32.head._packed.values()} == {torch.float32}
+    g = torch.Generator().manual_seed(4)
+    feats = torch.randn(1, 6, 64, generator=g) * 3
+    tokens = torch.randint(0, 259, (1, 6), generator=g)
+    with torch.no_grad():
+        outs = []
+        for head in (f32.head, drafter.head):
+            cache = EagleCache(head, 1, 8)
+            slots = torch.arange(6).unsqueeze(0)
+            f = cache.step(head, feats, tokens, slots, slots, torch.arange(6) <= slots.unsqueeze(-1))
+            outs.append(head.logits(f))
+    scale = outs[0].abs().max()
+    assert (outs[1] - outs[0]).abs().max() < 0.02 * scale
+    with pytest.raises(ValueError, match="weight_dtype"):
+        EagleDrafter(tiny["target"], weights=str(tiny["weights"]), weight_dtype="float16")
+
+
 @pytest.mark.parametrize("step", [2, 3])
 def test_unrolled_training_step_equals_inference_drafting(tiny, step):
     """Training-time test step s at position t == the s-th draft at inference after true features ≤ t−s+1."""

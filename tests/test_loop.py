@@ -391,6 +391,26 @@ def test_bad_input_raises_value_error(tiny, tok):
         specdec.generate(object(), [ids])
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_drafter_proposing_unknown_token_ids_is_a_value_error(tiny, tok, temperature):
+    from specdec.protocols import Proposal
+
+    _, target = tiny
+
+    class OutOfVocab:
+        def begin(self, state, prefill_out):
+            pass
+
+        def propose(self, state, gamma, generator=None):
+            return Proposal(torch.full((state.batch_size, gamma), target.vocab_size), None)
+
+        def observe(self, state, num_accepted_B, verify_out):
+            pass
+
+    with pytest.raises(ValueError, match=r"OutOfVocab proposed token ids outside \[0, V="):
+        specdec.generate(target, [tok("hi").input_ids], drafter=OutOfVocab(), temperature=temperature)
+
+
 # --- metrics from a run --------------------------------------------------------------------------------
 
 

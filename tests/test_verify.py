@@ -22,7 +22,7 @@ from specdec.testing import (
     target_sequence_distribution,
     verifier_step_law,
 )
-from specdec.verify import VerifyResult, rejection_sample
+from specdec.verify import VerifyResult, greedy_verify, rejection_sample
 
 EXACT = 1e-12
 
@@ -167,6 +167,34 @@ def test_greedy_reduces_to_exact_argmax_matching(with_draft_probs):
         assert tokens[b, : n + 1].tolist() == greedy[b, : n + 1].tolist()
         assert (tokens[b, n + 1 :] == -1).all()
     assert len(set(num_accepted.tolist())) > 2  # the case mix covers several acceptance lengths
+
+
+@pytest.mark.parametrize("K", [0, 1, 4])
+def test_greedy_verify_equals_rejection_sample_on_one_hot_targets(K):
+    """The loop's temperature-0 fast path returns exactly what the exact rule returns."""
+    B, V = 300, 6
+    g = _gen(11)
+    # integer-valued logits: many ties, which both must break towards the lowest id
+    target_logits = torch.randint(0, 3, (B, K + 1, V), generator=g).float()
+    argmax = logits_to_probs(target_logits, temperature=0.0).argmax(-1)
+    draft_tokens = torch.where(
+        torch.rand(B, K, generator=g) < 0.6, argmax[:, :K], torch.randint(0, V, (B, K), generator=g)
+    )
+    want = rejection_sample(
+        logits_to_probs(target_logits, temperature=0.0), draft_tokens, None, generator=_gen(3)
+    )
+    got = greedy_verify(target_logits, draft_tokens.int())
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
+    assert got.tokens.dtype == torch.long and got.num_accepted.dtype == torch.long
+    if K:
+        assert len(set(want.num_accepted.tolist())) == K + 1  # every acceptance length occurs
+
+
+def test_greedy_verify_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="draft_tokens_BK"):
+        greedy_verify(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="target_logits_BKV"):
+        greedy_verify(torch.zeros(2, 5), torch.zeros(2, 1, dtype=torch.long))
 
 
 def test_seeded_determinism():

@@ -66,7 +66,7 @@ class EagleTreeDrafter(EagleDrafter):
             head's estimate that the target accepts the node) is at least this, and stops expanding
             once no frontier node reaches it: a node costs verify time whether accepted or not, so
             unlikely ones are dropped (0 keeps ``tree_nodes`` nodes, as EAGLE-2 does).
-        weights, draft_vocab_size, dtype, linear_backend: as for
+        weights, draft_vocab_size, dtype, linear_backend, weight_dtype: as for
             :class:`specdec.drafters.eagle.EagleDrafter`.
     """
 
@@ -82,6 +82,7 @@ class EagleTreeDrafter(EagleDrafter):
         draft_vocab_size: int | None = None,
         dtype: torch.dtype = torch.float32,
         linear_backend: str = "auto",
+        weight_dtype: torch.dtype | str | None = None,
     ) -> None:
         if not hasattr(target, "copy_slots"):
             raise ValueError(
@@ -94,6 +95,7 @@ class EagleTreeDrafter(EagleDrafter):
             draft_vocab_size=draft_vocab_size,
             dtype=dtype,
             linear_backend=linear_backend,
+            weight_dtype=weight_dtype,
         )
         self.dynamic = tree == "dynamic"
         self.tree = resolve_tree("small" if self.dynamic else tree)
