@@ -20,6 +20,8 @@ interrupted benchmark keeps every finished prompt and machine drift hits all met
 that raises is dropped from that temperature's results with a note (the error, the prompt), and the
 others go on; only a failure of plain decoding, the baseline of every ratio, ends the run.
 ``--device cuda`` puts the target, a model drafter and transformers' models on a GPU.
+``--drafter-gamma LABEL=N`` gives one drafter label its own γ (with ``LABEL=DRAFTER`` labels, one run
+compares draft lengths of one drafter side by side).
 
 Prompts (:mod:`specdec.prompt_sets`): HumanEval and the first turn of the 80 MT-Bench questions,
 read as data files; ``--num-prompts`` takes that many per set, evenly spaced.
@@ -83,6 +85,9 @@ class BenchConfig:
     drafters: tuple[str, ...] = ("none", "ngram", "layerskip", "model", "eagle", "eagle-tree")
     hf_baselines: tuple[str, ...] = ("plain", "prompt_lookup", "assistant")
     gamma: int = 4
+    drafter_gammas: dict[str, int] = field(default_factory=dict)
+    """γ for some drafter labels (others use ``gamma``), so one interleaved run compares draft
+    lengths: ``drafters=("ngram-eagle", "ne-g6=ngram-eagle")``, ``drafter_gammas={"ne-g6": 6}``."""
     gamma_policy: str = "fixed"
     draft_model: str | None = None
     drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -101,6 +106,15 @@ class BenchConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {self.gamma}")
+        labels = {entry.rpartition("=")[0] or entry for entry in self.drafters}
+        for label, g in self.drafter_gammas.items():
+            if label not in labels:
+                raise ValueError(
+                    f"drafter_gammas names {label!r}, which is not a drafter label of this run "
+                    f"({', '.join(sorted(labels))})"
+                )
+            if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+                raise ValueError(f"drafter_gammas[{label!r}] must be an int >= 0, got {g!r}")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ValueError(
                 f"temperatures must be a non-empty list of numbers >= 0, got {self.temperatures}"
@@ -124,12 +138,20 @@ class Prompt:
 
 
 def _run_ours(
-    target, prompts: list[Prompt], drafter, temperature: float, cfg: BenchConfig, tick, warmup: bool = True
+    target,
+    prompts: list[Prompt],
+    drafter,
+    temperature: float,
+    cfg: BenchConfig,
+    tick,
+    warmup: bool = True,
+    gamma: int | None = None,
 ) -> list[PromptResult]:
     import specdec
     from specdec.policies import make_policy
 
-    policy = make_policy(cfg.gamma_policy, gamma=cfg.gamma)
+    gamma = cfg.gamma if gamma is None else gamma
+    policy = make_policy(cfg.gamma_policy, gamma=gamma)
     if cfg.warmup and warmup:
         specdec.generate(
             target,
@@ -137,7 +159,7 @@ def _run_ours(
             drafter=drafter,
             max_new_tokens=min(8, cfg.max_new_tokens),
             temperature=temperature,
-            gamma=make_policy(cfg.gamma_policy, gamma=cfg.gamma),
+            gamma=make_policy(cfg.gamma_policy, gamma=gamma),
             seed=cfg.seed,
         )
     results = []
@@ -301,7 +323,9 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
                     (
                         f"ours/{name}",
                         temperature,
-                        lambda T, tick, ps, w, d=drafter: _run_ours(target, ps, d, T, cfg, tick, w),
+                        lambda T, tick, ps, w, d=drafter, name=name: _run_ours(
+                            target, ps, d, T, cfg, tick, w, cfg.drafter_gammas.get(name)
+                        ),
                     )
                 )
 
@@ -396,6 +420,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="transformers generate: plain,prompt_lookup,assistant (empty string: none)",
     )
     p.add_argument("--gamma", type=int, default=d.gamma)
+    p.add_argument(
+        "--drafter-gamma",
+        action="append",
+        metavar="LABEL=N",
+        help="γ for one drafter label (repeatable); with LABEL=DRAFTER one run compares draft lengths",
+    )
     p.add_argument("--gamma-policy", default=d.gamma_policy, help="fixed | heuristic | cost")
     p.add_argument("--draft-model", default=None, help="checkpoint for ours/model and hf/assistant")
     p.add_argument(
@@ -424,6 +454,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if not dot:
             raise ValueError(f"--drafter-option expects DRAFTER.KEY=VALUE, got {item!r}")
         per_drafter.setdefault(name, {}).update(parse_options([rest], "--drafter-option"))
+    gammas: dict[str, int] = {}
+    for item in args.drafter_gamma or ():
+        label, eq, value = item.partition("=")
+        if not eq or not label or not value.strip().isdigit():
+            raise ValueError(f"--drafter-gamma expects LABEL=N with an int N >= 0, got {item!r}")
+        gammas[label] = int(value)
     return BenchConfig(
         target=args.target,
         prompt_sets=args.prompt_set,
@@ -433,6 +469,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         drafters=args.drafters,
         hf_baselines=args.hf_baselines,
         gamma=args.gamma,
+        drafter_gammas=gammas,
         gamma_policy=args.gamma_policy,
         draft_model=args.draft_model,
         drafter_options=per_drafter,

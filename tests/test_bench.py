@@ -217,3 +217,41 @@ def test_labelled_drafters_compare_settings_of_one_drafter(ckpts, tiny_sets, tmp
     assert any(n.startswith("ours/x skipped: not registered") for n in payload["notes"])
     rows = {r["method"]: r for r in payload["summary"] if r["prompt_set"] == "all"}
     assert rows["ours/ngram-1"]["exact_match_rate"] == 1.0
+
+
+def test_drafter_gammas_give_labels_their_own_draft_length(ckpts, tiny_sets, tmp_path):
+    """One interleaved run compares γ: the draft model is the target itself, so every draft is
+    accepted and τ tracks γ + 1."""
+    target, draft = ckpts
+    cfg = BenchConfig(
+        target=target,
+        prompt_sets=("code",),
+        num_prompts=2,
+        max_new_tokens=12,
+        temperatures=(0.0,),
+        drafters=("none", "model", "model-g1=model"),
+        drafter_gammas={"model-g1": 1},
+        gamma=4,
+        hf_baselines=(),
+        backend="hf",
+        draft_model=draft,
+        out=str(tmp_path / "out"),
+        warmup=False,
+    )
+    rows = {r["method"]: r for r in run_bench(cfg)["summary"] if r["prompt_set"] == "all"}
+    assert rows["ours/model-g1"]["mean_accepted_tokens"] <= 2.0 < rows["ours/model"]["mean_accepted_tokens"]
+    assert rows["ours/model-g1"]["exact_match_rate"] == 1.0
+    with pytest.raises(ValueError, match="drafter_gammas names 'nope'"):
+        BenchConfig(drafters=("none", "ngram"), drafter_gammas={"nope": 2})
+    with pytest.raises(ValueError, match=r"drafter_gammas\['ngram'\] must be an int >= 0"):
+        BenchConfig(drafters=("none", "ngram"), drafter_gammas={"ngram": -1})
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(
+        ["--drafters", "none,ngram,g6=ngram", "--drafter-gamma", "g6=6", "--out", str(tmp_path)]
+    )
+    assert bench.config_from_args(args).drafter_gammas == {"g6": 6}
+    with pytest.raises(ValueError, match="--drafter-gamma expects LABEL=N"):
+        bench.config_from_args(p.parse_args(["--drafters", "none,ngram", "--drafter-gamma", "ngram=x"]))
