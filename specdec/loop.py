@@ -341,8 +341,8 @@ class _Decoder:
                 )
             if validate and K and (int(draft_tokens_BK.min()) < 0 or int(draft_tokens_BK.max()) >= V):
                 raise ValueError(
-                    f"drafter {type(drafter).__name__} proposed token ids outside [0, V={V}): "
-                    f"{draft_tokens_BK.tolist()}"
+                    f"drafter {type(drafter).__name__} proposed token ids outside [0, V={V}): values in "
+                    f"[{int(draft_tokens_BK.min())}, {int(draft_tokens_BK.max())}]"
                 )
             start_B = state.lengths_B - 1
             if getattr(proposal, "tree", None) is not None:  # a token tree: one call, KV compacted
