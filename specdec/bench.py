@@ -106,7 +106,7 @@ class BenchConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {self.gamma}")
-        labels = {entry.rpartition("=")[0] or entry for entry in self.drafters}
+        labels = {_label_and_drafter(entry)[0] for entry in self.drafters}
         for label, g in self.drafter_gammas.items():
             if label not in labels:
                 raise ValueError(
@@ -125,6 +125,12 @@ class BenchConfig:
         for b in self.hf_baselines:
             if b not in HF_BASELINES:
                 raise ValueError(f"unknown transformers baseline {b!r}; known: {', '.join(HF_BASELINES)}")
+
+
+def _label_and_drafter(entry: str) -> tuple[str, str]:
+    """``"LABEL=DRAFTER"`` → (label, registered drafter); a bare ``"DRAFTER"`` is its own label."""
+    label, _, name = entry.rpartition("=")
+    return label or name, name
 
 
 @dataclass
@@ -277,8 +283,7 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
     for entry in cfg.drafters:
         # "LABEL=DRAFTER" runs a registered drafter under its own label, with the options given for
         # that label, so one run can compare settings of one drafter (eagle,eagle-stop=eagle).
-        label, _, registered = entry.rpartition("=")
-        name, label = registered, label or registered
+        label, name = _label_and_drafter(entry)
         if name not in DRAFTERS:
             notes.append(f"ours/{label} skipped: not registered (known: {', '.join(DRAFTERS.names())})")
             continue

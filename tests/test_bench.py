@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -223,20 +224,14 @@ def test_drafter_gammas_give_labels_their_own_draft_length(ckpts, tiny_sets, tmp
     """One interleaved run compares γ: the draft model is the target itself, so every draft is
     accepted and τ tracks γ + 1."""
     target, draft = ckpts
-    cfg = BenchConfig(
-        target=target,
-        prompt_sets=("code",),
-        num_prompts=2,
+    cfg = replace(
+        _two_prompt_config(target, tmp_path),
         max_new_tokens=12,
-        temperatures=(0.0,),
         drafters=("none", "model", "model-g1=model"),
         drafter_gammas={"model-g1": 1},
         gamma=4,
         hf_baselines=(),
-        backend="hf",
         draft_model=draft,
-        out=str(tmp_path / "out"),
-        warmup=False,
     )
     rows = {r["method"]: r for r in run_bench(cfg)["summary"] if r["prompt_set"] == "all"}
     assert rows["ours/model-g1"]["mean_accepted_tokens"] <= 2.0 < rows["ours/model"]["mean_accepted_tokens"]

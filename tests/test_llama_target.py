@@ -427,3 +427,16 @@ def test_native_families_match_load_target_dispatch():
     from specdec.targets.llama_config import NATIVE_FAMILIES
 
     assert set(NATIVE_FAMILIES) == set(NATIVE_MODEL_TYPES)
+
+
+def test_flipped_rope_is_the_same_floats_as_rotate_half():
+    """apply_rope_flipped (the target's and the EAGLE head's hot path) equals apply_rope exactly."""
+    from specdec.targets.rope import apply_rope, apply_rope_flipped, flip_sin, rope_cos_sin_table
+
+    g = torch.Generator().manual_seed(0)
+    x_BHTD = torch.randn(2, 3, 5, 8, generator=g)
+    cos_PD, sin_PD = rope_cos_sin_table(1.0 / 100.0 ** (torch.arange(0, 8, 2).float() / 8), 5)
+    want = apply_rope(x_BHTD, cos_PD.expand(2, -1, -1), sin_PD.expand(2, -1, -1))
+    got = apply_rope_flipped(x_BHTD, cos_PD, flip_sin(sin_PD))
+    assert torch.equal(got, want)
+    assert not torch.equal(apply_rope_flipped(x_BHTD, cos_PD, sin_PD), want)  # the sign flip matters

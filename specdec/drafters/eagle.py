@@ -305,32 +305,37 @@ class EagleHead(nn.Module):
     def _qkv_packed(
         self, h_BTD: torch.Tensor, positions_BT: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`qkv` with fewer ops: q and k rotated together, ``rotate_half(x)·sin`` computed as
-        ``flip_halves(x)·[−sin, sin]`` (the same products, so the same floats)."""
+        """:meth:`qkv` with fewer ops: q and k rotated together by
+        :func:`specdec.targets.rope.apply_rope_flipped` (the same floats as :func:`apply_rope`)."""
+        from specdec.targets.rope import apply_rope_flipped
+
         c = self.config
         B, T, _ = h_BTD.shape
         H, G, d = c.num_heads, c.num_kv_heads, c.head_dim
         qkv_BTCd = self._packed["qkv_proj"](h_BTD).view(B, T, H + 2 * G, d)
-        cos, sin = self._rope(positions_BT, h_BTD.dtype)
-        sin = torch.cat((-sin[..., : d // 2], sin[..., d // 2 :]), dim=-1)
-        qk = qkv_BTCd[:, :, : H + G]
-        qk = qk * cos.unsqueeze(2) + qk.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2) * sin.unsqueeze(2)
+        cos, flipped_sin = self._rope(positions_BT, h_BTD.dtype, flipped=True)
+        qk = apply_rope_flipped(qkv_BTCd[:, :, : H + G], cos.unsqueeze(2), flipped_sin.unsqueeze(2))
         return (
             qk[:, :, :H].transpose(1, 2),
             qk[:, :, H:].transpose(1, 2),
             qkv_BTCd[:, :, H + G :].transpose(1, 2),
         )
 
-    def _rope(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[B, T, d]`` looked up in a table that grows by doubling."""
+    def _rope(
+        self, positions_BT: torch.Tensor, dtype: torch.dtype, flipped: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B, T, d]`` looked up in a table that grows by doubling; ``flipped``: the sin
+        table of :func:`specdec.targets.rope.apply_rope_flipped` (built with the table, once)."""
+        from specdec.targets.rope import flip_sin
+
         need = int(positions_BT.max()) + 1
         table = getattr(self, "_rope_table", None)
         if table is None or table[0].shape[0] < need or table[0].dtype != dtype:
             size = max(need, 2 * (table[0].shape[0] if table is not None else 256))
             pos = torch.arange(size, device=positions_BT.device)
             cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)
-            table = self._rope_table = (cos.to(dtype), sin.to(dtype))
-        return table[0][positions_BT], table[1][positions_BT]
+            table = self._rope_table = (cos.to(dtype), sin.to(dtype), flip_sin(sin).to(dtype))
+        return table[0][positions_BT], table[2 if flipped else 1][positions_BT]
 
     def finish(self, h_BTD: torch.Tensor, attn_BHTd: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP: the predicted feature ``f̂`` (back at the target's scale)."""

@@ -36,7 +36,7 @@ from specdec.protocols import TargetOutput
 from specdec.targets.kv_cache import StaticKVCache, block_attention_mask
 from specdec.targets.linear import PackedLinear, pack_linear, resolve_backend
 from specdec.targets.llama_config import LlamaConfig, load_safetensors_state
-from specdec.targets.rope import rope_cos_sin_table, rope_inv_freq
+from specdec.targets.rope import apply_rope_flipped, flip_sin, rope_cos_sin_table, rope_inv_freq
 
 __all__ = ["LlamaConfig", "LlamaTarget", "load_safetensors_state"]
 
@@ -229,10 +229,7 @@ class LlamaTarget:
                 device=self.device,
             )
             cos, sin = rope_cos_sin_table(self._inv_freq, max_len)
-            half = c.head_dim // 2
-            # rotate_half(x)·sin == flip_halves(x)·[-sin, sin]: one flip instead of slice/neg/cat.
-            sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-            self._cos, self._sin = cos, sin
+            self._cos, self._sin = cos, flip_sin(sin)  # for apply_rope_flipped
         self.cache.lengths_B = torch.zeros(batch_size, dtype=torch.long)
 
     def forward(
@@ -426,7 +423,7 @@ class LlamaTarget:
         qk = qkv[:, :, : H + J]
         if layer.qk_norm is not None:  # Qwen3: RMSNorm over each head before rope
             qk = layer.qk_norm * (qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps))
-        qk = qk * cos_BT1E + qk.unflatten(-1, (2, E // 2)).flip(-2).flatten(-2) * sin_BT1E
+        qk = apply_rope_flipped(qk, cos_BT1E, sin_BT1E)
         q_BTHE, k_BTJE, v_BTJE = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + J :]
         cache.write(i, k_BTJE, v_BTJE, start_B, uniform)
 

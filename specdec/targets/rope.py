@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUPPORTED_ROPE_TYPES", "rope_inv_freq", "rope_cos_sin_table", "apply_rope"]
+__all__ = [
+    "SUPPORTED_ROPE_TYPES",
+    "rope_inv_freq",
+    "rope_cos_sin_table",
+    "apply_rope",
+    "flip_sin",
+    "apply_rope_flipped",
+]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -66,3 +73,17 @@ def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tenso
     x1, x2 = x_BHTD[..., :half], x_BHTD[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
     return x_BHTD * cos_BTD[:, None] + rotated * sin_BTD[:, None]
+
+
+def flip_sin(sin_PD: torch.Tensor) -> torch.Tensor:
+    """``[−sin, sin]`` over the two halves: the table :func:`apply_rope_flipped` takes (build it once)."""
+    half = sin_PD.shape[-1] // 2
+    return torch.cat((-sin_PD[..., :half], sin_PD[..., half:]), dim=-1)
+
+
+def apply_rope_flipped(x_D: torch.Tensor, cos_D: torch.Tensor, flipped_sin_D: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` with one flip instead of slice/neg/cat: ``rotate_half(x)·sin ==
+    flip_halves(x)·[−sin, sin]`` (the same products, so the same floats). ``x [..., D]``; ``cos`` and
+    ``flipped_sin`` (from :func:`flip_sin`) broadcast against it."""
+    half = x_D.shape[-1] // 2
+    return x_D * cos_D + x_D.unflatten(-1, (2, half)).flip(-2).flatten(-2) * flipped_sin_D
