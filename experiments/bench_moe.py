@@ -4,8 +4,11 @@
 
 For each token count T (default 1, 8, 512, 2048), with E=8 experts, top-2, dim 576, hidden 1536 (fp32):
 
-    ours        moe.MoE.from_hf(block): kernels' routing ops + experts on the automatic backend (on CPU
-                in float32: oneDNN on packed weights, expert by expert; kernels.grouped_swiglu_onednn)
+    ours        moe.MoE.from_hf(block) as it runs by default: on CPU in float32 without autograd, the
+                fused native path (moe/native_cpu.py: routing and sort in one C call, experts on
+                oneDNN-packed weights one at a time, combine read from the experts' outputs in place)
+    ours_general  the same layer with native_cpu = False: the general path (kernels' routing ops,
+                kernels.grouped_swiglu_onednn, unpermute); what "ours" was before the native path
     ours_mkl    the same layer with the "torch" grouped-GEMM backend (torch.mm, i.e. MKL)
     hf_eager    MixtralSparseMoeBlock, experts_implementation="eager" (a loop over the hit experts)
     hf_grouped  MixtralSparseMoeBlock, experts_implementation="grouped_mm" (torch's grouped_mm)
@@ -16,10 +19,11 @@ For each token count T (default 1, 8, 512, 2048), with E=8 experts, top-2, dim 5
 The goals compare ours with the better of each pair, so a faster BLAS path for us is matched by the
 same path for the dense baseline.
 
-All four share one set of weights (the dense one has its own), run under torch.inference_mode, and are
-timed in interleaved repetitions (the order rotates every repetition) so machine noise hits them alike;
-we report medians. GFLOP/s counts the routed SwiGLU FLOPs, 6 * T * top_k * dim * hidden, for every
-implementation (the router's 2*T*dim*E is left out). Ratios are measured in this one run.
+The MoE implementations share one set of weights (the dense ones have their own); all run under
+torch.inference_mode, timed in interleaved repetitions (the order rotates every repetition) so machine
+noise hits them alike; we report medians. GFLOP/s counts the routed SwiGLU FLOPs,
+6 * T * top_k * dim * hidden, for every implementation (the router's 2*T*dim*E is left out). Ratios
+are measured in this one run.
 
 Goals (issue 5): ours >= best transformers path at every T, and ours >= 0.9x dense at T >= 512.
 Writes bench_moe.json and bench_moe.md to --out.
@@ -38,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-IMPLS = ("ours", "ours_mkl", "hf_eager", "hf_grouped", "dense", "dense_mkl")
+IMPLS = ("ours", "ours_general", "ours_mkl", "hf_eager", "hf_grouped", "dense", "dense_mkl")
 
 
 class DenseSwiGLUMkl(torch.nn.Module):
@@ -97,7 +101,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def build_impls(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
-    """The four implementations, sharing the routed weights."""
+    """The implementations by name; the MoE ones share the routed weights."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
@@ -124,11 +128,14 @@ def build_impls(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
     hf_grouped = block("grouped_mm")
     hf_grouped.load_state_dict(hf_eager.state_dict())
     ours = moe.MoE.from_hf(hf_eager).eval()
+    ours_general = moe.MoE.from_hf(hf_eager).eval()
+    ours_general.native_cpu = False
     ours_mkl = moe.MoE.from_hf(hf_eager).eval()
     ours_mkl.experts.backend = "torch"
     dense = moe.SharedExperts(args.dim, args.top_k * args.hidden).eval()  # SwiGLU, fused gate/up GEMM
     return {
         "ours": ours,
+        "ours_general": ours_general,
         "ours_mkl": ours_mkl,
         "hf_eager": hf_eager,
         "hf_grouped": hf_grouped,
@@ -174,7 +181,7 @@ def run(args: argparse.Namespace) -> dict:
             reference = impls["hf_eager"](x)
             max_abs_diff = {
                 name: float((impls[name](x) - reference).abs().max())
-                for name in ("ours", "ours_mkl", "hf_grouped")
+                for name in ("ours", "ours_general", "ours_mkl", "hf_grouped")
             }
             fns = {name: (lambda m=impls[name], x=x: m(x)) for name in IMPLS}
             times = _time_interleaved(
@@ -194,6 +201,7 @@ def run(args: argparse.Namespace) -> dict:
                 "ours_vs_hf_best": gflops["ours"] / gflops[hf_best],
                 "ours_vs_dense": gflops["ours"] / gflops[dense_best],
                 "ours_vs_ours_mkl": gflops["ours"] / gflops["ours_mkl"],
+                "ours_vs_ours_general": gflops["ours"] / gflops["ours_general"],
                 "max_abs_diff_vs_hf_eager": max_abs_diff,
             }
             row["goal_met"] = row["ours_vs_hf_best"] >= 1.0 and (
@@ -234,7 +242,8 @@ def _env() -> dict:
 def _row_text(row: dict) -> str:
     g = row["gflops"]
     return (
-        f"T={row['tokens']:>5}  GFLOP/s  ours {g['ours']:7.2f}  ours_mkl {g['ours_mkl']:7.2f}  "
+        f"T={row['tokens']:>5}  GFLOP/s  ours {g['ours']:7.2f}  ours_general {g['ours_general']:7.2f}  "
+        f"ours_mkl {g['ours_mkl']:7.2f}  "
         f"hf_eager {g['hf_eager']:7.2f}  hf_grouped {g['hf_grouped']:7.2f}  dense {g['dense']:7.2f}  "
         f"dense_mkl {g['dense_mkl']:7.2f}  |  "
         f"ours/hf_best {row['ours_vs_hf_best']:.2f}  ours/dense {row['ours_vs_dense']:.2f}  "
@@ -250,14 +259,15 @@ def to_markdown(record: dict) -> str:
         f"fp32, {record['env']['threads']} threads, torch {record['env']['torch']}, "
         f"transformers {record['env']['transformers']}. GFLOP/s (median of interleaved repetitions).",
         "",
-        "| T | ours | ours (MKL) | HF eager | HF grouped_mm | dense equal-FLOP | dense (MKL) "
-        "| ours / HF best | ours / dense best | goal |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "| T | ours | ours (general path) | ours (MKL) | HF eager | HF grouped_mm | dense equal-FLOP "
+        "| dense (MKL) | ours / HF best | ours / dense best | goal |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for r in record["results"]:
         g = r["gflops"]
         lines.append(
-            f"| {r['tokens']} | {g['ours']:.1f} | {g['ours_mkl']:.1f} | {g['hf_eager']:.1f} "
+            f"| {r['tokens']} | {g['ours']:.1f} | {g['ours_general']:.1f} | {g['ours_mkl']:.1f} "
+            f"| {g['hf_eager']:.1f} "
             f"| {g['hf_grouped']:.1f} | {g['dense']:.1f} | {g['dense_mkl']:.1f} "
             f"| {r['ours_vs_hf_best']:.2f} | {r['ours_vs_dense']:.2f} | {'yes' if r['goal_met'] else 'no'} |"
         )

@@ -29,6 +29,9 @@ backend=None picks Triton on CUDA when triton is installed, oneDNN for float32 g
 torch elsewhere. grouped_swiglu(x_MD, w_gate_up_EDN, w_down_EHD, group_sizes_E, backend=None) runs
 whole SwiGLU experts: expert by expert on oneDNN without autograd on CPU (grouped_swiglu_onednn),
 two grouped GEMMs otherwise.
+CPU inference without gradients has a fused native path (kernels/routing/native.py, C compiled once
+per machine): route_sorted_cpu (top-k routing and the sort by expert in one call), gather_rows_cpu,
+and combine_blocks_cpu, which combines per-expert output blocks (swiglu_blocks_onednn) in place.
 The environment variables SPECDEC_GROUPED_GEMM_BACKEND and SPECDEC_ROUTING_BACKEND, when set, override
 the choice for grouped_gemm and for the routing ops. SPECDEC_TRITON_TMA=0 switches the Triton grouped
 GEMM's TMA-descriptor loads off, SPECDEC_TRITON_AUTOTUNE=0 its autotuning (first fitting config is used).
@@ -37,7 +40,7 @@ a Triton backend runs, so `import kernels` works without it. Plain-PyTorch refer
 kernels/*/reference.py; docs/kernels.md has the design notes and measurements.
 """
 
-from ._backends import BackendRegistry, triton_available
+from ._backends import BackendRegistry, eager_direct_call, triton_available
 from .grouped_gemm import (
     GROUPED_GEMM_BACKENDS,
     GroupedGemmBackend,
@@ -46,13 +49,19 @@ from .grouped_gemm import (
     grouped_swiglu,
     grouped_swiglu_onednn,
     onednn_available,
+    swiglu_blocks_onednn,
     triton_autotune_choices,
 )
 from .routing import (
     ROUTING_BACKENDS,
     ExpertSort,
+    NativeRoute,
     RoutingBackend,
+    combine_blocks_cpu,
+    gather_rows_cpu,
+    native_routing_available,
     permute,
+    route_sorted_cpu,
     sort_by_expert,
     topk_routing,
     unpermute,
@@ -64,14 +73,21 @@ __all__ = [
     "BackendRegistry",
     "ExpertSort",
     "GroupedGemmBackend",
+    "NativeRoute",
     "RoutingBackend",
     "clear_packed_weights",
+    "combine_blocks_cpu",
+    "eager_direct_call",
+    "gather_rows_cpu",
     "grouped_gemm",
     "grouped_swiglu",
     "grouped_swiglu_onednn",
+    "native_routing_available",
     "onednn_available",
     "permute",
+    "route_sorted_cpu",
     "sort_by_expert",
+    "swiglu_blocks_onednn",
     "topk_routing",
     "triton_autotune_choices",
     "triton_available",

@@ -106,16 +106,16 @@ def test_moe_layer_uses_onednn_without_grad_and_autograd_with_it():
     layer = moe.MoE(32, 48, 4, 2).eval()
     x = torch.randn(2, 9, 32)
     calls = []
-    from kernels.grouped_gemm import swiglu as swiglu_module
+    from kernels.grouped_gemm import onednn_backend
 
-    original = swiglu_module.grouped_swiglu_onednn
+    original = onednn_backend._swiglu_expert
 
     def spy(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(swiglu_module, "grouped_swiglu_onednn", spy)
+        mp.setattr(onednn_backend, "_swiglu_expert", spy)
         with torch.no_grad():
             fast = layer(x)
         assert calls, "the no-grad CPU float32 forward should take the oneDNN expert path"

@@ -19,7 +19,15 @@ def test_bench_moe_smoke(tmp_path, capsys):
     record = json.loads((tmp_path / "bench_moe.json").read_text())
     assert [r["tokens"] for r in record["results"]] == [1, 6]
     for row in record["results"]:
-        assert set(row["gflops"]) == {"ours", "ours_mkl", "hf_eager", "hf_grouped", "dense", "dense_mkl"}
+        assert set(row["gflops"]) == {
+            "ours",
+            "ours_general",
+            "ours_mkl",
+            "hf_eager",
+            "hf_grouped",
+            "dense",
+            "dense_mkl",
+        }
         assert all(v > 0 for v in row["gflops"].values())
         assert 2 <= row["reps"] <= 3
         assert max(row["max_abs_diff_vs_hf_eager"].values()) < 1e-4  # the same function, computed 3 ways

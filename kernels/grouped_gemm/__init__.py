@@ -1,6 +1,11 @@
 """Grouped GEMM over expert-sorted rows: reference, torch/oneDNN backends, Triton kernels, the custom op."""
 
-from .onednn_backend import clear_packed_weights, grouped_swiglu_onednn, onednn_available
+from .onednn_backend import (
+    clear_packed_weights,
+    grouped_swiglu_onednn,
+    onednn_available,
+    swiglu_blocks_onednn,
+)
 from .op import (
     GROUPED_GEMM_BACKENDS,
     GroupedGemmBackend,
@@ -20,6 +25,7 @@ __all__ = [
     "grouped_swiglu_onednn",
     "onednn_available",
     "select_backend",
+    "swiglu_blocks_onednn",
     "grouped_gemm_reference",
     "grouped_gemm_weight_grad_reference",
     "triton_autotune_choices",

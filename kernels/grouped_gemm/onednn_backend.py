@@ -36,6 +36,7 @@ __all__ = [
     "grouped_gemm_onednn",
     "linear_onednn",
     "grouped_swiglu_onednn",
+    "swiglu_blocks_onednn",
 ]
 
 
@@ -113,6 +114,19 @@ def grouped_gemm_onednn(x_MK: Tensor, w: Tensor, group_sizes_E: Tensor, trans_w:
     return y_MN
 
 
+def _packed_swiglu(w_gate_up_EDN: Tensor, w_down_EHD: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    trans_gu, trans_d = not w_gate_up_EDN.is_contiguous(), not w_down_EHD.is_contiguous()
+    gate_up = packed_weights(w_gate_up_EDN.transpose(1, 2) if trans_gu else w_gate_up_EDN, trans_gu)
+    down = packed_weights(w_down_EHD.transpose(1, 2) if trans_d else w_down_EHD, trans_d)
+    return gate_up, down
+
+
+def _swiglu_expert(x_gD: Tensor, gate_up: Tensor, down: Tensor, hidden_dim: int) -> Tensor:
+    h = linear_onednn(x_gD, gate_up)
+    a = torch.nn.functional.silu(h[:, :hidden_dim]).mul_(h[:, hidden_dim:])
+    return linear_onednn(a, down)
+
+
 def grouped_swiglu_onednn(
     x_MD: Tensor, w_gate_up_EDN: Tensor, w_down_EHD: Tensor, group_sizes_E: Tensor, hidden_dim: int
 ) -> Tensor:
@@ -129,11 +143,25 @@ def grouped_swiglu_onednn(
     bounds = _bounds(group_sizes_E)
     if not bounds:
         return y_MD
-    trans_gu, trans_d = not w_gate_up_EDN.is_contiguous(), not w_down_EHD.is_contiguous()
-    gate_up = packed_weights(w_gate_up_EDN.transpose(1, 2) if trans_gu else w_gate_up_EDN, trans_gu)
-    down = packed_weights(w_down_EHD.transpose(1, 2) if trans_d else w_down_EHD, trans_d)
+    gate_up, down = _packed_swiglu(w_gate_up_EDN, w_down_EHD)
     for e, start, end in bounds:
-        h = linear_onednn(x_MD[start:end], gate_up[e])
-        a = torch.nn.functional.silu(h[:, :hidden_dim]).mul_(h[:, hidden_dim:])
-        y_MD[start:end] = linear_onednn(a, down[e])
+        y_MD[start:end] = _swiglu_expert(x_MD[start:end], gate_up[e], down[e], hidden_dim)
     return y_MD
+
+
+def swiglu_blocks_onednn(
+    x_MD: Tensor, w_gate_up_EDN: Tensor, w_down_EHD: Tensor, group_sizes: list[int], hidden_dim: int
+) -> list[Tensor | None]:
+    """:func:`grouped_swiglu_onednn`, returning each expert's output block [M_e, D] (None when M_e = 0)
+    instead of copying them into one [M, D] tensor: for a combine that reads the blocks in place
+    (``kernels.routing.native.combine_blocks_cpu``). ``group_sizes`` is a list of E ints.
+    """
+    gate_up, down = _packed_swiglu(w_gate_up_EDN, w_down_EHD)
+    blocks: list[Tensor | None] = []
+    start = 0
+    for e, rows in enumerate(group_sizes):
+        blocks.append(
+            _swiglu_expert(x_MD[start : start + rows], gate_up[e], down[e], hidden_dim) if rows else None
+        )
+        start += rows
+    return blocks

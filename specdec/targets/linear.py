@@ -28,11 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -40,11 +35,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.native import build_library
+
 __all__ = ["PackedLinear", "LINEAR_BACKENDS", "pack_linear", "resolve_backend", "packed_gemm_library"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.c"
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-_LIBS = ("-lm",)
 
 
 class PackedLinear:
@@ -117,48 +112,13 @@ def _transposed(lin: PackedLinear, w_OI: torch.Tensor) -> _Run:
     return _torch_backend(lin, mm if b is None else (lambda x: mm(x) + b))
 
 
-def _cpu_signature() -> str:
-    """Identify the CPU, so a ``-march=native`` build is never loaded on a different one."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
-    except OSError:
-        import platform
-
-        return platform.machine() + platform.processor()
-
-
 @functools.cache
 def packed_gemm_library() -> ctypes.CDLL:
     """Compile (once per machine and source version) and load ``csrc/packed_gemm.c``.
 
     Raises ``RuntimeError`` when no C compiler with OpenMP is available.
     """
-    from specdec.targets.loading import cache_dir
-
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC) to build the packed linear kernel")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cc, *_CFLAGS)).encode() + _cpu_signature().encode()).hexdigest()[
-        :16
-    ]
-    out = cache_dir() / "kernels" / f"packed_gemm-{key}.so"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
-        os.close(fd)
-        try:
-            proc = subprocess.run(
-                [cc, *_CFLAGS, str(_SOURCE), *_LIBS, "-o", tmp], capture_output=True, text=True
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"building {_SOURCE.name} with {cc} failed:\n{proc.stderr[-2000:]}")
-            os.replace(tmp, out)  # atomic: concurrent builders never load a half-written file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(out))
+    lib = build_library(_SOURCE)
     for name in ("packed_gemm_f32", "packed_gemm_bf16"):
         fn = getattr(lib, name)
         # (x, M, I, packed W, O, bias, y, threads, norm_eps, act, residual) -> 0 or -1 (out of memory)

@@ -1,0 +1,93 @@
+"""The MoE layer's CPU inference path: route, sort, gather, experts and combine with no PyTorch glue.
+
+Legend: T tokens, D model dim, E experts, K slots per token, M = T*K slots.
+
+    logits_TE = x_TD @ router.weight^T                      (F.linear, as the general path)
+    route     = kernels.route_sorted_cpu(logits_TE, K, ...) (top-k, weights, counting sort: one C call)
+    x_MD      = kernels.gather_rows_cpu(x_TD, route)
+    blocks    = kernels.swiglu_blocks_onednn(x_MD, ...)     (each expert's [M_e, D] output, oneDNN)
+    y_TD      = kernels.combine_blocks_cpu(blocks, route)   (weighted sum read from the blocks in place)
+
+The general path (router -> plan -> LocalDispatcher) computes the same numbers; this one skips the
+~15 small PyTorch ops of routing and the copy of every expert's output into one [M, D] buffer. On the
+2-core dev CPU (E = 8, top-2, D = 576, H = 1536, fp32) that measured 0.59 -> 0.38 ms per call at
+T = 1, 2.14 -> 1.82 ms at T = 8 and 14.6 -> 13.9 ms at T = 512 (bitwise the same outputs).
+
+:func:`native_forward` takes it only when nothing could tell the difference: float32 on a CPU, no
+autograd and no tracing, eval mode, dropless, a built-in token-choice router (softmax top-k, Switch,
+sigmoid with bias), the stock experts and local dispatcher, no backend forced (config.backend or the
+SPECDEC_ROUTING_BACKEND / SPECDEC_GROUPED_GEMM_BACKEND variables), oneDNN present, the C library
+built, and ``layer.native_cpu`` True. Otherwise it returns None and the layer runs the general path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import kernels
+
+from .dispatch import LocalDispatcher
+from .experts import SwiGLUExperts
+from .routers import SigmoidBiasRouter, SoftmaxTopKRouter, SwitchRouter
+
+if TYPE_CHECKING:
+    from .layer import MoE
+
+__all__ = ["native_forward"]
+
+# router class -> scoring function; exact classes only (a subclass may route differently)
+_SCORING = {SoftmaxTopKRouter: "softmax", SwitchRouter: "softmax", SigmoidBiasRouter: "sigmoid"}
+
+
+def _applies(layer: MoE, x_TD: Tensor) -> bool:
+    config, router, experts = layer.config, layer.router, layer.experts
+    return (
+        layer.native_cpu
+        and x_TD.device.type == "cpu"
+        and x_TD.dtype == torch.float32
+        and not layer.training
+        and config.capacity_factor is None
+        and config.num_experts <= kernels.routing.MAX_EXPERTS
+        and config.backend is None
+        and type(router) in _SCORING
+        and type(experts) is SwiGLUExperts
+        and experts.backend is None
+        and type(layer.dispatcher) is LocalDispatcher
+        and layer.dispatcher.backend is None
+        and router.weight.dtype == torch.float32
+        and not kernels.ROUTING_BACKENDS.env_override()
+        and not kernels.GROUPED_GEMM_BACKENDS.env_override()
+        and kernels.eager_direct_call(x_TD, router.weight, experts.w_gate_up, experts.w_down)
+        and kernels.onednn_available()
+        and kernels.native_routing_available()
+    )
+
+
+def native_forward(layer: MoE, x_TD: Tensor) -> Tensor | None:
+    """The routed experts' output y_TD (no shared experts) on the native path, or None when it does not
+    apply (see the module docstring). Records the same statistics as the general path."""
+    if not _applies(layer, x_TD):
+        return None
+    router, experts = layer.router, layer.experts
+    sigmoid_bias = type(router) is SigmoidBiasRouter
+    route = kernels.route_sorted_cpu(
+        F.linear(x_TD, router.weight),
+        router.top_k,
+        scoring=_SCORING[type(router)],
+        renormalize=router.renormalize and type(router) is not SwitchRouter,
+        bias_E=router.expert_bias if sigmoid_bias else None,
+        scale=router.routed_scaling_factor,
+    )
+    sizes_E = route.group_sizes_E
+    layer.record_plan(
+        sizes_E, sizes_E, dropped=0, routed_slots=route.sorted_slots_M.numel(), drop_fraction=0.0
+    )
+    x_MD = kernels.gather_rows_cpu(x_TD, route)
+    blocks = kernels.swiglu_blocks_onednn(
+        x_MD, experts.w_gate_up, experts.w_down, sizes_E.tolist(), experts.hidden_dim
+    )
+    return kernels.combine_blocks_cpu(blocks, route, x_TD.shape[1])
