@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=2, help="experts per token (2)")
     p.add_argument("--dim", type=int, default=576, help="model dim (576)")
     p.add_argument("--hidden", type=int, default=1536, help="expert hidden dim (1536)")
-    p.add_argument("--seconds", type=float, default=6.0, help="timing budget per token count (6)")
+    p.add_argument("--seconds", type=float, default=20.0, help="timing budget per token count (20)")
     p.add_argument("--min-reps", type=int, default=5, help="minimum interleaved repetitions (5)")
     p.add_argument("--max-reps", type=int, default=300, help="maximum interleaved repetitions (300)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

@@ -1,6 +1,6 @@
 """Build a C source of this package once per machine and load it with ctypes.
 
-The project's CPU kernels (the packed decode GEMM in ``specdec/targets/csrc``, the fused MoE routing in
+The project's CPU kernels (the packed GEMM in ``kernels/csrc``, the fused MoE routing in
 ``kernels/routing/csrc``) are single C files compiled with the system compiler
 (``cc -O3 -march=native -fopenmp``). No build step at install time: the first call compiles into
 ``$SPECDEC_CACHE/kernels`` (default ``~/.cache/specdec/kernels``), keyed by the source, the compiler

@@ -15,7 +15,8 @@ T = 1, 2.14 -> 1.82 ms at T = 8 and 14.6 -> 13.9 ms at T = 512 (bitwise the same
 
 :func:`native_forward` takes it only when nothing could tell the difference: float32 on a CPU, no
 autograd and no tracing, eval mode, dropless, a built-in token-choice router (softmax top-k, Switch,
-sigmoid with bias), the stock experts and local dispatcher, no backend forced (config.backend or the
+sigmoid with bias), the stock experts and local dispatcher, no forward hooks on the router or the
+experts (they would miss calls), no backend forced (config.backend or the
 SPECDEC_ROUTING_BACKEND / SPECDEC_GROUPED_GEMM_BACKEND variables), oneDNN present, the C library
 built, and ``layer.native_cpu`` True. Otherwise it returns None and the layer runs the general path.
 """
@@ -43,6 +44,16 @@ __all__ = ["native_forward"]
 _SCORING = {SoftmaxTopKRouter: "softmax", SwitchRouter: "softmax", SigmoidBiasRouter: "sigmoid"}
 
 
+def _hooked(module: torch.nn.Module) -> bool:
+    """Forward hooks would see the router's / experts' calls, which the native path does not make."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or torch.nn.modules.module._global_forward_hooks
+        or torch.nn.modules.module._global_forward_pre_hooks
+    )
+
+
 def _applies(layer: MoE, x_TD: Tensor) -> bool:
     config, router, experts = layer.config, layer.router, layer.experts
     return (
@@ -56,6 +67,8 @@ def _applies(layer: MoE, x_TD: Tensor) -> bool:
         and type(router) in _SCORING
         and type(experts) is SwiGLUExperts
         and experts.backend is None
+        and not _hooked(router)
+        and not _hooked(experts)
         and type(layer.dispatcher) is LocalDispatcher
         and layer.dispatcher.backend is None
         and router.weight.dtype == torch.float32

@@ -79,7 +79,11 @@ def test_onednn_rejects_other_devices_and_dtypes():
 
 
 @pytest.mark.parametrize("layout", ["EKN", "ENK"])
-@pytest.mark.parametrize("sizes", [[5, 0, 20, 12], [0, 0, 37], [0, 0, 0]], ids=["mixed", "one", "none"])
+@pytest.mark.parametrize(
+    "sizes",
+    [[5, 0, 20, 12], [0, 0, 37], [0, 0, 0], [1, 33, 200, 0]],
+    ids=["mixed", "one", "none", "both-gate-up-kernels"],  # C gate/up up to 192 rows, oneDNN above
+)
 def test_grouped_swiglu_matches_the_per_expert_reference(sizes, layout):
     gen = torch.Generator().manual_seed(3)
     dim, hidden = 24, 10
@@ -108,14 +112,14 @@ def test_moe_layer_uses_onednn_without_grad_and_autograd_with_it():
     calls = []
     from kernels.grouped_gemm import onednn_backend
 
-    original = onednn_backend._swiglu_expert
+    original = onednn_backend._SwigluWeights.hidden
 
     def spy(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(onednn_backend, "_swiglu_expert", spy)
+        mp.setattr(onednn_backend._SwigluWeights, "hidden", spy)
         with torch.no_grad():
             fast = layer(x)
         assert calls, "the no-grad CPU float32 forward should take the oneDNN expert path"

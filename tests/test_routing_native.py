@@ -147,7 +147,8 @@ def test_layer_native_path_equals_general_path(monkeypatch, options, shape):
 
 
 @pytest.mark.parametrize(
-    "case", ["grad", "training", "capacity", "expert_choice", "float64", "backend", "experts_backend"]
+    "case",
+    ["grad", "training", "capacity", "expert_choice", "float64", "backend", "experts_backend", "hook"],
 )
 def test_layer_takes_the_general_path_where_native_does_not_apply(monkeypatch, case):
     options = {"capacity": {"capacity_factor": 1.0}, "expert_choice": {"router": "expert_choice"}}
@@ -160,6 +161,9 @@ def test_layer_takes_the_general_path_where_native_does_not_apply(monkeypatch, c
         layer.experts.backend = "torch"
     if case == "training":
         layer.train()
+    seen = []
+    if case == "hook":  # a router hook must keep seeing every routing decision
+        layer.router.register_forward_hook(lambda _m, _i, out: seen.append(out.experts_TK))
     calls = _spy_native(monkeypatch)
     if case == "grad":
         layer(x.requires_grad_()).sum().backward()
@@ -168,6 +172,7 @@ def test_layer_takes_the_general_path_where_native_does_not_apply(monkeypatch, c
         with torch.no_grad():
             layer(x)
     assert not calls
+    assert len(seen) == (case == "hook")
 
 
 def test_without_a_compiler_the_layer_takes_the_general_path(monkeypatch, tmp_path):

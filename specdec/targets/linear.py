@@ -15,10 +15,10 @@ Backends (``LINEAR_BACKENDS``); activations are float32, weights float32 or bflo
 
 - ``reference``: ``F.rms_norm`` / ``F.silu``, ``F.linear(x, W, b)`` and ``+ residual``: the oracle;
 - ``transposed``: the same ops with ``Wᵀ [I, O]`` stored contiguously (MKL's fastest M = 1 path);
-- ``packed``: ``csrc/packed_gemm.c``, weights packed ``[O/BW, I, BW]`` (RMSNorm weight folded into
-  the columns) so every weight is read once per call for up to 12 rows; compiled once per machine
-  with the system C compiler (``cc -O3 -march=native -fopenmp``) into the specdec cache and
-  loaded with ``ctypes``.
+- ``packed``: ``kernels/csrc/packed_gemm.c`` (``kernels.packed_gemm``), weights packed
+  ``[O/BW, I, BW]`` (RMSNorm weight folded into the columns) so every weight is read once per call
+  for up to 12 rows; compiled once per machine with the system C compiler
+  (``cc -O3 -march=native -fopenmp``) into the specdec cache and loaded with ``ctypes``.
 
 ``auto`` picks ``packed`` on a CPU when it compiles (else ``transposed``, with a warning), and
 ``reference`` on other devices. ``python -m specdec.targets.llama_bench --linear`` compares them.
@@ -26,20 +26,16 @@ Backends (``LINEAR_BACKENDS``); activations are float32, weights float32 or bflo
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kernels.native import build_library
+from kernels.packed_gemm import pack_weight, packed_gemm_library
 
 __all__ = ["PackedLinear", "LINEAR_BACKENDS", "pack_linear", "resolve_backend", "packed_gemm_library"]
-
-_SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.c"
 
 
 class PackedLinear:
@@ -112,35 +108,6 @@ def _transposed(lin: PackedLinear, w_OI: torch.Tensor) -> _Run:
     return _torch_backend(lin, mm if b is None else (lambda x: mm(x) + b))
 
 
-@functools.cache
-def packed_gemm_library() -> ctypes.CDLL:
-    """Compile (once per machine and source version) and load ``csrc/packed_gemm.c``.
-
-    Raises ``RuntimeError`` when no C compiler with OpenMP is available.
-    """
-    lib = build_library(_SOURCE)
-    for name in ("packed_gemm_f32", "packed_gemm_bf16"):
-        fn = getattr(lib, name)
-        # (x, M, I, packed W, O, bias, y, threads, norm_eps, act, residual) -> 0 or -1 (out of memory)
-        fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_long,
-            ctypes.c_long,
-            ctypes.c_void_p,
-            ctypes.c_long,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_float,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        fn.restype = ctypes.c_int
-    lib.packed_gemm_block_width.restype = ctypes.c_int
-    lib.packed_gemm_bf16_pairs.restype = ctypes.c_int
-    return lib
-
-
 def _packed(lin: PackedLinear, w_OI: torch.Tensor) -> _Run:
     if w_OI.device.type != "cpu":
         raise ValueError(f"linear backend 'packed' runs on the CPU, got weights on {w_OI.device}")
@@ -153,13 +120,8 @@ def _packed(lin: PackedLinear, w_OI: torch.Tensor) -> _Run:
     w = w_OI.float()
     if lin.norm_weight_I is not None:  # RMSNorm(x)·diag(n)·Wᵀ == (x / rms(x))·(W diag(n))ᵀ
         w = w * lin.norm_weight_I[None, :]
-    padded = torch.zeros(nb * BW, I, dtype=lin.dtype)
-    padded[:O] = w
-    w_packed = padded.view(nb, BW, I).transpose(1, 2).contiguous()  # [nb, I, BW]
-    if lin.dtype == torch.bfloat16 and lib.packed_gemm_bf16_pairs():
-        # Each 32-bit lane holds outputs (o, o + BW/2): see load_row_bf16 in the C source.
-        w_packed = w_packed.view(nb, I, 2, BW // 2).transpose(2, 3).contiguous()
-    del padded, w
+    w_packed = pack_weight(w, lin.dtype)  # [nb, I, BW]
+    del w
     gemm = lib.packed_gemm_f32 if lin.dtype == torch.float32 else lib.packed_gemm_bf16
     bias = None
     if lin.bias_O is not None:  # padded: the kernel reads whole blocks
