@@ -139,17 +139,42 @@ int packed_gemm_block_width(void) { return BW; }
 /* 1 when bf16 blocks interleave outputs (o, o + BW/2) in 32-bit lanes (see load_row_bf16). */
 int packed_gemm_bf16_pairs(void) { return NV == 2; }
 
+/* e^x, Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial, x clamped to
+ * [-87.3, 88.3] so 2^n stays a normal float): relative error below 2e-7, and written so that GCC
+ * vectorizes loops over it (no libm call); glibc's scalar expf was ~20 ns per call, which made the
+ * SwiGLU of a 7-token verify block cost 0.6 ms per forward of SmolLM2-135M. */
+INLINE float exp_approx(float x) {
+    x = x < -87.3f ? -87.3f : x; /* comparisons, not fminf/fmaxf: those keep the loop scalar */
+    x = x > 88.3f ? 88.3f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } two_n = {((int32_t)n + 127) << 23};
+    return p * two_n.f;
+}
+
+/* a = silu(g) * u over n floats (a separate function so the loop vectorizes inside OpenMP regions). */
+static void swiglu_row(const float* restrict g, const float* restrict u, float* restrict a, long n) {
+    for (long i = 0; i < n; i++) a[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+}
+
 /* x' = silu(gate) * up for x = [M, 2I] (act == 1), or x / rms(x) row scales (norm_eps >= 0).
  * Returns the buffer holding x' (x itself when there is no activation). */
 static const float* prepare_input(const float* x, long M, long I, float norm_eps, int act, float* buf,
-                                  float* scale) {
+                                  float* scale, int nthreads) {
     const float* in = x;
     if (act == 1) {
-        for (long m = 0; m < M; m++)
-            for (long i = 0; i < I; i++) {
-                float g = x[m * 2 * I + i], u = x[m * 2 * I + I + i];
-                buf[m * I + i] = g / (1.0f + expf(-g)) * u;
-            }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * I >= (1L << 14))
+        for (long m = 0; m < M; m++) swiglu_row(x + m * 2 * I, x + m * 2 * I + I, buf + m * I, I);
         in = buf;
     }
     if (norm_eps >= 0)
@@ -172,7 +197,7 @@ static const float* prepare_input(const float* x, long M, long I, float norm_eps
             free(scale);                                                                                \
             return -1;                                                                                  \
         }                                                                                               \
-        const float* in = prepare_input(x, M, I, norm_eps, act, buf, scale);                            \
+        const float* in = prepare_input(x, M, I, norm_eps, act, buf, scale, nthreads);                  \
         long nb = (O + BW - 1) / BW;                                                                    \
         if (nthreads > nb) nthreads = (int)nb;                                                          \
         _Pragma("omp parallel num_threads(nthreads)") {                                                 \
