@@ -5,13 +5,15 @@ Legend: T tokens, D model dim, E experts, K slots per token, M = T*K slots.
     logits_TE = x_TD @ router.weight^T                      (F.linear, as the general path)
     route     = kernels.route_sorted_cpu(logits_TE, K, ...) (top-k, weights, counting sort: one C call)
     x_MD      = kernels.gather_rows_cpu(x_TD, route)
-    blocks    = kernels.swiglu_blocks_onednn(x_MD, ...)     (each expert's [M_e, D] output, oneDNN)
+    blocks    = kernels.swiglu_blocks_onednn(x_MD, ...)     (each expert's [M_e, D] output; oneDNN
+                                                            and the packed C kernel, as the general path)
     y_TD      = kernels.combine_blocks_cpu(blocks, route)   (weighted sum read from the blocks in place)
 
 The general path (router -> plan -> LocalDispatcher) computes the same numbers; this one skips the
 ~15 small PyTorch ops of routing and the copy of every expert's output into one [M, D] buffer. On the
-2-core dev CPU (E = 8, top-2, D = 576, H = 1536, fp32) that measured 0.59 -> 0.38 ms per call at
-T = 1, 2.14 -> 1.82 ms at T = 8 and 14.6 -> 13.9 ms at T = 512 (bitwise the same outputs).
+2-core dev CPU (E = 8, top-2, D = 576, H = 1536, fp32; the two paths alternating in one process) that
+measured 0.59 -> 0.39 ms per call at T = 1, 1.91 -> 1.62 ms at T = 8 and 14.1 -> 13.5 ms at T = 512.
+Same routing and statistics; outputs equal up to the float rounding of the combine's sum order.
 
 :func:`native_forward` takes it only when nothing could tell the difference: float32 on a CPU, no
 autograd and no tracing, eval mode, dropless, a built-in token-choice router (softmax top-k, Switch,
