@@ -21,7 +21,9 @@ The dW of the backward runs through the torch backend (MKL), dX through this for
 The inference expert loop (:func:`grouped_swiglu_onednn`, :func:`swiglu_blocks_onednn`) also uses the
 packed C kernel of ``kernels.packed_gemm`` where it measured faster (every down projection up to 1,024
 rows, gate/up up to 192 rows; see ``C_DOWN_MAX_ROWS`` / ``C_GATE_UP_MAX_ROWS``), with weights packed
-for it the same cached way.
+for it the same cached way. Each layout is packed on first use, so a layer that sees both small and
+large batches holds up to two packed copies of a weight besides the original;
+:func:`clear_packed_weights` drops them all.
 """
 
 from __future__ import annotations
