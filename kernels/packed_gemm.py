@@ -88,17 +88,22 @@ def pack_weight(w_OI: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     return w_packed
 
 
-def packed_matmul(x_MI: Tensor, w_packed: Tensor, out_features: int) -> Tensor:
-    """``x_MI @ W^T`` for ``w_packed = pack_weight(W)`` (no bias, input transform or residual).
+def packed_matmul(x_MI: Tensor, w_packed: Tensor, out_features: int, *, swiglu: bool = False) -> Tensor:
+    """``x_MI @ W^T`` for ``w_packed = pack_weight(W)`` (no bias or residual).
 
-    x_MI: contiguous float32 CPU [M, I]; returns float32 [M, out_features]. Reference:
-    ``x_MI @ W.T``.
+    x_MI: contiguous float32 CPU [M, I]; returns float32 [M, out_features]. With ``swiglu``, x_MI is
+    ``[gate | up]``, [M, 2I], and the product is ``(silu(gate) * up) @ W^T``, the activation computed
+    inside the kernel. Reference: ``x_MI @ W.T`` (``swiglu``: ``(F.silu(g) * u) @ W.T``).
     """
     if x_MI.dtype != torch.float32 or not x_MI.is_contiguous() or x_MI.dim() != 2:
         raise ValueError(
             f"x_MI must be a contiguous float32 [M, I] tensor, got {x_MI.dtype} {tuple(x_MI.shape)}"
         )
     num_rows, in_features = x_MI.shape
+    if swiglu:
+        if in_features % 2:
+            raise ValueError(f"x_MI must be [M, 2I] (gate | up) with swiglu=True, got {tuple(x_MI.shape)}")
+        in_features //= 2
     lib = packed_gemm_library()
     block = lib.packed_gemm_block_width()
     if (
@@ -124,7 +129,7 @@ def packed_matmul(x_MI: Tensor, w_packed: Tensor, out_features: int) -> Tensor:
         y_MO.data_ptr(),
         torch.get_num_threads(),
         -1.0,
-        0,
+        1 if swiglu else 0,
         None,
     )
     if rc:

@@ -112,14 +112,14 @@ def test_moe_layer_uses_onednn_without_grad_and_autograd_with_it():
     calls = []
     from kernels.grouped_gemm import onednn_backend
 
-    original = onednn_backend._SwigluWeights.hidden
+    original = onednn_backend._SwigluWeights._gate_up
 
     def spy(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(onednn_backend._SwigluWeights, "hidden", spy)
+        mp.setattr(onednn_backend._SwigluWeights, "_gate_up", spy)
         with torch.no_grad():
             fast = layer(x)
         assert calls, "the no-grad CPU float32 forward should take the oneDNN expert path"

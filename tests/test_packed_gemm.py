@@ -48,3 +48,17 @@ def test_packed_gemm_rejects_bad_input():
         pg.pack_weight(torch.randn(2, 3, 4))
     with pytest.raises(ValueError, match="dtype"):
         pg.pack_weight(torch.randn(2, 3), torch.float16)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_swiglu_input_is_computed_inside_the_kernel(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w_OI = torch.randn(50, 36, generator=gen)
+    h = torch.randn(rows, 72, generator=gen) * 4  # [gate | up], wide enough to saturate the sigmoid
+    got = pg.packed_matmul(h, pg.pack_weight(w_OI), 50, swiglu=True)
+    g, u = h.double().chunk(2, dim=-1)
+    expected = ((g * torch.sigmoid(g) * u) @ w_OI.double().T).float()
+    # float32 rounding of sums of ~36 terms of size up to ~100: relative to the output's scale
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
+    with pytest.raises(ValueError, match="gate | up"):
+        pg.packed_matmul(torch.randn(rows, 71), pg.pack_weight(w_OI), 50, swiglu=True)
