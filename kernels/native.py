@@ -23,15 +23,20 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["CFLAGS", "build_library", "cache_dir", "cpu_signature"]
+__all__ = ["CFLAGS", "build_library", "cache_dir", "cache_root", "cpu_signature"]
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 
 
+def cache_root() -> Path:
+    """The project's cache: ``$SPECDEC_CACHE``, or ``~/.cache/specdec`` (converted checkpoints, kernels)."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
 def cache_dir() -> Path:
-    """``$SPECDEC_CACHE/kernels``, or ``~/.cache/specdec/kernels``."""
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "kernels"
+    """Where built kernels live: ``cache_root() / "kernels"``."""
+    return cache_root() / "kernels"
 
 
 def cpu_signature() -> str:

@@ -127,8 +127,9 @@ def grouped_gemm_onednn(x_MK: Tensor, w: Tensor, group_sizes_E: Tensor, trans_w:
 
 
 # Expert products that go to the packed C kernel instead of oneDNN (when it builds): the down
-# projection up to C_DOWN_MAX_ROWS rows, the gate/up projection up to C_GATE_UP_MAX_ROWS (past that
-# the C kernel stops prefetching, and oneDNN is as fast or faster). Measured on the 2-core AMD EPYC
+# projection up to C_DOWN_MAX_ROWS rows (with the SwiGLU computed inside the kernel), the gate/up
+# projection up to C_GATE_UP_MAX_ROWS (past that the C kernel stops prefetching, and oneDNN is as
+# fast or faster). Measured on the 2-core AMD EPYC
 # dev VM, 8 experts' weights in turn, ms per expert (oneDNN / C): down [M, 1536] x [1536, 576]:
 # 0.067 / 0.048 at M = 8, 0.32 / 0.25 at 64, 0.56 / 0.49 at 131; gate/up [M, 576] x [576, 3072]:
 # 0.151 / 0.122 at M = 8, 0.55 / 0.52 at 64, 1.07 / 1.00 at 131. oneDNN pays a fixed cost for
@@ -136,8 +137,6 @@ def grouped_gemm_onednn(x_MK: Tensor, w: Tensor, group_sizes_E: Tensor, trans_w:
 # stream avoids. A dense down projection [2048, 3072] x [3072, 576] was ~3 % faster on oneDNN.
 C_GATE_UP_MAX_ROWS = 192
 C_DOWN_MAX_ROWS = 1024
-# Where the C kernel runs the down projection, it also computes the SwiGLU from [gate | up].
-C_FUSED_SWIGLU = True
 
 
 class _SwigluWeights:
@@ -173,14 +172,11 @@ class _SwigluWeights:
 
     def expert(self, e: int, x_gD: Tensor, hidden_dim: int) -> Tensor:
         """y_g = swiglu(x_g @ w_gate_up[e]) @ w_down[e] for one expert's rows (contiguous)."""
-        if self.use_c and x_gD.shape[0] <= C_DOWN_MAX_ROWS and C_FUSED_SWIGLU:
+        if self.use_c and x_gD.shape[0] <= C_DOWN_MAX_ROWS:
             # The C kernel computes silu(gate) * up itself, in one pass over h (vectorised exp).
             h = self._gate_up(e, x_gD)
             return packed_matmul(h, self._get("down", "c")[e], self.dim, swiglu=True)
-        a = self.hidden(e, x_gD, hidden_dim)
-        if self.use_c and x_gD.shape[0] <= C_DOWN_MAX_ROWS:
-            return packed_matmul(a, self._get("down", "c")[e], self.dim)
-        return linear_onednn(a, self._get("down", "onednn")[e])
+        return linear_onednn(self.hidden(e, x_gD, hidden_dim), self._get("down", "onednn")[e])
 
 
 def grouped_swiglu_onednn(

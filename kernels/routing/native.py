@@ -17,7 +17,7 @@ Semantics are exactly those of the references in ``reference.py`` (``topk_routin
 ``sort_by_expert_reference``, ``permute_reference``, ``unpermute_reference``);
 ``tests/test_routing_native.py`` checks them against each other. float32 only, forward only (no
 autograd): :class:`moe.MoE` uses these when it runs on a CPU without gradients and no backend is
-forced (``MoE._native_path`` has the conditions).
+forced (``moe/native_cpu.py`` has the conditions).
 :func:`native_routing_available` is False when no C compiler is found; the layer then takes the
 general path.
 """

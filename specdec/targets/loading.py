@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.native import cache_root
+
 __all__ = ["BUILTIN_MODELS", "cache_dir", "resolve_checkpoint", "load_hf_model", "load_tokenizer"]
 
 
@@ -46,7 +48,7 @@ BUILTIN_MODELS: dict[str, GGUFModel] = {
 
 def cache_dir() -> Path:
     """Where converted checkpoints live: ``$SPECDEC_CACHE`` or ``~/.cache/specdec``."""
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+    return cache_root()
 
 
 def _gguf_path(spec: GGUFModel) -> Path:
