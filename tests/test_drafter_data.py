@@ -111,6 +111,26 @@ def test_self_instruct_requests_are_complete_distinct_user_turns(target):
     )
 
 
+def test_self_instruct_rounds_draw_new_requests_and_skip_earlier_ones(target):
+    def sample(round_index, exclude=frozenset()):
+        return drafter_data.self_instruct_requests(
+            target,
+            12,
+            max_tokens=400,
+            seed=0,
+            batch_size=5,
+            round_index=round_index,
+            exclude=exclude,
+            log=lambda s: None,
+        )
+
+    first, second = sample(0), sample(1)
+    assert first and second and first != second  # a round is its own draw
+    assert sample(1) == second  # seeded
+    # A request kept in an earlier round is never kept again.
+    assert set(sample(0, exclude=frozenset(first[:2]))) == set(first[2:])
+
+
 def test_self_instruct_prompts_are_raw_and_chat_forms():
     tok = byte_tokenizer()
     prompts = drafter_data.self_instruct_prompts(tok, ["Plan a garden for me.", "Explain tides."])
@@ -122,6 +142,8 @@ def test_self_instruct_prompts_are_raw_and_chat_forms():
     ]
     assert tok.decode(prompts[2].ids) == "Explain tides."
     assert tok.decode(prompts[3].ids) == "<|im_start|>user\nExplain tides.<|im_end|>\n<|im_start|>assistant\n"
+    later = drafter_data.self_instruct_prompts(tok, ["Explain tides."], round_index=2)
+    assert [p.pid for p in later] == ["self-r2/0", "self-r2/0/chat"]
 
 
 def test_self_instruct_needs_a_chat_template(tmp_path):
