@@ -278,13 +278,18 @@ def self_instruct_requests(
     return requests
 
 
+def _round_suffix(round_index: int) -> str:
+    """How a self-instruct round is named in prompt ids, job names and cache files: nothing for
+    round 0 (the names from before rounds existed, so its caches stay valid), ``-r<k>`` after."""
+    return "" if round_index == 0 else f"-r{round_index}"
+
+
 def self_instruct_prompts(tokenizer, requests: list[str], round_index: int = 0) -> list[Prompt]:
     """Each request as two training prompts: raw text and the chat template's user turn (ids
     ``self/<i>`` for round 0, ``self-r<round>/<i>`` after)."""
     out = []
-    stem = "self" if round_index == 0 else f"self-r{round_index}"
     for i, text in enumerate(requests):
-        pid = f"{stem}/{i}"
+        pid = f"self{_round_suffix(round_index)}/{i}"
         out.append(Prompt(pid, "self", False, tuple(tokenizer(text).input_ids)))
         out.append(Prompt(pid + "/chat", "self-chat", False, tuple(chat_ids(tokenizer, text))))
     return out
@@ -477,9 +482,9 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
         jobs.append(("sample", cfg.sample_temperature, cfg.sample_tokens, cfg.sample_continuations, trained))
     self_rounds: list[list[Prompt]] = []
     kept: set[str] = set()
+    req_stem = f"{cfg.target}-self-instruct-n{cfg.self_instruct}-t{cfg.self_instruct_tokens}-s{cfg.seed}"
     for r in range(cfg.self_instruct_rounds if cfg.self_instruct > 0 else 0):
-        stem = f"{cfg.target}-self-instruct-n{cfg.self_instruct}-t{cfg.self_instruct_tokens}-s{cfg.seed}"
-        req_path = out.parent / (f"{stem}.json" if r == 0 else f"{stem}-r{r}.json")
+        req_path = out.parent / f"{req_stem}{_round_suffix(r)}.json"
         if req_path.exists():
             requests = json.loads(req_path.read_text())
         else:
@@ -498,7 +503,7 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
         kept.update(requests)
         self_rounds.append(self_instruct_prompts(tokenizer, requests, round_index=r))
         log(f"[data] self-instruct round {r}: {len(requests)} requests -> {len(self_rounds[-1])} prompts")
-        tag = "self" if r == 0 else f"self-r{r}"
+        tag = f"self{_round_suffix(r)}"
         jobs.append((f"{tag}-greedy", 0.0, cfg.greedy_tokens, 1, self_rounds[-1]))
         if cfg.sample_tokens > 0:
             jobs.append((f"{tag}-sample", cfg.sample_temperature, cfg.sample_tokens, 1, self_rounds[-1]))
