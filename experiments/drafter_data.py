@@ -59,6 +59,8 @@ __all__ = [
     "is_heldout",
     "build_dataset",
     "load_dataset",
+    "build_aux_features",
+    "extract_layer_features",
     "FeatureData",
 ]
 
@@ -355,6 +357,26 @@ def generate_continuations(
     return out
 
 
+def _padded_batches(seqs: list[list[int]], max_batch_tokens: int):
+    """Yield ``(rows, input_ids, attention_mask)``: sequences by length, right-padded, at most
+    ``max_batch_tokens`` (padded) per batch; ``rows`` are the batch's indices into ``seqs``."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    i = 0
+    while i < len(order):
+        j = i
+        while j < len(order) and (j - i + 1) * len(seqs[order[j]]) <= max_batch_tokens:
+            j += 1
+        j = max(j, i + 1)
+        rows = order[i:j]
+        x = torch.zeros(len(rows), len(seqs[rows[-1]]), dtype=torch.long)
+        mask = torch.zeros_like(x)
+        for r, k in enumerate(rows):
+            x[r, : len(seqs[k])] = torch.tensor(seqs[k])
+            mask[r, : len(seqs[k])] = 1
+        yield rows, x, mask
+        i = j
+
+
 @torch.inference_mode()
 def extract_features(model, seqs: list[list[int]], topk: int, max_batch_tokens: int = 4096):
     """Per token: the pre-norm feature (fp16), top-k next-token ids and probs (T=1)."""
@@ -362,30 +384,15 @@ def extract_features(model, seqs: list[list[int]], topk: int, max_batch_tokens: 
     hook = model.model.norm.register_forward_pre_hook(lambda m, a: captured.__setitem__("h", a[0]))
     try:
         feats, ids, probs = [], [], []
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         results = [None] * len(seqs)
-        i = 0
-        while i < len(order):
-            width = len(seqs[order[i]])
-            j = i
-            while j < len(order) and (j - i + 1) * len(seqs[order[j]]) <= max_batch_tokens:
-                j += 1
-            j = max(j, i + 1)
-            batch = [seqs[k] for k in order[i:j]]
-            width = max(len(s) for s in batch)
-            x = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros_like(x)
-            for r, s in enumerate(batch):
-                x[r, : len(s)] = torch.tensor(s)
-                mask[r, : len(s)] = 1
+        for rows, x, mask in _padded_batches(seqs, max_batch_tokens):
             post = model.model(input_ids=x, attention_mask=mask).last_hidden_state
             pre = captured["h"]
-            for r, k in enumerate(order[i:j]):
+            for r, k in enumerate(rows):
                 n = len(seqs[k])
                 logits = model.lm_head(post[r, :n])
                 p, t = torch.softmax(logits.float(), dim=-1).topk(topk, dim=-1)
                 results[k] = (pre[r, :n].to(torch.float16), t.to(torch.int32), p.to(torch.float16))
-            i = j
         for r in results:
             feats.append(r[0])
             ids.append(r[1])
@@ -393,6 +400,87 @@ def extract_features(model, seqs: list[list[int]], topk: int, max_batch_tokens: 
         return feats, ids, probs
     finally:
         hook.remove()
+
+
+class _Enough(Exception):
+    """Raised by the hook on the deepest layer that :func:`extract_layer_features` needs."""
+
+
+@torch.inference_mode()
+def extract_layer_features(
+    model, seqs: list[list[int]], layers: tuple[int, ...], max_batch_tokens: int = 4096
+) -> list[torch.Tensor]:
+    """Per sequence ``[T, A, D]`` (fp16): the outputs of decoder layers ``layers`` (0-based), the
+    low and middle features that EAGLE-3 fuses with the last one. The forward stops after the
+    deepest of them, so layers (1, 14) of 30 cost half a target pass."""
+    blocks = model.model.layers
+    if not layers or min(layers) < 0 or max(layers) >= len(blocks):
+        raise ValueError(f"layers must be decoder layer indices in [0, {len(blocks)}), got {layers}")
+    captured: dict[int, torch.Tensor] = {}
+    deepest = max(layers)
+
+    def grab(i):
+        def hook(module, args, output):
+            captured[i] = output[0] if isinstance(output, tuple) else output
+            if i == deepest:
+                raise _Enough
+
+        return hook
+
+    hooks = [blocks[i].register_forward_hook(grab(i)) for i in sorted(set(layers))]
+    try:
+        results: list[torch.Tensor | None] = [None] * len(seqs)
+        for rows, x, mask in _padded_batches(seqs, max_batch_tokens):
+            try:
+                model.model(input_ids=x, attention_mask=mask)
+            except _Enough:
+                pass
+            stacked = torch.stack([captured[layer] for layer in layers], dim=2)  # [b, T, A, D]
+            for r, k in enumerate(rows):
+                results[k] = stacked[r, : len(seqs[k])].to(torch.float16)
+        return results  # type: ignore[return-value]
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def aux_shard_name(shard: str, layers: tuple[int, ...]) -> str:
+    """The file beside a feature shard that holds its tokens' layer-``layers`` features."""
+    return shard.removesuffix(".safetensors") + "-aux-" + "-".join(f"l{i}" for i in layers) + ".safetensors"
+
+
+def build_aux_features(path: Path, layers: tuple[int, ...], log=print) -> None:
+    """Add the outputs of decoder layers ``layers`` to a finished cache, shard by shard (a shard's
+    aux file is skipped when present, so an interrupted run resumes)."""
+    from safetensors.torch import load_file, save_file
+
+    from specdec.targets.loading import load_hf_model
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    if not manifest.get("complete"):
+        raise ValueError(f"dataset {path} is incomplete; run build_dataset first")
+    todo = [s for s in manifest["shards"] if not (path / aux_shard_name(s, layers)).exists()]
+    if not todo:
+        return
+    config = json.loads((path / "config.json").read_text())
+    model = load_hf_model(config["target"])
+    log(f"[data] layer {list(layers)} features for {len(todo)} of {len(manifest['shards'])} shards")
+    t0 = time.perf_counter()
+    for n, shard in enumerate(todo, start=1):
+        t = load_file(str(path / shard))
+        tokens, lengths = t["tokens"].long().tolist(), t["lengths"].tolist()
+        seqs, a = [], 0
+        for length in lengths:
+            seqs.append(tokens[a : a + length])
+            a += length
+        aux = torch.cat(extract_layer_features(model, seqs, layers))
+        if float(aux.float().abs().max()) > 6e4:
+            raise ValueError("layer features overflow fp16")
+        out = path / aux_shard_name(shard, layers)
+        tmp = out.with_suffix(".tmp")
+        save_file({"aux": aux}, str(tmp), metadata={"layers": json.dumps(list(layers))})
+        tmp.replace(out)
+        log(f"  layer features: {n}/{len(todo)} shards, {time.perf_counter() - t0:.0f}s")
 
 
 @dataclass
@@ -406,6 +494,7 @@ class FeatureData:
     offsets: torch.Tensor  # [S+1] int64
     heldout: torch.Tensor  # [S] bool
     names: list[str]
+    aux: torch.Tensor | None = None  # [N, A, D] fp16: outputs of the cache's aux layers (EAGLE-3)
 
     def sequences(self, heldout: bool) -> list[int]:
         return [i for i in range(len(self.names)) if bool(self.heldout[i]) == heldout]
@@ -578,8 +667,9 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
     return out
 
 
-def load_dataset(path: Path) -> FeatureData:
-    """Read every shard of a finished cache into one :class:`FeatureData`."""
+def load_dataset(path: Path, aux_layers: tuple[int, ...] = ()) -> FeatureData:
+    """Read every shard of a finished cache into one :class:`FeatureData` (with the outputs of
+    decoder layers ``aux_layers``, which :func:`build_aux_features` must have added)."""
     from safetensors import safe_open
 
     manifest = json.loads((path / "manifest.json").read_text())
@@ -594,6 +684,19 @@ def load_dataset(path: Path) -> FeatureData:
             for k in parts:
                 parts[k].append(f.get_tensor(k))
             names += json.loads(f.metadata()["names"])
+    aux = None
+    if aux_layers:
+        files = [path / aux_shard_name(shard, aux_layers) for shard in manifest["shards"]]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ValueError(
+                f"dataset {path} lacks layer {list(aux_layers)} features; run build_aux_features"
+            )
+        aux_parts = []
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                aux_parts.append(f.get_tensor("aux"))
+        aux = torch.cat(aux_parts)
     lengths = torch.cat(parts["lengths"])
     return FeatureData(
         tokens=torch.cat(parts["tokens"]).long(),
@@ -603,6 +706,7 @@ def load_dataset(path: Path) -> FeatureData:
         offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
         heldout=torch.cat(parts["heldout"]),
         names=names,
+        aux=aux,
     )
 
 

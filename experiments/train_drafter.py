@@ -20,6 +20,10 @@ arXiv 2503.01840):
    on input features (EAGLE). The head is unrolled S steps as at inference (training-time test):
    step s feeds the head its own step-(s−1) predictions, attending to true-feature keys for the
    prefix and to its own earlier predictions, exactly like the s-th draft token at inference.
+   EAGLE-3's fused input (default ``--aux-layers 1,14``): the step-1 input feature fuses the
+   outputs of target layers 1 and 14 with the last layer's (``EagleHead.project``; the layer
+   features are added to the cache once by ``build_aux_features``). ``--reg-weight 0 --ce-weight 1``
+   trains on EAGLE-3's token loss alone (measured: far slower to learn at this budget).
 4. AdamW with warmup and cosine decay; a checkpoint every ``--ckpt-every`` steps (an interrupted
    run resumes); seeded.
 5. Held-out τ and α: real speculative decoding (``specdec.generate``) on held-out prompts.
@@ -39,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from experiments.drafter_data import DataConfig, FeatureData, build_dataset, load_dataset
+from experiments.drafter_data import DataConfig, FeatureData, build_aux_features, build_dataset, load_dataset
 from specdec.drafters.eagle import EagleConfig, EagleHead, describe, save_eagle_head, target_parts
 
 __all__ = [
@@ -73,6 +77,14 @@ class TrainConfig:
     """S: draft steps unrolled in training (1 = plain teacher forcing)."""
     step_decay: float = 0.8
     """Weight of unrolled step s is step_decay**(s−1)."""
+    reg_weight: float = 1.0
+    """Weight of the feature regression (EAGLE-1's smooth-L1 to the next feature); 0 trains on the
+    token loss alone, as EAGLE-3 does (then the head's output is free to be any useful state)."""
+    aux_layers: tuple[int, ...] = (1, 14)
+    """EAGLE-3 fused input: target decoder layers (0-based) whose outputs join the last layer's
+    feature (``(1, 14)`` of SmolLM2's 30: a low and a middle layer; ``()``: the EAGLE-1 input, the
+    last layer alone). Their features are added to the data cache once (``build_aux_features``,
+    about half a target pass)."""
     eval_every: int = 100
     ckpt_every: int = 50
     autocast_bf16: bool = True
@@ -111,7 +123,8 @@ class Batches:
         self.seed = seed
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
-        """Batch number ``step`` (a pure function of seed and step, so resuming is exact)."""
+        """Batch number ``step`` (a pure function of seed and step, so resuming is exact); with aux
+        layer features in the data, ``aux`` is ``[B, T, A, D]``."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         pick = torch.randint(len(self.windows), (self.batch_size,), generator=g).tolist()
         T = max(self.windows[i][1] - self.windows[i][0] for i in pick)
@@ -124,6 +137,9 @@ class Batches:
             "topk_probs": torch.zeros(self.batch_size, T, k),
             "valid": torch.zeros(self.batch_size, T, dtype=torch.bool),
         }
+        aux = self.data.aux
+        if aux is not None:
+            out["aux"] = torch.zeros(self.batch_size, T, *aux.shape[1:])
         for r, i in enumerate(pick):
             a, b = self.windows[i]
             n = b - a
@@ -132,6 +148,8 @@ class Batches:
             out["topk_ids"][r, :n] = self.data.topk_ids[a:b]
             out["topk_probs"][r, :n] = self.data.topk_probs[a:b].float()
             out["valid"][r, :n] = True
+            if aux is not None:
+                out["aux"][r, :n] = aux[a:b].float()
         return out
 
 
@@ -207,6 +225,10 @@ def unrolled_losses(
     if cfg.feature_noise > 0 and head.training:
         noise = torch.rand(inp_feat.shape, generator=generator) * 2 - 1
         inp_feat = inp_feat + noise * cfg.feature_noise * feature_std
+    if head.fc_aux is not None:  # EAGLE-3: fuse the low/middle layers into the step-1 input
+        if "aux" not in batch:
+            raise ValueError("this head fuses aux layers, but the batch has no aux features")
+        inp_feat = head.project(inp_feat, batch["aux"][:, :T])
     tgt_feat = feats[:, 1:]  # f_{t+1}
     valid = batch["valid"][:, 1:]
     # Target distribution over the draft vocabulary at position t+1 (renormalised top-k).
@@ -220,17 +242,31 @@ def unrolled_losses(
         w = (valid & (torch.arange(T) >= s - 1)).float()
         # Features are large (std ≈ 39 for SmolLM2, a few dims in the hundreds): regress them in
         # units of their std so the loss sits in smooth-L1's quadratic zone and balances the CE.
-        reg_tok = F.smooth_l1_loss(pred / feature_std, tgt_feat / feature_std, reduction="none").mean(-1)
-        reg = (reg_tok * w).sum() / w.sum()
+        if cfg.reg_weight > 0:
+            reg_tok = F.smooth_l1_loss(pred / feature_std, tgt_feat / feature_std, reduction="none").mean(-1)
+            reg = (reg_tok * w).sum() / w.sum()
+        else:  # token loss only (EAGLE-3)
+            reg = torch.zeros(())
         logp = torch.log_softmax(head.logits(pred).float(), dim=-1)
         ce_tok = -(soft * logp.gather(-1, ids.clamp(min=0))).sum(-1)
         wc = w * (mass.squeeze(-1) > 0)
         ce = (ce_tok * wc).sum() / wc.sum().clamp_min(1.0)
         wa = w * (top1 >= 0)
         acc = ((logp.argmax(-1) == top1).float() * wa).sum() / wa.sum().clamp_min(1.0)
-        out["loss"] = out["loss"] + cfg.step_decay ** (s - 1) * (reg + cfg.ce_weight * ce)
+        out["loss"] = out["loss"] + cfg.step_decay ** (s - 1) * (cfg.reg_weight * reg + cfg.ce_weight * ce)
         out[f"reg{s}"], out[f"ce{s}"], out[f"acc{s}"] = reg.detach(), ce.detach(), acc.detach()
     return out
+
+
+def _key_fields(cfg: TrainConfig) -> dict:
+    """The config as the checkpoint directory's key. Fields added later are left out when they hold
+    the value that reproduces the older recipe (no regression weight change, no aux layers), so
+    older runs keep their directories."""
+    fields = asdict(cfg)
+    for name, default in (("reg_weight", 1.0), ("aux_layers", ())):
+        if fields[name] == default:
+            del fields[name]
+    return fields
 
 
 def _lr(step: int, cfg: TrainConfig) -> float:
@@ -323,7 +359,9 @@ def train(
 
     t_start = time.perf_counter()
     data_dir = build_dataset(cfg.data, data_root, log=log)
-    data = load_dataset(data_dir)
+    if cfg.aux_layers:
+        build_aux_features(data_dir, cfg.aux_layers, log=log)
+    data = load_dataset(data_dir, cfg.aux_layers)
     train_seqs, held_seqs = data.sequences(False), data.sequences(True)
     n_train = int(sum(data.offsets[s + 1] - data.offsets[s] for s in train_seqs))
     log(
@@ -338,11 +376,16 @@ def train(
     parts = target_parts(model)  # the HF model exposes model.embed_tokens etc. via .model
     feature_std = float(data.features[:200_000].float().std())
     embed_std = float(parts.embed_VD.float().std())
+    # Aux layers carry a few huge outlier dims on some tokens (attention sinks): scale each by its
+    # typical token size (median RMS), not by a std that the outliers dominate.
+    aux_rms = [] if data.aux is None else data.aux[:200_000].float().pow(2).mean(-1).sqrt().median(0).values
     econf = EagleConfig.from_hf_config(
         model.config,
         draft_vocab_size=cfg.draft_vocab_size,
         feature_scale=1.0 / feature_std,
         embed_scale=1.0 / embed_std,
+        aux_layers=tuple(cfg.aux_layers),
+        aux_scales=tuple(1.0 / float(r) for r in aux_rms),
     )
     torch.manual_seed(cfg.seed)  # the same initial head whether or not the data was just built
     head = EagleHead(econf)
@@ -352,10 +395,19 @@ def train(
     head.head_ND = parts.lm_head_VD[torch.sort(vocab_N).values].contiguous()
     vocab_index_V = torch.full((econf.vocab_size,), -1, dtype=torch.long)
     vocab_index_V[torch.sort(vocab_N).values] = torch.arange(cfg.draft_vocab_size)
-    log(f"[train] {describe(head)}; feature std {feature_std:.3f}, embedding std {embed_std:.4f}")
+    log(
+        f"[train] {describe(head)}; feature std {feature_std:.3f}, embedding std {embed_std:.4f}"
+        + (
+            f", aux layers {list(cfg.aux_layers)} median RMS {[round(float(r), 3) for r in aux_rms]}"
+            if cfg.aux_layers
+            else ""
+        )
+    )
 
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    cfg_key = hashlib.sha1(json.dumps(asdict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:10]
+    cfg_key = hashlib.sha1(json.dumps(_key_fields(cfg), sort_keys=True, default=str).encode()).hexdigest()[
+        :10
+    ]
     work = work or data_dir / f"train-{cfg_key}"
     work.mkdir(parents=True, exist_ok=True)
     ckpt_path = work / "ckpt.pt"
@@ -442,6 +494,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unroll", type=int, default=d.unroll)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--ce-weight", type=float, default=d.ce_weight)
+    p.add_argument(
+        "--reg-weight",
+        type=float,
+        default=d.reg_weight,
+        help="weight of the feature regression loss (0: token loss only, as EAGLE-3)",
+    )
+    p.add_argument(
+        "--aux-layers",
+        default=",".join(map(str, d.aux_layers)),
+        help="EAGLE-3 fused input: comma-separated target decoder layers (0-based) whose outputs join "
+        "the last layer's feature (default: %(default)s; an empty string: the EAGLE-1 input alone)",
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -488,8 +552,22 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "draft_vocab_size", "unroll", "batch_size", "seq_len", "eval_prompts"):
         if getattr(a, name) < (0 if name == "eval_prompts" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    try:
+        aux_layers = tuple(int(x) for x in a.aux_layers.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(
+            f"--aux-layers must be comma-separated layer indices, got {a.aux_layers!r}"
+        ) from None
+    if any(i < 0 for i in aux_layers) or len(set(aux_layers)) != len(aux_layers):
+        raise ValueError(f"--aux-layers must be distinct indices >= 0, got {a.aux_layers!r}")
+    if a.reg_weight < 0 or a.ce_weight < 0 or a.reg_weight + a.ce_weight == 0:
+        raise ValueError(
+            f"--reg-weight and --ce-weight must be >= 0 and not both 0, got {a.reg_weight} and {a.ce_weight}"
+        )
     cfg = replace(
         d,
+        aux_layers=aux_layers,
+        reg_weight=a.reg_weight,
         steps=a.steps,
         draft_vocab_size=a.draft_vocab_size,
         unroll=a.unroll,

@@ -31,10 +31,14 @@ class TargetOutput:
     ``logits_BTV``: float logits at the requested block positions (all T unless the call asked for
     fewer). ``hidden_BTD``: the last decoder layer's output (before the final norm) at every block
     position, or None when the target does not expose it (feature-level drafters need it).
+    ``aux_hidden_BTD``: decoder layer index → that layer's output ``[B, T, D]`` at every block
+    position, for the layers a drafter asked the target to capture (``capture_layers``; EAGLE-3
+    heads fuse low, middle and last-layer features); None when none were asked for.
     """
 
     logits_BTV: torch.Tensor
     hidden_BTD: torch.Tensor | None = None
+    aux_hidden_BTD: dict[int, torch.Tensor] | None = None
 
 
 @runtime_checkable

@@ -408,8 +408,9 @@ def verify_tree_proposal(
     (``target.copy_slots``), so the cache reads like a chain. The caller commits the tokens and
     rolls the target back to the new ``lengths_B − 1`` as for a chain.
 
-    Returns the verification and a :class:`TargetOutput` whose ``hidden_BTD`` holds the root's and
-    the accepted nodes' features in path order (``[B, A, D]``), as a chain block would.
+    Returns the verification and a :class:`TargetOutput` whose ``hidden_BTD`` (and
+    ``aux_hidden_BTD``) hold the root's and the accepted nodes' features in path order
+    (``[B, A, D]``), as a chain block would.
     """
     if not hasattr(target, "copy_slots"):
         raise ValueError(
@@ -448,9 +449,12 @@ def verify_tree_proposal(
     )
     start_cpu_B = start_B.cpu()
     target.copy_slots(start_cpu_B.unsqueeze(1) + path_BA[:, 1:], start_cpu_B + 1)
-    hidden = out.hidden_BTD
-    path_hidden = None
-    if hidden is not None:
-        idx = path_BA.to(hidden.device)
-        path_hidden = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    return result, TargetOutput(logits_BTV=out.logits_BTV[:, :0], hidden_BTD=path_hidden)
+
+    def on_path(h_BND: torch.Tensor) -> torch.Tensor:
+        return h_BND.gather(1, path_BA.to(h_BND.device).unsqueeze(-1).expand(-1, -1, h_BND.shape[-1]))
+
+    path_hidden = None if out.hidden_BTD is None else on_path(out.hidden_BTD)
+    path_aux = None if not out.aux_hidden_BTD else {i: on_path(h) for i, h in out.aux_hidden_BTD.items()}
+    return result, TargetOutput(
+        logits_BTV=out.logits_BTV[:, :0], hidden_BTD=path_hidden, aux_hidden_BTD=path_aux
+    )

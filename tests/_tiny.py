@@ -74,6 +74,25 @@ def save_tiny_checkpoint(path: Path, *, tokenizer=None, **model_options) -> Path
     return path
 
 
+def greedy_training_block(hf, target, num_prompts: int = 12, new_tokens: int = 40):
+    """Training data for a tiny draft head: ``hf``'s greedy continuations of seeded random prompts
+    (``[num_prompts, 6 + new_tokens]``) and ``target``'s forward over them (logits and features)."""
+    torch.manual_seed(0)
+    prompts = torch.randint(0, 256, (num_prompts, 6))
+    with torch.inference_mode():
+        seqs = hf.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=258,
+            eos_token_id=None,
+        )
+        target.reset(seqs.shape[0], seqs.shape[1])
+        out = target.forward(seqs, torch.zeros(seqs.shape[0], dtype=torch.long))
+    return seqs, out
+
+
 class TableTarget:
     """A batched toy :class:`specdec.protocols.Target`: a trigram model given by a logits table.
 

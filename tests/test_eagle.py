@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny import save_tiny_checkpoint, tiny_llama
+from _tiny import greedy_training_block, save_tiny_checkpoint, tiny_llama
 
 import specdec
 from experiments.train_drafter import TrainConfig, unrolled_features, unrolled_losses
@@ -36,19 +36,7 @@ def tiny(tmp_path_factory):
     target = LlamaTarget.from_pretrained(path)
     hf = tiny_llama(seed=3)
     parts = target_parts(target)
-    torch.manual_seed(0)
-    prompts = torch.randint(0, 256, (12, 6))
-    with torch.inference_mode():
-        seqs = hf.generate(
-            prompts,
-            attention_mask=torch.ones_like(prompts),
-            max_new_tokens=40,
-            do_sample=False,
-            pad_token_id=258,
-            eos_token_id=None,
-        )
-        target.reset(seqs.shape[0], seqs.shape[1])
-        out = target.forward(seqs, torch.zeros(seqs.shape[0], dtype=torch.long))
+    seqs, out = greedy_training_block(hf, target)
     # Unit-scale inputs, as the recipe sets them (the tiny target's features are ~0.03).
     config = EagleConfig.from_hf_config(
         hf.config,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from experiments.drafter_data import DataConfig, _cache_root
+from experiments.drafter_data import DataConfig, _cache_root, aux_shard_name
 from experiments.train_drafter import TrainConfig, train
 
 pytestmark = pytest.mark.model  # the recipe loads the real SmolLM2-135M for its embedding and LM head
@@ -27,8 +27,9 @@ class Interrupted(Exception):
     pass
 
 
-def _fake_cache(root, data: DataConfig) -> None:
-    """A finished feature cache with random features: 10 training and 2 held-out sequences."""
+def _fake_cache(root, data: DataConfig, aux_layers: tuple[int, ...] = ()) -> None:
+    """A finished feature cache with random features: 10 training and 2 held-out sequences (and
+    random ``aux_layers`` features beside the shard, as ``build_aux_features`` writes them)."""
     g = torch.Generator().manual_seed(0)
     lengths = [40, 33, 50, 21, 64, 45, 38, 29, 57, 48, 30, 36]
     n = sum(lengths)
@@ -51,6 +52,9 @@ def _fake_cache(root, data: DataConfig) -> None:
         str(out / "shard.safetensors"),
         metadata={"names": json.dumps([f"seq/{i}" for i in range(len(lengths))])},
     )
+    if aux_layers:
+        aux = (torch.randn(n, len(aux_layers), DIM, generator=g) * 5).half()
+        save_file({"aux": aux}, str(out / aux_shard_name("shard.safetensors", aux_layers)))
     (out / "manifest.json").write_text(json.dumps({"shards": ["shard.safetensors"], "complete": True}))
 
 
@@ -68,10 +72,17 @@ def _run(tmp_path, name: str, cfg: TrainConfig, log=lambda s: None) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("recipe")
-    cfg = TrainConfig(
-        steps=20, seq_len=16, batch_size=3, draft_vocab_size=64, unroll=2, eval_every=10, ckpt_every=4
+    cfg = TrainConfig(  # with EAGLE-3's fused input: the recipe's fullest path
+        steps=20,
+        seq_len=16,
+        batch_size=3,
+        draft_vocab_size=64,
+        unroll=2,
+        eval_every=10,
+        ckpt_every=4,
+        aux_layers=(1, 14),
     )
-    _fake_cache(tmp_path / "data", cfg.data)
+    _fake_cache(tmp_path / "data", cfg.data, cfg.aux_layers)
     summaries = {"straight": _run(tmp_path, "straight", cfg), "again": _run(tmp_path, "again", cfg)}
 
     def stop_at_step_10(line: str) -> None:  # the log line of step 10 comes before its checkpoint
@@ -94,6 +105,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_same_config_gives_bitwise_the_same_head(runs):
     w, s = runs["weights"], runs["summaries"]
     assert _same(w["straight"], w["again"])
+    assert w["straight"]["fc_aux.weight"].shape == (DIM, 3 * DIM)  # the fused input was trained
     assert s["straight"]["heldout_curve"] == s["again"]["heldout_curve"]
     assert not _same(w["straight"], w["other_seed"])  # the comparison can fail
 

@@ -73,8 +73,24 @@ class EagleConfig:
     embed_scale: float = 1.0
     """Fixed input scales (1/std of the target's features and embeddings): the layer works at unit
     scale, so the next token's embedding is not drowned by features ~1000× larger."""
+    aux_layers: tuple[int, ...] = ()
+    """EAGLE-3 (arXiv 2503.01840): target decoder layers (0-based, e.g. a low and a middle one)
+    whose outputs ``fc_aux`` fuses with the last layer's feature into the head's input feature.
+    Empty: the EAGLE-1 input, the last layer's feature alone."""
+    aux_scales: tuple[float, ...] = ()
+    """1/(typical size) of each aux layer's output, as ``feature_scale``."""
 
     def __post_init__(self) -> None:
+        # JSON metadata stores tuples as lists.
+        object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
+        object.__setattr__(self, "aux_scales", tuple(float(x) for x in self.aux_scales))
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.aux_layers):
+            raise ValueError(f"aux_layers must be decoder layer indices >= 0, got {self.aux_layers}")
+        if len(self.aux_scales) != len(self.aux_layers) or any(not x > 0 for x in self.aux_scales):
+            raise ValueError(
+                f"aux_scales must hold one positive scale per aux layer ({len(self.aux_layers)}), "
+                f"got {self.aux_scales}"
+            )
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -84,8 +100,15 @@ class EagleConfig:
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}]")
 
     @classmethod
-    def from_hf_config(cls, config: Any, *, draft_vocab_size: int, **scales: float) -> EagleConfig:
-        """Copy a Llama-family ``transformers`` config's layer dims (``scales``: feature/embed_scale)."""
+    def from_hf_config(cls, config: Any, *, draft_vocab_size: int, **extra: Any) -> EagleConfig:
+        """Copy a Llama-family ``transformers`` config's layer dims (``extra``: feature/embed_scale,
+        aux_layers/aux_scales)."""
+        layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+        aux = tuple(extra.get("aux_layers", ()))
+        if layers and any(not 0 <= i < layers - 1 for i in aux):
+            raise ValueError(
+                f"aux_layers must be in [0, {layers - 1}) (the last layer is the feature), got {aux}"
+            )
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         return cls(
@@ -98,7 +121,7 @@ class EagleConfig:
             rope_theta=float(theta),
             vocab_size=config.vocab_size,
             draft_vocab_size=draft_vocab_size,
-            **scales,
+            **extra,
         )
 
 
@@ -176,7 +199,10 @@ def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tenso
 class EagleHead(nn.Module):
     """One Llama decoder layer over ``fc([embed(token); feature])``, plus the reduced LM head.
 
-    Trainable: ``fc``, the layer (``qkv_proj``, ``o_proj``, ``post_norm``, ``gate_up_proj``,
+    An EAGLE-3 head (``config.aux_layers``) first fuses the target's low, middle and last-layer
+    features into its input feature (:meth:`project`); its later draft steps feed its own output.
+
+    Trainable: ``fc`` (and ``fc_aux``), the layer (``qkv_proj``, ``o_proj``, ``post_norm``, ``gate_up_proj``,
     ``down_proj``). As in EAGLE, the layer has no input norm: ``fc`` feeds it directly. The
     embedding, final norm and head rows are the target's (buffers set by :meth:`attach`).
     """
@@ -187,6 +213,12 @@ class EagleHead(nn.Module):
         self.config = c
         qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
+        A = len(c.aux_layers)
+        self.fc_aux = nn.Linear((A + 1) * c.hidden_size, c.hidden_size, bias=False) if A else None
+        if self.fc_aux is not None:  # start as the EAGLE-1 input (g = f); training mixes the aux layers in
+            with torch.no_grad():
+                self.fc_aux.weight.zero_()
+                self.fc_aux.weight[:, A * c.hidden_size :] = torch.eye(c.hidden_size)
         self.qkv_proj = nn.Linear(c.hidden_size, qkv_out, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.post_norm = nn.Parameter(torch.ones(c.hidden_size))
@@ -252,6 +284,11 @@ class EagleHead(nn.Module):
         fc_w = w(self.fc).float() * scale_I.to(self.fc.weight.device)  # folded in float32
         self._packed = {
             "fc": pack_linear(fc_w, self.fc.bias.detach(), backend=backend, dtype=dtype),
+            **(
+                {"fc_aux": pack_linear(self._fc_aux_folded(), None, backend=backend, dtype=dtype)}
+                if self.fc_aux is not None
+                else {}
+            ),
             "qkv_proj": pack_linear(w(self.qkv_proj), None, backend=backend, dtype=dtype),
             "o_proj": pack_linear(w(self.o_proj), None, backend=backend, dtype=dtype),
             "gate_up_proj": pack_linear(
@@ -276,7 +313,45 @@ class EagleHead(nn.Module):
         self._packed_backend, self._packed_dtype = backend, weight_dtype
         return self
 
+    def _fc_aux_folded(self) -> torch.Tensor:
+        """``fc_aux``'s weight with the input scales and the output's 1/feature_scale folded in."""
+        c = self.config
+        scales = torch.tensor([*c.aux_scales, c.feature_scale], dtype=torch.float32)
+        scale_I = scales.repeat_interleave(c.hidden_size).to(self.fc_aux.weight.device)
+        return self.fc_aux.weight.detach().float() * scale_I / c.feature_scale
+
     # --- building blocks (shared by inference and training) ------------------------------
+    def project(self, feature_BTD: torch.Tensor, aux_BTAD: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's input feature for target features: ``fc_aux([a_1; …; a_A; f])`` (each at unit
+        scale; EAGLE-3), returned at the feature's scale. An EAGLE-1 head returns ``feature_BTD``.
+
+        ``aux_BTAD``: the outputs of ``config.aux_layers``, in that order, at the same positions.
+        """
+        if self.fc_aux is None:
+            return feature_BTD
+        c = self.config
+        A = len(c.aux_layers)
+        if (
+            aux_BTAD is None
+            or aux_BTAD.shape[:-2] != feature_BTD.shape[:-1]
+            or aux_BTAD.shape[-2:]
+            != (
+                A,
+                c.hidden_size,
+            )
+        ):
+            raise ValueError(
+                f"aux_BTAD must be [{', '.join(map(str, feature_BTD.shape[:-1]))}, A={A}, D={c.hidden_size}] "
+                f"(the outputs of layers {list(c.aux_layers)}), got "
+                f"{None if aux_BTAD is None else tuple(aux_BTAD.shape)}"
+            )
+        x_BTI = torch.cat((aux_BTAD.to(feature_BTD.dtype).flatten(-2), feature_BTD), dim=-1)
+        if self._packed is not None:
+            return self._packed["fc_aux"](x_BTI)
+        scales = torch.tensor([*c.aux_scales, c.feature_scale], dtype=x_BTI.dtype, device=x_BTI.device)
+        x_BTI = x_BTI * scales.repeat_interleave(c.hidden_size)
+        return self.fc_aux(x_BTI) / c.feature_scale
+
     def fuse(self, feature_BTD: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
         """``fc([embed(x_{t+1}); f_t])`` (both at unit scale): the layer input."""
         c = self.config
@@ -598,6 +673,14 @@ class EagleDrafter:
                 raise ValueError(f"draft_vocab_size must be in [1, {stored.numel()}], got {draft_vocab_size}")
             # The stored order is by frequency: keep the most frequent n (read before the sort).
             self.head.attach(parts, self._stored_order(weights)[:draft_vocab_size])
+        aux_layers = self.head.config.aux_layers
+        if aux_layers:  # an EAGLE-3 head reads low and middle layers too
+            if not hasattr(target, "capture_layers"):
+                raise ValueError(
+                    f"this head fuses target layers {list(aux_layers)}: the target must offer "
+                    f"capture_layers() (native Llama or HFTarget), got {type(target).__name__}"
+                )
+            target.capture_layers(aux_layers)
         self.vocab_size = self.head.config.vocab_size
         self.dtype = dtype
         self.cache: EagleCache | None = None
@@ -615,20 +698,37 @@ class EagleDrafter:
     # --- protocol -------------------------------------------------------------------------
     def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
         """Queue the prompt's pairs ``(f_i, x_{i+1})``; they run at the first ``propose``."""
-        if target_out.hidden_BTD is None:
-            raise ValueError("the EAGLE drafter needs target features: the target returned hidden_BTD=None")
+        pending_BTD = self.input_features(target_out)
         B = state.batch_size
         device = self.head.fc.weight.device
         self.cache = EagleCache(self.head, B, state.tokens_BL.shape[1] + 64)
         self.cache_len_B = torch.zeros(B, dtype=torch.long, device=device)
-        self._pending_feat_BTD = target_out.hidden_BTD.to(self.dtype)
+        self._pending_feat_BTD = pending_BTD
         self._next_feat_BD = torch.zeros(B, self.head.config.hidden_size, dtype=self.dtype, device=device)
 
     def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
         """Queue the verified block's true features; drafted slots past them become stale."""
+        self._pending_feat_BTD = self.input_features(target_out)
+
+    @torch.inference_mode()
+    def input_features(self, target_out: TargetOutput) -> torch.Tensor:
+        """The head's input features ``[B, T, D]`` for a target block: the last layer's features,
+        fused with the aux layers' for an EAGLE-3 head (:meth:`EagleHead.project`)."""
         if target_out.hidden_BTD is None:
             raise ValueError("the EAGLE drafter needs target features: the target returned hidden_BTD=None")
-        self._pending_feat_BTD = target_out.hidden_BTD.to(self.dtype)
+        hidden_BTD = target_out.hidden_BTD.to(self.dtype)
+        layers = self.head.config.aux_layers
+        if not layers:
+            return hidden_BTD
+        aux = target_out.aux_hidden_BTD or {}
+        missing = [i for i in layers if i not in aux]
+        if missing:
+            raise ValueError(
+                f"the EAGLE-3 head needs the outputs of target layers {missing} (aux_hidden_BTD); "
+                "the target was not asked to capture them (capture_layers)"
+            )
+        aux_BTAD = torch.stack([aux[i].to(self.dtype) for i in layers], dim=2)
+        return self.head.project(hidden_BTD, aux_BTAD)
 
     @torch.inference_mode()
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
@@ -733,5 +833,11 @@ def describe(head: EagleHead) -> str:
         f"layer dim {c.hidden_size}, ffn {c.intermediate_size}, "
         f"{c.num_heads}/{c.num_kv_heads} heads; head flops/token ≈ "
         f"{2 * (_num_params(head) + head.draft_vocab_N.numel() * c.hidden_size) / 1e6:.1f} MFLOP"
-        f" (rope θ={c.rope_theta:g}, {math.prod(head.fc.weight.shape) / 1e6:.2f}M in fc)"
+        f" (rope θ={c.rope_theta:g}, {math.prod(head.fc.weight.shape) / 1e6:.2f}M in fc"
+        + (
+            f", {math.prod(head.fc_aux.weight.shape) / 1e6:.2f}M in fc_aux fusing layers {list(c.aux_layers)}"
+            if head.fc_aux is not None
+            else ""
+        )
+        + ")"
     )

@@ -10,6 +10,7 @@ path: the native Llama target (``specdec.targets.llama``) is the fast one.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -39,6 +40,8 @@ class HFTarget:
         self._caches: list = []
         self._hidden: torch.Tensor | None = None
         self._hook = None
+        self._aux_hooks: dict[int, Any] = {}  # layer -> hook (capture_layers)
+        self._aux: dict[int, torch.Tensor] = {}
         norm = getattr(getattr(model, "model", None), "norm", None)
         if expose_hidden and isinstance(norm, torch.nn.Module):
             # The final norm's input is the last decoder layer's output (pre-norm features).
@@ -46,6 +49,25 @@ class HFTarget:
 
     def _grab_hidden(self, module, args) -> None:
         self._hidden = args[0]
+
+    def capture_layers(self, layers) -> None:
+        """Also return the outputs of decoder ``layers`` from :meth:`forward` (``aux_hidden_BTD``);
+        requests add up. Needs a model with ``model.layers`` (Llama family)."""
+        blocks = getattr(getattr(self.model, "model", None), "layers", None)
+        if blocks is None:
+            raise ValueError(f"{type(self.model).__name__} has no model.layers to capture features from")
+        layers = tuple(layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(blocks) for i in layers):
+            raise ValueError(f"layers must be decoder layer indices in [0, {len(blocks)}), got {layers}")
+        for i in layers:
+            if i not in self._aux_hooks:
+                self._aux_hooks[i] = blocks[i].register_forward_hook(self._grabber(i))
+
+    def _grabber(self, i: int):
+        def grab(module, args, output) -> None:
+            self._aux[i] = output[0] if isinstance(output, tuple) else output
+
+        return grab
 
     @classmethod
     def from_pretrained(
@@ -83,7 +105,7 @@ class HFTarget:
         B, T = tokens_BT.shape
         if B != len(self._caches):
             raise ValueError(f"tokens_BT has B={B} rows but reset() prepared {len(self._caches)}")
-        logits_rows, hidden_rows = [], []
+        logits_rows, hidden_rows, aux_rows = [], [], []
         for b in range(B):
             start = int(start_B[b])
             have = self._cache_len(b)
@@ -93,6 +115,7 @@ class HFTarget:
                 raise ValueError(f"row {b}: cache holds {have} tokens, block starts at slot {start}")
             positions = torch.arange(start, start + T, device=self.device).unsqueeze(0)
             self._hidden = None
+            self._aux = {}
             out = self.model(
                 input_ids=tokens_BT[b : b + 1].to(self.device),
                 position_ids=positions,
@@ -102,12 +125,18 @@ class HFTarget:
             logits_rows.append(out.logits[0].float())
             if self._hidden is not None:
                 hidden_rows.append(self._hidden[0])
+            aux_rows.append({i: h[0] for i, h in self._aux.items()})
         logits_BTV = torch.stack(logits_rows)
         hidden_BTD = torch.stack(hidden_rows) if len(hidden_rows) == B else None
+        aux = (
+            {i: torch.stack([row[i] for row in aux_rows]) for i in self._aux_hooks}
+            if self._aux_hooks
+            else None
+        )
         if logits_index_BN is not None:
             idx = logits_index_BN.to(logits_BTV.device)
             logits_BTV = logits_BTV.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits_BTV.shape[-1]))
-        return TargetOutput(logits_BTV=logits_BTV, hidden_BTD=hidden_BTD)
+        return TargetOutput(logits_BTV=logits_BTV, hidden_BTD=hidden_BTD, aux_hidden_BTD=aux)
 
     def rollback(self, lengths_B: torch.Tensor) -> None:
         for b, cache in enumerate(self._caches):

@@ -99,6 +99,7 @@ class LlamaTarget:
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = config.vocab_size
         self.cache: StaticKVCache | None = None
+        self.aux_layers: frozenset[int] = frozenset()  # see capture_layers
         self._load(dict(state))
         self._inv_freq = rope_inv_freq(config.head_dim, config.rope_parameters).to(self.device)
         self._cos = self._sin = None
@@ -205,6 +206,15 @@ class LlamaTarget:
         )
 
     # ------------------------------------------------------------------ Target protocol
+    def capture_layers(self, layers: Sequence[int]) -> None:
+        """Also return the outputs of decoder ``layers`` from :meth:`forward` (``aux_hidden_BTD``);
+        requests add up, so drafters that share the target each get theirs."""
+        L = self.config.num_layers
+        layers = tuple(layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < L for i in layers):
+            raise ValueError(f"layers must be decoder layer indices in [0, {L}), got {layers}")
+        self.aux_layers = self.aux_layers | frozenset(layers)
+
     def reset(self, batch_size: int, max_len: int) -> None:
         """Allocate an empty cache of ``batch_size`` rows × ``max_len`` slots (reused if same shape)."""
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -248,9 +258,14 @@ class LlamaTarget:
         ``start_B[b] + depth_T[i]``). Default: a causal chain, ``depth_T = arange(T)``.
         """
         tokens_BT, start_B = self._check_block(tokens_BT, start_B, tree_mask_TT, depth_T)
-        hidden_BTD = self._run(tokens_BT, start_B, range(self.config.num_layers), tree_mask_TT, depth_T)
+        aux: dict[int, torch.Tensor] = {}
+        hidden_BTD = self._run(tokens_BT, start_B, range(self.config.num_layers), tree_mask_TT, depth_T, aux)
         self.cache.lengths_B = start_B + tokens_BT.shape[1]
-        return TargetOutput(logits_BTV=self._logits(hidden_BTD, logits_index_BN), hidden_BTD=hidden_BTD)
+        return TargetOutput(
+            logits_BTV=self._logits(hidden_BTD, logits_index_BN),
+            hidden_BTD=hidden_BTD,
+            aux_hidden_BTD=aux or None,
+        )
 
     def rollback(self, lengths_B: torch.Tensor) -> None:
         """Declare that row b's cache holds only its first ``lengths_B[b]`` slots (O(1): nothing moves)."""
@@ -385,8 +400,10 @@ class LlamaTarget:
         layers: Sequence[int],
         tree_mask_TT: torch.Tensor | None,
         depth_T: torch.Tensor | None,
+        aux_out: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Embed, run ``layers`` in order (writing their K/V), return the last one's output."""
+        """Embed, run ``layers`` in order (writing their K/V), return the last one's output (and put
+        the outputs of the layers in ``aux_layers`` into ``aux_out``)."""
         c = self.config
         B, T = tokens_BT.shape
         starts = start_B.tolist()
@@ -411,6 +428,8 @@ class LlamaTarget:
         x_BTD = self.embed_tokens.weight[tokens_BT]
         for i in layers:
             x_BTD = self._layer(i, x_BTD, cos_BT1E, sin_BT1E, start_dev_B, uniform, num_slots, mask)
+            if aux_out is not None and i in self.aux_layers:
+                aux_out[i] = x_BTD
         return x_BTD
 
     def _layer(self, i, x_BTD, cos_BT1E, sin_BT1E, start_B, uniform, num_slots, mask) -> torch.Tensor:

@@ -1,0 +1,263 @@
+"""EAGLE-3 heads (fused low/middle/last-layer features, token loss only) on a tiny random Llama:
+the targets' layer capture, the fused input on every path (module, packed, chain, tree, lookup
+mix), the training loss, and the data cache's layer features.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _tiny import greedy_training_block, save_tiny_checkpoint, tiny_llama
+
+import specdec
+from experiments.drafter_data import (
+    aux_shard_name,
+    build_aux_features,
+    extract_layer_features,
+    load_dataset,
+)
+from experiments.train_drafter import Batches, TrainConfig, unrolled_losses
+from specdec.drafters.eagle import (
+    EagleConfig,
+    EagleDrafter,
+    EagleHead,
+    load_eagle_head,
+    save_eagle_head,
+    target_parts,
+)
+from specdec.protocols import TargetOutput
+from specdec.targets.hf import HFTarget
+from specdec.targets.llama import LlamaTarget
+
+AUX = (0, 1)  # of the tiny target's 3 layers: the last one is the usual feature
+
+
+@pytest.fixture(scope="module")
+def tiny3(tmp_path_factory):
+    """A 3-layer tiny target and an EAGLE-3 head trained (token loss only) on its continuations."""
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny3"), seed=4, num_layers=3)
+    target = LlamaTarget.from_pretrained(path)
+    hf = tiny_llama(seed=4, num_layers=3)
+    parts = target_parts(target)
+    target.capture_layers(AUX)
+    seqs, out = greedy_training_block(hf, target)
+    aux_BTAD = torch.stack([out.aux_hidden_BTD[i] for i in AUX], dim=2)
+    rms_A = aux_BTAD.pow(2).mean(-1).sqrt().flatten(0, 1).median(0).values
+    config = EagleConfig.from_hf_config(
+        hf.config,
+        draft_vocab_size=200,
+        feature_scale=1 / float(out.hidden_BTD.std()),
+        embed_scale=1 / float(parts.embed_VD.std()),
+        aux_layers=AUX,
+        aux_scales=tuple(1 / float(r) for r in rms_A),
+    )
+    counts = torch.bincount(seqs.flatten(), minlength=259)
+    vocab = torch.argsort(counts, descending=True, stable=True)[:200]
+    torch.manual_seed(0)
+    head = EagleHead(config)
+    head.draft_vocab_N = vocab
+    head.attach(parts)
+    vocab_index = torch.full((259,), -1, dtype=torch.long)
+    vocab_index[head.draft_vocab_N] = torch.arange(200)
+    top_p, top_i = torch.softmax(out.logits_BTV.clone(), -1).topk(4, dim=-1)
+    batch = {
+        "features": out.hidden_BTD.clone(),
+        "aux": aux_BTAD.clone(),
+        "tokens": seqs.clone(),
+        "topk_ids": top_i,
+        "topk_probs": top_p,
+        "valid": torch.ones_like(seqs, dtype=torch.bool),
+    }
+    cfg = TrainConfig(unroll=2, feature_noise=0.0, reg_weight=0.0, ce_weight=1.0, aux_layers=AUX)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    history = []
+    for _ in range(100):
+        losses = unrolled_losses(head, batch, vocab_index, cfg, 1 / config.feature_scale)
+        opt.zero_grad()
+        losses["loss"].backward()
+        opt.step()
+        history.append({k: float(v.detach()) for k, v in losses.items()})
+    weights = tmp_path_factory.mktemp("head3") / "head3.safetensors"
+    head.draft_vocab_N = vocab
+    save_eagle_head(head, weights, target_name="tiny3", embed_VD=parts.embed_VD)
+    return {"path": path, "target": target, "hf": hf, "weights": weights, "history": history, "parts": parts}
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(6)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 3)]
+
+
+def test_targets_return_the_captured_layers_outputs(tiny3):
+    """Native and HF targets both return exactly the outputs of the layers asked for."""
+    tokens = torch.tensor([[3, 50, 7, 99, 12], [8, 8, 1, 200, 4]])
+    with torch.inference_mode():
+        hs = tiny3["hf"](input_ids=tokens, output_hidden_states=True).hidden_states  # hs[i+1]: layer i
+        native = tiny3["target"]
+        native.reset(2, 16)
+        out = native.forward(tokens, torch.zeros(2, dtype=torch.long))
+        hf_target = HFTarget(tiny3["hf"])
+        hf_target.reset(2, 16)  # no capture asked for yet: no aux outputs
+        assert hf_target.forward(tokens, torch.zeros(2, dtype=torch.long)).aux_hidden_BTD is None
+        hf_target.capture_layers([1])
+        hf_target.capture_layers([0, 1])  # requests add up; repeats are harmless
+        hf_target.reset(2, 16)
+        hf_out = hf_target.forward(tokens, torch.zeros(2, dtype=torch.long))
+    for got in (out.aux_hidden_BTD, hf_out.aux_hidden_BTD):
+        assert sorted(got) == [0, 1]
+        for i in AUX:
+            torch.testing.assert_close(got[i], hs[i + 1], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="layers"):
+        native.capture_layers([3])
+    with pytest.raises(ValueError, match="layers"):
+        hf_target.capture_layers([-1])
+
+
+def test_token_loss_training_learns_and_skips_the_regression(tiny3):
+    h = tiny3["history"]
+    assert h[0]["acc1"] < 0.1 and min(x["acc1"] for x in h[-10:]) > 0.3
+    assert all(x["reg1"] == 0.0 for x in h)  # reg_weight 0: no feature regression at all
+
+
+def test_packed_projection_equals_the_module(tiny3):
+    ref, _ = load_eagle_head(tiny3["weights"], tiny3["parts"])
+    fast, _ = load_eagle_head(tiny3["weights"], tiny3["parts"], linear_backend="reference")
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(2, 5, 64, generator=g) * 3
+    aux = torch.randn(2, 5, 2, 64, generator=g)
+    with torch.no_grad():
+        want = ref.project(f, aux)
+        torch.testing.assert_close(fast.project(f, aux), want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(want, f)  # it does fuse
+    with pytest.raises(ValueError, match="aux_BTAD"):
+        ref.project(f, aux[:, :, :1])
+    with pytest.raises(ValueError, match="aux_BTAD"):
+        ref.project(f)
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree", "ngram-eagle"])
+def test_greedy_equals_plain_decoding_with_the_fused_head(tiny3, drafter):
+    target, prompts = tiny3["target"], _prompts()
+    ref = specdec.generate(
+        target, prompts, drafter="none", max_new_tokens=30, temperature=0.0, ignore_eos=True
+    )
+    options = {"weights": str(tiny3["weights"]), **({"min_prob": 0.0} if drafter == "ngram-eagle" else {})}
+    out = specdec.generate(
+        target,
+        prompts,
+        drafter=drafter,
+        drafter_options=options,
+        max_new_tokens=30,
+        temperature=0.0,
+        gamma=4,
+        ignore_eos=True,
+    )
+    assert out.token_ids == ref.token_ids
+    assert out.metrics.num_accepted > 0
+
+
+def test_fused_head_runs_on_the_hf_target(tiny3):
+    """Same tokens and the same acceptances on the generic HF target (layers via its hooks)."""
+    runs = [
+        specdec.generate(
+            t,
+            _prompts(),
+            drafter="eagle",
+            drafter_options={"weights": str(tiny3["weights"])},
+            max_new_tokens=30,
+            temperature=0.0,
+            gamma=4,
+            ignore_eos=True,
+        )
+        for t in (tiny3["target"], HFTarget(tiny3["hf"]))
+    ]
+    assert runs[1].token_ids == runs[0].token_ids
+    assert runs[1].metrics.accepted_at_position == runs[0].metrics.accepted_at_position
+    assert runs[1].metrics.num_accepted > 0
+
+
+def test_missing_layer_features_are_a_clear_error(tiny3):
+    class NoCapture:  # exposes the head's target tensors but cannot capture layers
+        embed_tokens = tiny3["target"].embed_tokens
+        norm = tiny3["target"].norm
+        lm_head = tiny3["target"].lm_head
+        config = tiny3["target"].config
+
+    with pytest.raises(ValueError, match="capture_layers"):
+        EagleDrafter(NoCapture(), weights=tiny3["weights"])
+    d = EagleDrafter(tiny3["target"], weights=tiny3["weights"])
+    with pytest.raises(ValueError, match="aux_hidden_BTD"):
+        d.input_features(TargetOutput(logits_BTV=torch.zeros(1, 2, 259), hidden_BTD=torch.zeros(1, 2, 64)))
+
+
+def test_config_checks_aux_scales():
+    base = dict(
+        hidden_size=8,
+        intermediate_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        vocab_size=10,
+        draft_vocab_size=5,
+    )
+    with pytest.raises(ValueError, match="aux_scales"):
+        EagleConfig(**base, aux_layers=(0, 1), aux_scales=(1.0,))
+    with pytest.raises(ValueError, match="aux_layers"):
+        EagleConfig(**base, aux_layers=(-1,), aux_scales=(1.0,))
+    c = EagleConfig(**base, aux_layers=[0, 2], aux_scales=[0.5, 2])  # as read back from JSON
+    assert c.aux_layers == (0, 2) and c.aux_scales == (0.5, 2.0)
+    assert EagleHead(c).fc_aux.weight.shape == (8, 24)
+    assert EagleHead(EagleConfig(**base)).fc_aux is None
+
+
+def test_layer_features_extend_a_cache_and_batches_carry_them(tiny3, tmp_path):
+    """extract_layer_features equals transformers' hidden states; build_aux_features adds them to
+    a cache beside each shard (resumable), load_dataset and Batches carry them."""
+    from safetensors.torch import save_file
+
+    hf = tiny3["hf"]
+    seqs = [[3, 4, 5, 6, 7, 8], [9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    got = extract_layer_features(hf, seqs, AUX, max_batch_tokens=12)
+    for s, g in zip(seqs, got, strict=True):
+        with torch.inference_mode():
+            hs = hf(input_ids=torch.tensor([s]), output_hidden_states=True).hidden_states
+        assert g.shape == (len(s), 2, 64) and g.dtype == torch.float16
+        torch.testing.assert_close(g.float(), torch.stack([hs[1][0], hs[2][0]], 1), atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="layers"):
+        extract_layer_features(hf, seqs, (5,))
+
+    cache = tmp_path / "data"
+    (cache / "shards").mkdir(parents=True)
+    n = sum(map(len, seqs))
+    save_file(
+        {
+            "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+            "features": torch.zeros(n, 64, dtype=torch.float16),
+            "topk_ids": torch.zeros(n, 4, dtype=torch.int32),
+            "topk_probs": torch.zeros(n, 4, dtype=torch.float16),
+            "lengths": torch.tensor([len(s) for s in seqs]),
+            "heldout": torch.tensor([False, True, False]),
+        },
+        str(cache / "shards" / "a.safetensors"),
+        metadata={"names": json.dumps(["x", "y", "z"])},
+    )
+    (cache / "manifest.json").write_text(json.dumps({"shards": ["shards/a.safetensors"], "complete": True}))
+    (cache / "config.json").write_text(json.dumps({"target": str(tiny3["path"])}))
+    with pytest.raises(ValueError, match="build_aux_features"):
+        load_dataset(cache, AUX)
+    build_aux_features(cache, AUX, log=lambda s: None)
+    aux_file = cache / aux_shard_name("shards/a.safetensors", AUX)
+    assert aux_file.name == "a-aux-l0-l1.safetensors"
+    stamp = aux_file.stat().st_mtime_ns
+    build_aux_features(cache, AUX, log=lambda s: None)  # done already: nothing rewritten
+    assert aux_file.stat().st_mtime_ns == stamp
+    data = load_dataset(cache, AUX)
+    assert data.aux.shape == (n, 2, 64)
+    torch.testing.assert_close(data.aux[6:9], got[1])
+    assert load_dataset(cache).aux is None
+    b = Batches(data, data.sequences(False), seq_len=8, batch_size=3, seed=0).batch(0)
+    assert b["aux"].shape[:2] == b["features"].shape[:2] and b["aux"].shape[2:] == (2, 64)
