@@ -413,15 +413,17 @@ def extract_layer_features(
     """Per sequence ``[T, A, D]`` (fp16): the outputs of decoder layers ``layers`` (0-based), the
     low and middle features that EAGLE-3 fuses with the last one. The forward stops after the
     deepest of them, so layers (1, 14) of 30 cost half a target pass."""
+    from specdec.targets.capture import check_layer_indices, layer_output
+
     blocks = model.model.layers
-    if not layers or min(layers) < 0 or max(layers) >= len(blocks):
-        raise ValueError(f"layers must be decoder layer indices in [0, {len(blocks)}), got {layers}")
+    if not check_layer_indices(layers, len(blocks)):
+        raise ValueError("layers must name at least one decoder layer, got none")
     captured: dict[int, torch.Tensor] = {}
     deepest = max(layers)
 
     def grab(i):
         def hook(module, args, output):
-            captured[i] = output[0] if isinstance(output, tuple) else output
+            captured[i] = layer_output(output)
             if i == deepest:
                 raise _Enough
 

@@ -263,8 +263,8 @@ def _key_fields(cfg: TrainConfig) -> dict:
     the value that reproduces the older recipe (no regression weight change, no aux layers), so
     older runs keep their directories."""
     fields = asdict(cfg)
-    for name, default in (("reg_weight", 1.0), ("aux_layers", ())):
-        if fields[name] == default:
+    for name, legacy in (("reg_weight", 1.0), ("aux_layers", ())):
+        if fields[name] == legacy:
             del fields[name]
     return fields
 

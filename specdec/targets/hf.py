@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from specdec.protocols import TargetOutput
+from specdec.targets.capture import check_layer_indices, layer_output
 
 __all__ = ["HFTarget"]
 
@@ -56,16 +57,13 @@ class HFTarget:
         blocks = getattr(getattr(self.model, "model", None), "layers", None)
         if blocks is None:
             raise ValueError(f"{type(self.model).__name__} has no model.layers to capture features from")
-        layers = tuple(layers)
-        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(blocks) for i in layers):
-            raise ValueError(f"layers must be decoder layer indices in [0, {len(blocks)}), got {layers}")
-        for i in layers:
+        for i in check_layer_indices(layers, len(blocks)):
             if i not in self._aux_hooks:
                 self._aux_hooks[i] = blocks[i].register_forward_hook(self._grabber(i))
 
     def _grabber(self, i: int):
         def grab(module, args, output) -> None:
-            self._aux[i] = output[0] if isinstance(output, tuple) else output
+            self._aux[i] = layer_output(output)
 
         return grab
 

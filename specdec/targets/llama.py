@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.protocols import TargetOutput
+from specdec.targets.capture import check_layer_indices
 from specdec.targets.kv_cache import StaticKVCache, block_attention_mask
 from specdec.targets.linear import PackedLinear, pack_linear, resolve_backend
 from specdec.targets.llama_config import LlamaConfig, load_safetensors_state
@@ -209,11 +210,7 @@ class LlamaTarget:
     def capture_layers(self, layers: Sequence[int]) -> None:
         """Also return the outputs of decoder ``layers`` from :meth:`forward` (``aux_hidden_BTD``);
         requests add up, so drafters that share the target each get theirs."""
-        L = self.config.num_layers
-        layers = tuple(layers)
-        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < L for i in layers):
-            raise ValueError(f"layers must be decoder layer indices in [0, {L}), got {layers}")
-        self.aux_layers = self.aux_layers | frozenset(layers)
+        self.aux_layers = self.aux_layers | frozenset(check_layer_indices(layers, self.config.num_layers))
 
     def reset(self, batch_size: int, max_len: int) -> None:
         """Allocate an empty cache of ``batch_size`` rows × ``max_len`` slots (reused if same shape)."""
