@@ -44,7 +44,16 @@ import torch
 import torch.nn.functional as F
 
 from experiments.drafter_data import DataConfig, FeatureData, build_aux_features, build_dataset, load_dataset
-from specdec.drafters.eagle import EagleConfig, EagleHead, describe, save_eagle_head, target_parts
+from specdec.drafters.eagle import (
+    EagleConfig,
+    EagleHead,
+    describe,
+    load_eagle_head,
+    resolve_weights,
+    save_eagle_head,
+    stored_draft_vocab,
+    target_parts,
+)
 
 __all__ = [
     "TrainConfig",
@@ -94,6 +103,13 @@ class TrainConfig:
     eval_prompts: int = 24
     """Held-out prompts decoded with the trained head to report τ and α."""
     eval_new_tokens: int = 128
+    init_from: str | None = None
+    """Start from these head weights (a path, or a shipped file's name such as
+    ``eagle-smollm2-135m.safetensors``) instead of a fresh head: fine-tuning, e.g. EAGLE-3's token
+    loss alone (``reg_weight=0``) after the regression recipe. The head keeps the file's draft
+    vocabulary and input scales; its aux layers and draft vocabulary size must equal this config's.
+    The optimizer and the schedule (warmup, then cosine over ``steps``) start afresh. The file's
+    contents (sha256) are part of the checkpoint key."""
 
 
 def build_draft_vocab(data: FeatureData, train_seqs: list[int], n: int) -> tuple[torch.Tensor, dict]:
@@ -263,10 +279,34 @@ def _key_fields(cfg: TrainConfig) -> dict:
     the value that reproduces the older recipe (no regression weight change, no aux layers), so
     older runs keep their directories."""
     fields = asdict(cfg)
-    for name, legacy in (("reg_weight", 1.0), ("aux_layers", ())):
+    for name, legacy in (("reg_weight", 1.0), ("aux_layers", ()), ("init_from", None)):
         if fields[name] == legacy:
             del fields[name]
+    if cfg.init_from is not None:  # the starting weights by content, not by name
+        fields["init_from"] = hashlib.sha256(resolve_weights(cfg.init_from).read_bytes()).hexdigest()
     return fields
+
+
+def _head_from_weights(cfg: TrainConfig, parts) -> tuple[EagleHead, torch.Tensor]:
+    """The head of ``cfg.init_from`` as a trainable fp32 module, and its draft vocabulary in
+    stored (most frequent first) order; ``ValueError`` when it does not fit ``cfg``."""
+    path = resolve_weights(cfg.init_from)
+    head, _ = load_eagle_head(path, parts)  # checks the target's fingerprint
+    c = head.config
+    if c.aux_layers != tuple(cfg.aux_layers):
+        raise ValueError(
+            f"init_from: {path.name} fuses target layers {list(c.aux_layers)}, but this run's "
+            f"aux_layers are {list(cfg.aux_layers)} (pass --aux-layers {','.join(map(str, c.aux_layers))!r})"
+        )
+    if c.draft_vocab_size != cfg.draft_vocab_size:
+        raise ValueError(
+            f"init_from: {path.name} has a draft vocabulary of {c.draft_vocab_size}, but this run's "
+            f"draft_vocab_size is {cfg.draft_vocab_size} (pass --draft-vocab-size {c.draft_vocab_size})"
+        )
+    vocab_N = stored_draft_vocab(path)
+    head.requires_grad_(True).train()
+    head.draft_vocab_N = vocab_N  # attach() (in load_eagle_head) kept an id-sorted copy for scoring
+    return head, vocab_N
 
 
 def _lr(step: int, cfg: TrainConfig) -> float:
@@ -358,6 +398,8 @@ def train(
     from specdec.targets.loading import load_hf_model
 
     t_start = time.perf_counter()
+    if cfg.init_from is not None:
+        resolve_weights(cfg.init_from)  # a missing file fails now, not after building the data
     data_dir = build_dataset(cfg.data, data_root, log=log)
     if cfg.aux_layers:
         build_aux_features(data_dir, cfg.aux_layers, log=log)
@@ -379,20 +421,25 @@ def train(
     # Aux layers carry a few huge outlier dims on some tokens (attention sinks): scale each by its
     # typical token size (median RMS), not by a std that the outliers dominate.
     aux_rms = [] if data.aux is None else data.aux[:200_000].float().pow(2).mean(-1).sqrt().median(0).values
-    econf = EagleConfig.from_hf_config(
-        model.config,
-        draft_vocab_size=cfg.draft_vocab_size,
-        feature_scale=1.0 / feature_std,
-        embed_scale=1.0 / embed_std,
-        aux_layers=tuple(cfg.aux_layers),
-        aux_scales=tuple(1.0 / float(r) for r in aux_rms),
-    )
-    torch.manual_seed(cfg.seed)  # the same initial head whether or not the data was just built
-    head = EagleHead(econf)
-    head.draft_vocab_N = vocab_N
-    head.attach(parts)
-    head.draft_vocab_N = vocab_N  # keep frequency order for saving; attach() sorted a copy for scoring
-    head.head_ND = parts.lm_head_VD[torch.sort(vocab_N).values].contiguous()
+    if cfg.init_from is not None:
+        head, vocab_N = _head_from_weights(cfg, parts)
+        econf = head.config
+        log(f"[train] starting from the weights {resolve_weights(cfg.init_from)}")
+    else:
+        econf = EagleConfig.from_hf_config(
+            model.config,
+            draft_vocab_size=cfg.draft_vocab_size,
+            feature_scale=1.0 / feature_std,
+            embed_scale=1.0 / embed_std,
+            aux_layers=tuple(cfg.aux_layers),
+            aux_scales=tuple(1.0 / float(r) for r in aux_rms),
+        )
+        torch.manual_seed(cfg.seed)  # the same initial head whether or not the data was just built
+        head = EagleHead(econf)
+        head.draft_vocab_N = vocab_N
+        head.attach(parts)
+        head.draft_vocab_N = vocab_N  # keep frequency order for saving; attach() sorted a copy for scoring
+        head.head_ND = parts.lm_head_VD[torch.sort(vocab_N).values].contiguous()
     vocab_index_V = torch.full((econf.vocab_size,), -1, dtype=torch.long)
     vocab_index_V[torch.sort(vocab_N).values] = torch.arange(cfg.draft_vocab_size)
     log(
@@ -506,6 +553,12 @@ def main(argv: list[str] | None = None) -> int:
         help="EAGLE-3 fused input: comma-separated target decoder layers (0-based) whose outputs join "
         "the last layer's feature (default: %(default)s; an empty string: the EAGLE-1 input alone)",
     )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="start from these head weights (a path, or a shipped file's name such as "
+        "eagle-smollm2-135m.safetensors) instead of a fresh head: fine-tuning",
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -568,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         d,
         aux_layers=aux_layers,
         reg_weight=a.reg_weight,
+        init_from=a.init_from,
         steps=a.steps,
         draft_vocab_size=a.draft_vocab_size,
         unroll=a.unroll,

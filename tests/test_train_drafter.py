@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from experiments.drafter_data import DataConfig, _cache_root, aux_shard_name
-from experiments.train_drafter import TrainConfig, train
+from experiments.train_drafter import TrainConfig, _key_fields, main, train
 
 pytestmark = pytest.mark.model  # the recipe loads the real SmolLM2-135M for its embedding and LM head
 
@@ -95,7 +95,7 @@ def runs(tmp_path_factory):
     summaries["resumed"] = _run(tmp_path, "resumed", cfg, log=lines.append)
     summaries["other_seed"] = _run(tmp_path, "other_seed", replace(cfg, seed=1))
     weights = {name: load_file(str(tmp_path / f"{name}.safetensors")) for name in summaries}
-    return {"summaries": summaries, "weights": weights, "resume_log": lines}
+    return {"summaries": summaries, "weights": weights, "resume_log": lines, "tmp": tmp_path, "cfg": cfg}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -114,3 +114,44 @@ def test_interrupted_run_resumes_to_the_uninterrupted_head(runs):
     assert any("resumed at step 8" in line for line in runs["resume_log"])  # last checkpoint before 10
     assert _same(runs["weights"]["straight"], runs["weights"]["resumed"])
     assert runs["summaries"]["resumed"]["heldout_curve"] == runs["summaries"]["straight"]["heldout_curve"]
+
+
+def test_init_from_starts_at_the_given_weights(runs):
+    """Fine-tuning starts from the file: at learning rate 0 the run writes the file's weights back
+    bit for bit (its draft vocabulary in stored order, too); a token-loss-only run moves them."""
+    tmp, cfg = runs["tmp"], runs["cfg"]
+    start = str(tmp / "straight.safetensors")
+    lines: list[str] = []
+    still = _run(tmp, "still", replace(cfg, init_from=start, steps=2, lr=0.0), log=lines.append)
+    assert any("starting from the weights" in line for line in lines)
+    assert still["config"]["init_from"] == start
+    w = load_file(str(tmp / "still.safetensors"))
+    assert _same(w, runs["weights"]["straight"])
+    tuned = _run(tmp, "tuned", replace(cfg, init_from=start, steps=4, reg_weight=0.0, ce_weight=1.0))
+    w_tuned = load_file(str(tmp / "tuned.safetensors"))
+    assert torch.equal(w_tuned["draft_vocab_N"], w["draft_vocab_N"])
+    assert not torch.equal(w_tuned["fc.weight"], w["fc.weight"])
+    assert len(tuned["heldout_curve"]) == 1  # evaluated at its last step
+
+
+def test_init_from_keys_checkpoints_by_content(runs, tmp_path):
+    cfg = runs["cfg"]
+    a, b = runs["tmp"] / "straight.safetensors", runs["tmp"] / "other_seed.safetensors"
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(a.read_bytes())
+    key = _key_fields(replace(cfg, init_from=str(a)))
+    assert key == _key_fields(replace(cfg, init_from=str(copy)))  # same contents, other path
+    assert key != _key_fields(replace(cfg, init_from=str(b)))
+    assert "init_from" not in _key_fields(cfg)  # fresh runs keep their directories
+
+
+def test_init_from_rejects_weights_that_do_not_fit(runs):
+    cfg, start = runs["cfg"], str(runs["tmp"] / "straight.safetensors")
+    with pytest.raises(ValueError, match="fuses target layers \\[1, 14\\].*--aux-layers '1,14'"):
+        _run(runs["tmp"], "no_aux", replace(cfg, init_from=start, aux_layers=()))
+    with pytest.raises(ValueError, match="draft vocabulary of 64.*--draft-vocab-size 64"):
+        _run(runs["tmp"], "vocab", replace(cfg, init_from=start, draft_vocab_size=32))
+    with pytest.raises(ValueError, match="no such file"):
+        _run(runs["tmp"], "missing", replace(cfg, init_from=str(runs["tmp"] / "nope.safetensors")))
+    with pytest.raises(ValueError, match="no such file"):  # the CLI flag reaches the config
+        main(["--init-from", str(runs["tmp"] / "nope.safetensors"), "--data-root", str(runs["tmp"] / "data")])

@@ -25,10 +25,10 @@ def _eagle_unavailable(target: Any) -> str | None:
     """Why the shipped EAGLE head cannot serve ``target`` (None when it can); reads only metadata."""
     from safetensors import safe_open
 
-    from specdec.drafters.eagle import DEFAULT_WEIGHTS, _resolve_weights, target_mismatch, target_parts
+    from specdec.drafters.eagle import DEFAULT_WEIGHTS, resolve_weights, target_mismatch, target_parts
 
     try:
-        path = _resolve_weights(DEFAULT_WEIGHTS)
+        path = resolve_weights(DEFAULT_WEIGHTS)
         parts = target_parts(target)
     except ValueError as err:
         return str(err)

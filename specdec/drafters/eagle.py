@@ -46,6 +46,8 @@ __all__ = [
     "target_parts",
     "load_eagle_head",
     "save_eagle_head",
+    "resolve_weights",
+    "stored_draft_vocab",
     "DEFAULT_WEIGHTS",
     "target_mismatch",
 ]
@@ -541,7 +543,9 @@ def save_eagle_head(
     save_file({k: v.cpu() for k, v in state.items()}, str(path), metadata=meta)
 
 
-def _resolve_weights(weights: str | Path | None) -> Path:
+def resolve_weights(weights: str | Path | None) -> Path:
+    """A head-weights path: a file, or the name of a file shipped in ``specdec/weights/``
+    (None: the default head)."""
     if weights is None:
         weights = DEFAULT_WEIGHTS
     path = Path(weights)
@@ -554,6 +558,14 @@ def _resolve_weights(weights: str | Path | None) -> Path:
         f"weights {str(weights)!r}: no such file, and not a shipped file in specdec/weights/ "
         "(train one with: python -m experiments train-drafter)"
     )
+
+
+def stored_draft_vocab(weights: str | Path | None) -> torch.Tensor:
+    """The draft vocabulary ``[N]`` of head weights in stored order (most frequent first)."""
+    from safetensors import safe_open
+
+    with safe_open(str(resolve_weights(weights)), framework="pt") as f:
+        return f.get_tensor("draft_vocab_N").to(torch.long)
 
 
 def load_eagle_head(
@@ -572,7 +584,7 @@ def load_eagle_head(
     """
     from safetensors import safe_open
 
-    path = _resolve_weights(weights)
+    path = resolve_weights(weights)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
         state = {k: f.get_tensor(k) for k in f.keys()}
@@ -672,7 +684,7 @@ class EagleDrafter:
             if not 1 <= draft_vocab_size <= stored.numel():
                 raise ValueError(f"draft_vocab_size must be in [1, {stored.numel()}], got {draft_vocab_size}")
             # The stored order is by frequency: keep the most frequent n (read before the sort).
-            self.head.attach(parts, self._stored_order(weights)[:draft_vocab_size])
+            self.head.attach(parts, stored_draft_vocab(weights)[:draft_vocab_size])
         aux_layers = self.head.config.aux_layers
         if aux_layers:  # an EAGLE-3 head reads low and middle layers too
             if not hasattr(target, "capture_layers"):
@@ -687,13 +699,6 @@ class EagleDrafter:
         self.cache_len_B: torch.Tensor | None = None  # slots holding pairs with true target features
         self._pending_feat_BTD: torch.Tensor | None = None
         self._next_feat_BD: torch.Tensor | None = None
-
-    @staticmethod
-    def _stored_order(weights: str | Path | None) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(_resolve_weights(weights)), framework="pt") as f:
-            return f.get_tensor("draft_vocab_N").to(torch.long)
 
     # --- protocol -------------------------------------------------------------------------
     def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
