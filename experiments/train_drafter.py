@@ -288,8 +288,8 @@ def _key_fields(cfg: TrainConfig) -> dict:
 
 
 def _head_from_weights(cfg: TrainConfig, parts) -> tuple[EagleHead, torch.Tensor]:
-    """The head of ``cfg.init_from`` as a trainable fp32 module, and its draft vocabulary in
-    stored (most frequent first) order; ``ValueError`` when it does not fit ``cfg``."""
+    """The head of ``cfg.init_from`` as a trainable fp32 module (attached to ``parts``), and its draft
+    vocabulary in stored (most frequent first) order; ``ValueError`` when it does not fit ``cfg``."""
     path = resolve_weights(cfg.init_from)
     head, _ = load_eagle_head(path, parts)  # checks the target's fingerprint
     c = head.config
@@ -303,10 +303,8 @@ def _head_from_weights(cfg: TrainConfig, parts) -> tuple[EagleHead, torch.Tensor
             f"init_from: {path.name} has a draft vocabulary of {c.draft_vocab_size}, but this run's "
             f"draft_vocab_size is {cfg.draft_vocab_size} (pass --draft-vocab-size {c.draft_vocab_size})"
         )
-    vocab_N = stored_draft_vocab(path)
     head.requires_grad_(True).train()
-    head.draft_vocab_N = vocab_N  # attach() (in load_eagle_head) kept an id-sorted copy for scoring
-    return head, vocab_N
+    return head, stored_draft_vocab(path)
 
 
 def _lr(step: int, cfg: TrainConfig) -> float:
@@ -435,11 +433,8 @@ def train(
             aux_scales=tuple(1.0 / float(r) for r in aux_rms),
         )
         torch.manual_seed(cfg.seed)  # the same initial head whether or not the data was just built
-        head = EagleHead(econf)
-        head.draft_vocab_N = vocab_N
-        head.attach(parts)
-        head.draft_vocab_N = vocab_N  # keep frequency order for saving; attach() sorted a copy for scoring
-        head.head_ND = parts.lm_head_VD[torch.sort(vocab_N).values].contiguous()
+        head = EagleHead(econf).attach(parts, vocab_N)
+    head.draft_vocab_N = vocab_N  # frequency order for saving; attach() scores with an id-sorted copy
     vocab_index_V = torch.full((econf.vocab_size,), -1, dtype=torch.long)
     vocab_index_V[torch.sort(vocab_N).values] = torch.arange(cfg.draft_vocab_size)
     log(
