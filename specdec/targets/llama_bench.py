@@ -93,9 +93,17 @@ def bench_decode(
 
 @torch.inference_mode()
 def bench_forward_curve(
-    targets: dict[str, LlamaTarget], context: int, max_block: int, repeats: int, num_layers: int | None = None
+    targets: dict[str, LlamaTarget],
+    context: int,
+    max_block: int,
+    repeats: int,
+    num_layers: int | None = None,
+    setup: dict[str, Callable[[], Any]] | None = None,
 ) -> dict[str, dict[int, float]]:
-    """Median ms of one forward of T = 1..max_block tokens after ``context`` cached tokens, per target."""
+    """Median ms of one forward of T = 1..max_block tokens after ``context`` cached tokens, per target
+    (interleaved; ``setup[name]()``, where given, runs before each of that entry's forwards, so one
+    target can appear under two names with different process-wide kernel settings)."""
+    setup = setup or {}
     g = torch.Generator().manual_seed(0)
     for target in targets.values():
         target.reset(1, context + max_block + 1)
@@ -106,6 +114,8 @@ def bench_forward_curve(
             for name, target in targets.items():
                 block = torch.randint(0, target.vocab_size, (1, T), generator=g)
                 start = torch.tensor([context])
+                if name in setup:
+                    setup[name]()
                 t0 = time.perf_counter()
                 if num_layers is None:
                     target.forward(block, start)
@@ -216,14 +226,29 @@ def main(argv: list[str] | None = None) -> None:
                 contenders[backend] = LlamaTarget.from_pretrained(
                     args.target, dtype=dtype, linear_backend=backend, load_tokenizer=False
                 )
-    curves = bench_forward_curve(contenders, args.context, args.max_block, args.repeats)
+    setup: dict[str, Callable[[], Any]] = {}
+    if target.linear_backend == "packed":
+        # The packed kernel's software prefetch for multi-row passes, against the hardware prefetchers
+        # alone, in the same run (kernels/csrc/packed_gemm.c).
+        from kernels.packed_gemm import set_prefetch_distance
+
+        distance = set_prefetch_distance(0)
+        set_prefetch_distance(distance)
+        contenders["no sw prefetch"] = target
+        setup = {
+            name: (lambda d=(0 if name == "no sw prefetch" else distance): set_prefetch_distance(d))
+            for name in contenders
+        }
+    curves = bench_forward_curve(contenders, args.context, args.max_block, args.repeats, setup=setup)
+    if setup:
+        set_prefetch_distance(distance)
     results["forward_ms"] = curves
     print(f"target forward cost after {args.context} cached tokens, ms (and ratio to T=1):")
-    print("  " + " " * 12 + "".join(f"{'T=' + str(T):>14s}" for T in range(1, args.max_block + 1)))
+    print("  " + " " * 15 + "".join(f"{'T=' + str(T):>15s}" for T in range(1, args.max_block + 1)))
     for name, per_T in curves.items():
         label = f"{name} ({target.linear_backend})" if name == "ours" else name
-        cells = "".join(f"{ms:7.1f} ({ms / per_T[1]:3.1f}x)" for ms in per_T.values())
-        print(f"  {label:12s}{cells}")
+        cells = "".join(f"{ms:7.1f} ({ms / per_T[1]:4.2f}x)" for ms in per_T.values())
+        print(f"  {label:15s}{cells}")
 
     if args.layerskip:
         exits = [int(n) for n in args.layerskip.split(",")]
