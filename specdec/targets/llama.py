@@ -419,8 +419,12 @@ class LlamaTarget:
                 if tree_mask_TT is not None
                 else torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
             )
-            # The G query heads of a key/value head are stacked as G·T rows (row g·T + t).
-            mask = block_attention_mask(start_dev_B, num_slots, block_TT).repeat(1, 1, G, 1)
+            # The G query heads of a key/value head are stacked as G·T rows (row g·T + t). Additive
+            # (0 / -inf) once per forward: a bool mask is converted in every layer's attention call
+            # (same result bit for bit; ~5 µs of ~40 per layer at 7 tokens here).
+            allowed = block_attention_mask(start_dev_B, num_slots, block_TT).repeat(1, 1, G, 1)
+            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device)
+            mask.masked_fill_(~allowed, float("-inf"))
 
         x_BTD = self.embed_tokens.weight[tokens_BT]
         for i in layers:
