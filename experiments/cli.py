@@ -25,6 +25,7 @@ _BUILTIN_COMMANDS = {
     "summarize": "experiments.cli:cmd_summarize",
     "train-drafter": "experiments.train_drafter:main",
     "bench-moe": "experiments.bench_moe:main",
+    "bench-prefetch": "experiments.bench_prefetch:main",
 }
 COMMANDS = Registry("command", "specdec.experiment_commands", builtins=_BUILTIN_COMMANDS)
 HELP = {
@@ -33,6 +34,7 @@ HELP = {
     "summarize": "rebuild an experiment's summary.json from the finished runs in --out (e.g. after shards)",
     "train-drafter": "train the EAGLE-style drafter (experiments.train_drafter)",
     "bench-moe": "benchmark the MoE layer against transformers (experiments.bench_moe)",
+    "bench-prefetch": "speculative decoding with the packed kernel's prefetch on and off",
 }
 
 
