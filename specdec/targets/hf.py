@@ -9,6 +9,7 @@ path: the native Llama target (``specdec.targets.llama``) is the fast one.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -38,6 +39,10 @@ class HFTarget:
             tuple(eos) if isinstance(eos, (list, tuple)) else ((int(eos),) if eos is not None else ())
         )
         self.device = next(model.parameters()).device
+        # transformers renamed forward's `past_key_values` to `cache` (the old name warns that it goes
+        # away in 5.40); pass the cache under whichever name this version's forward declares.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._caches: list = []
         self._hidden: torch.Tensor | None = None
         self._hook = None
@@ -117,8 +122,8 @@ class HFTarget:
             out = self.model(
                 input_ids=tokens_BT[b : b + 1].to(self.device),
                 position_ids=positions,
-                past_key_values=self._caches[b],
                 use_cache=True,
+                **{self._cache_kwarg: self._caches[b]},
             )
             logits_rows.append(out.logits[0].float())
             if self._hidden is not None:
