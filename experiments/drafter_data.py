@@ -378,28 +378,44 @@ def _padded_batches(seqs: list[list[int]], max_batch_tokens: int):
 
 
 @torch.inference_mode()
-def extract_features(model, seqs: list[list[int]], topk: int, max_batch_tokens: int = 4096):
-    """Per token: the pre-norm feature (fp16), top-k next-token ids and probs (T=1)."""
-    captured = {}
-    hook = model.model.norm.register_forward_pre_hook(lambda m, a: captured.__setitem__("h", a[0]))
+def extract_features(
+    model, seqs: list[list[int]], topk: int, max_batch_tokens: int = 4096, aux_layers: tuple[int, ...] = ()
+):
+    """Per token: the pre-norm feature (fp16), top-k next-token ids and probs (T=1); with
+    ``aux_layers``, also per sequence ``[T, A, D]`` (fp16) outputs of those decoder layers from the
+    same forward (else None): what :func:`extract_layer_features` computes, bit for bit, without a
+    second pass. Returns ``(feats, ids, probs, aux)``."""
+    from specdec.targets.capture import check_layer_indices, layer_output
+
+    blocks = model.model.layers
+    aux_layers = check_layer_indices(aux_layers, len(blocks))
+    captured: dict = {}
+
+    def grab(key):
+        return lambda module, args, output: captured.__setitem__(key, layer_output(output))
+
+    hooks = [model.model.norm.register_forward_pre_hook(lambda m, a: captured.__setitem__("h", a[0]))]
+    hooks += [blocks[i].register_forward_hook(grab(i)) for i in sorted(set(aux_layers))]
     try:
-        feats, ids, probs = [], [], []
-        results = [None] * len(seqs)
+        n_seqs = len(seqs)
+        feats, ids, probs = [None] * n_seqs, [None] * n_seqs, [None] * n_seqs
+        aux = [None] * n_seqs if aux_layers else None
         for rows, x, mask in _padded_batches(seqs, max_batch_tokens):
             post = model.model(input_ids=x, attention_mask=mask).last_hidden_state
             pre = captured["h"]
+            stacked = torch.stack([captured[i] for i in aux_layers], dim=2) if aux else None  # [b, T, A, D]
             for r, k in enumerate(rows):
                 n = len(seqs[k])
                 logits = model.lm_head(post[r, :n])
                 p, t = torch.softmax(logits.float(), dim=-1).topk(topk, dim=-1)
-                results[k] = (pre[r, :n].to(torch.float16), t.to(torch.int32), p.to(torch.float16))
-        for r in results:
-            feats.append(r[0])
-            ids.append(r[1])
-            probs.append(r[2])
-        return feats, ids, probs
+                feats[k], ids[k] = pre[r, :n].to(torch.float16), t.to(torch.int32)
+                probs[k] = p.to(torch.float16)
+                if aux is not None:
+                    aux[k] = stacked[r, :n].to(torch.float16)
+        return feats, ids, probs, aux
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
 
 
 class _Enough(Exception):
@@ -451,10 +467,22 @@ def aux_shard_name(shard: str, layers: tuple[int, ...]) -> str:
     return shard.removesuffix(".safetensors") + "-aux-" + "-".join(f"l{i}" for i in layers) + ".safetensors"
 
 
+def _write_aux(out: Path, aux_NAD: torch.Tensor, layers: tuple[int, ...]) -> None:
+    """Write one shard's layer features (fp16 ``[N, A, D]``) atomically beside the shard."""
+    from safetensors.torch import save_file
+
+    if float(aux_NAD.float().abs().max()) > 6e4:
+        raise ValueError("layer features overflow fp16")
+    tmp = out.with_suffix(".tmp")
+    save_file({"aux": aux_NAD}, str(tmp), metadata={"layers": json.dumps(list(layers))})
+    tmp.replace(out)
+
+
 def build_aux_features(path: Path, layers: tuple[int, ...], log=print) -> None:
     """Add the outputs of decoder layers ``layers`` to a finished cache, shard by shard (a shard's
-    aux file is skipped when present, so an interrupted run resumes)."""
-    from safetensors.torch import load_file, save_file
+    aux file is skipped when present, so an interrupted run resumes; :func:`build_dataset` with
+    ``aux_layers`` writes them with the shards it extracts, leaving this only the shards it reused)."""
+    from safetensors.torch import load_file
 
     from specdec.targets.loading import load_hf_model
 
@@ -476,12 +504,7 @@ def build_aux_features(path: Path, layers: tuple[int, ...], log=print) -> None:
             seqs.append(tokens[a : a + length])
             a += length
         aux = torch.cat(extract_layer_features(model, seqs, layers))
-        if float(aux.float().abs().max()) > 6e4:
-            raise ValueError("layer features overflow fp16")
-        out = path / aux_shard_name(shard, layers)
-        tmp = out.with_suffix(".tmp")
-        save_file({"aux": aux}, str(tmp), metadata={"layers": json.dumps(list(layers))})
-        tmp.replace(out)
+        _write_aux(path / aux_shard_name(shard, layers), aux, layers)
         log(f"  layer features: {n}/{len(todo)} shards, {time.perf_counter() - t0:.0f}s")
 
 
@@ -539,8 +562,14 @@ def _write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
-def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
-    """Generate continuations and features (skipping stages already cached); returns the directory."""
+def build_dataset(
+    cfg: DataConfig, root: Path | None = None, log=print, aux_layers: tuple[int, ...] = ()
+) -> Path:
+    """Generate continuations and features (skipping stages already cached); returns the directory.
+
+    ``aux_layers``: also write the outputs of these decoder layers beside every shard this call
+    extracts (:func:`aux_shard_name`), from the same forward as its features, so an empty cache
+    needs no second pass (:func:`build_aux_features` still adds them to reused shards)."""
     from safetensors.torch import save_file
 
     from specdec.targets import load_target
@@ -640,9 +669,12 @@ def build_dataset(cfg: DataConfig, root: Path | None = None, log=print) -> Path:
             manifest["shards"].append(name)
             reused += 1
             continue
-        feats, ids, probs = extract_features(model, [s for _, _, s in chunk], cfg.topk)
+        seqs_chunk = [s for _, _, s in chunk]
+        feats, ids, probs, aux = extract_features(model, seqs_chunk, cfg.topk, aux_layers=aux_layers)
         if max(float(f.float().abs().max()) for f in feats) > 6e4:
             raise ValueError("features overflow fp16; store them as bf16 instead")
+        if aux is not None:  # before the shard: a shard on disk means its work is done
+            _write_aux(out / aux_shard_name(name, aux_layers), torch.cat(aux), aux_layers)
         lens = torch.tensor([len(s) for _, _, s in chunk], dtype=torch.int64)
         tmp = out / (name + ".tmp")
         save_file(

@@ -22,7 +22,8 @@ arXiv 2503.01840):
    prefix and to its own earlier predictions, exactly like the s-th draft token at inference.
    EAGLE-3's fused input (default ``--aux-layers 1,14``): the step-1 input feature fuses the
    outputs of target layers 1 and 14 with the last layer's (``EagleHead.project``; the layer
-   features are added to the cache once by ``build_aux_features``). ``--reg-weight 0 --ce-weight 1``
+   features are written with the cache's shards, or added to an existing cache once by
+   ``build_aux_features``). ``--reg-weight 0 --ce-weight 1``
    trains on EAGLE-3's token loss alone (measured: far slower to learn at this budget).
 4. AdamW with warmup and cosine decay; a checkpoint every ``--ckpt-every`` steps (an interrupted
    run resumes); seeded.
@@ -92,8 +93,9 @@ class TrainConfig:
     aux_layers: tuple[int, ...] = (1, 14)
     """EAGLE-3 fused input: target decoder layers (0-based) whose outputs join the last layer's
     feature (``(1, 14)`` of SmolLM2's 30: a low and a middle layer; ``()``: the EAGLE-1 input, the
-    last layer alone). Their features are added to the data cache once (``build_aux_features``,
-    about half a target pass)."""
+    last layer alone). Their features are captured in the same forward as the cache's features for
+    shards extracted now, and added to shards already cached by ``build_aux_features`` (about half a
+    target pass)."""
     eval_every: int = 100
     ckpt_every: int = 50
     autocast_bf16: bool = True
@@ -398,7 +400,7 @@ def train(
     t_start = time.perf_counter()
     if cfg.init_from is not None:
         resolve_weights(cfg.init_from)  # a missing file fails now, not after building the data
-    data_dir = build_dataset(cfg.data, data_root, log=log)
+    data_dir = build_dataset(cfg.data, data_root, log=log, aux_layers=cfg.aux_layers)
     if cfg.aux_layers:
         build_aux_features(data_dir, cfg.aux_layers, log=log)
     data = load_dataset(data_dir, cfg.aux_layers)

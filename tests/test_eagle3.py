@@ -15,6 +15,7 @@ import specdec
 from experiments.drafter_data import (
     aux_shard_name,
     build_aux_features,
+    extract_features,
     extract_layer_features,
     load_dataset,
 )
@@ -261,3 +262,61 @@ def test_layer_features_extend_a_cache_and_batches_carry_them(tiny3, tmp_path):
     assert load_dataset(cache).aux is None
     b = Batches(data, data.sequences(False), seq_len=8, batch_size=3, seed=0).batch(0)
     assert b["aux"].shape[:2] == b["features"].shape[:2] and b["aux"].shape[2:] == (2, 64)
+
+
+def test_build_dataset_writes_layer_features_from_the_feature_pass(tiny3, tmp_path, monkeypatch):
+    """build_dataset(aux_layers=...) writes each new shard's layer features from the same forward as
+    its features: bit for bit what build_aux_features adds in a second pass to a cache built
+    without them (two shards, held-out prompts included), and that pass then has nothing to do."""
+    from safetensors.torch import load_file
+
+    import experiments.drafter_data as dd
+    import specdec.targets as targets_pkg
+    import specdec.targets.loading as loading
+
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(4, 20, (70,), generator=gen).tolist()
+    prompts = [
+        dd.Prompt(
+            f"p{i}", "humaneval", i % 4 == 0, tuple(torch.randint(3, 250, (n,), generator=gen).tolist())
+        )
+        for i, n in enumerate(lengths)
+    ]
+    monkeypatch.setattr(dd, "load_prompts", lambda tokenizer: prompts)
+    monkeypatch.setattr(loading, "load_tokenizer", lambda name: None)
+    monkeypatch.setattr(loading, "load_hf_model", lambda name: tiny3["hf"])
+    monkeypatch.setattr(targets_pkg, "load_target", lambda name: LlamaTarget.from_pretrained(tiny3["path"]))
+    cfg = dd.DataConfig(
+        target="tiny",
+        greedy_tokens=3,
+        sample_tokens=0,
+        function_prompts=0,
+        self_instruct=0,
+        text_tokens=0,
+        topk=4,
+    )
+    quiet = lambda s: None  # noqa: E731
+    one_pass = dd.build_dataset(cfg, tmp_path / "a", log=quiet, aux_layers=AUX)
+    two_pass = dd.build_dataset(cfg, tmp_path / "b", log=quiet)
+    shards = json.loads((one_pass / "manifest.json").read_text())["shards"]
+    assert len(shards) == 2 and shards == json.loads((two_pass / "manifest.json").read_text())["shards"]
+    assert not (two_pass / aux_shard_name(shards[0], AUX)).exists()
+    dd.build_aux_features(two_pass, AUX, log=quiet)
+    for shard in shards:
+        a, b = (load_file(str(root / aux_shard_name(shard, AUX)))["aux"] for root in (one_pass, two_pass))
+        assert a.dtype == torch.float16 and a.shape[1:] == (2, 64)
+        assert torch.equal(a, b)
+        assert torch.equal(
+            load_file(str(one_pass / shard))["features"], load_file(str(two_pass / shard))["features"]
+        )
+    stamps = [(one_pass / aux_shard_name(s, AUX)).stat().st_mtime_ns for s in shards]
+    dd.build_aux_features(one_pass, AUX, log=lambda s: pytest.fail(f"nothing should be left to do: {s}"))
+    assert stamps == [(one_pass / aux_shard_name(s, AUX)).stat().st_mtime_ns for s in shards]
+    assert torch.equal(dd.load_dataset(one_pass, AUX).aux, dd.load_dataset(two_pass, AUX).aux)
+
+
+def test_extract_features_checks_its_aux_layers(tiny3):
+    with pytest.raises(ValueError, match="layers"):
+        extract_features(tiny3["hf"], [[3, 4, 5]], topk=4, aux_layers=(3,))
+    feats, ids, probs, aux = extract_features(tiny3["hf"], [[3, 4, 5]], topk=4)
+    assert aux is None and feats[0].shape == (3, 64) and ids[0].shape == probs[0].shape == (3, 4)
