@@ -522,3 +522,76 @@ def test_ngram_eagle_tree_mixes_lookup_chains_and_eagle_trees(tiny):
     )
     assert out.token_ids == ref.token_ids
     assert drafter.counts["primary"] > 0 and drafter.counts["fallback"] > 0
+
+
+def _context_drafter(tiny, **options):
+    return EagleDrafter(
+        tiny["target"],
+        weights=tiny["weights"],
+        linear_backend="reference",
+        weight_dtype="float32",
+        context_vocab=True,
+        **options,
+    )
+
+
+def test_context_vocab_scores_the_context_tokens_with_the_targets_lm_head(tiny):
+    """context_vocab adds exactly the committed context tokens outside the draft vocabulary (not the
+    padding past a row's length), and scores them as the target's LM head scores the head's feature."""
+    from types import SimpleNamespace
+
+    from specdec.drafters.eagle import rms_norm
+
+    d = _context_drafter(tiny)
+    draft = set(d.head.draft_vocab_N.tolist())
+    outside = [t for t in range(259) if t not in draft]
+    inside = sorted(draft)
+    tokens_BL = torch.tensor(
+        [[outside[0], outside[1], inside[0], outside[2]], [outside[3], inside[1], outside[4], outside[5]]]
+    )
+    state = SimpleNamespace(tokens_BL=tokens_BL, lengths_B=torch.tensor([3, 4]))  # row 0: slot 3 is padding
+    ids_C, lm_head_CD, order = d.context_rows(state)
+    assert sorted(ids_C.tolist()) == sorted([outside[0], outside[1], outside[3], outside[4], outside[5]])
+    feat_BD = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    logits, vocab = d.draft_logits(feat_BD, (ids_C, lm_head_CD, order))
+    assert vocab.tolist() == sorted(draft | set(ids_C.tolist()))
+    parts = tiny["parts"]
+    full_BV = torch.nn.functional.linear(rms_norm(feat_BD, parts.norm_D, parts.norm_eps), parts.lm_head_VD)
+    torch.testing.assert_close(logits, full_BV[:, vocab], rtol=1e-5, atol=1e-5)
+    # sampled drafts: a distribution over draft vocabulary and context tokens together
+    sampling = SamplingParams(temperature=1.0)
+    token_B, probs_BV = d.choose(logits, sampling, torch.Generator().manual_seed(1), vocab)
+    torch.testing.assert_close(probs_BV.sum(-1), torch.ones(2))
+    assert float(probs_BV[:, ids_C].sum()) > 0
+    assert (probs_BV[:, [t for t in outside if t not in set(ids_C.tolist())]] == 0).all()
+    assert all(float(probs_BV[b, t]) > 0 for b, t in enumerate(token_B.tolist()))
+    # nothing outside the draft vocabulary in the context: no extra rows
+    only_inside = SimpleNamespace(tokens_BL=torch.tensor([inside[:4]]), lengths_B=torch.tensor([4]))
+    assert d.context_rows(only_inside) is None
+    with pytest.raises(ValueError, match="context_vocab"):
+        EagleDrafter(tiny["target"], weights=tiny["weights"], context_vocab="yes")
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "ngram-eagle"])
+def test_context_vocab_keeps_greedy_output_and_drafts_context_tokens(tiny, drafter):
+    target, prompts = tiny["target"], _prompts()
+    ref = specdec.generate(
+        target, prompts, drafter="none", max_new_tokens=30, temperature=0.0, ignore_eos=True
+    )
+    drafted: list[int] = []
+    d = create_drafter(drafter, target, **_options(tiny, drafter), context_vocab=True)
+    chain = d if isinstance(d, EagleDrafter) else d.fallback  # ngram-eagle: lookup, then the chain
+    original = chain.choose
+
+    def spy(*args, **kwargs):
+        token_B, probs = original(*args, **kwargs)
+        drafted.extend(token_B.tolist())
+        return token_B, probs
+
+    chain.choose = spy
+    out = specdec.generate(
+        target, prompts, drafter=d, max_new_tokens=30, temperature=0.0, gamma=4, ignore_eos=True
+    )
+    assert out.token_ids == ref.token_ids
+    assert out.metrics.num_accepted > 0
+    assert set(drafted) - set(chain.head.draft_vocab_N.tolist())  # it did propose context tokens
