@@ -651,10 +651,6 @@ class EagleDrafter:
             torch dtype). Default: bfloat16 where the packed CPU kernel runs (float32 activations;
             a draft step streams half the bytes, measured ~1/3 less drafting time here), else
             ``dtype``. See :meth:`EagleHead.pack`.
-        context_vocab: also score the tokens of each row's context (prompt and output so far) that
-            lie outside the draft vocabulary, with the target's own LM-head rows on the head's
-            predicted feature (:meth:`context_logits`): names, rare words and loops that the
-            reduced vocabulary cannot propose otherwise. A few hundred extra rows at most.
 
     Greedy runs (temperature 0) propose the head's argmax as a point-mass proposal
     (``probs_BKV=None``); sampling runs draw from :func:`draft_distribution` and return it.
@@ -670,12 +666,8 @@ class EagleDrafter:
         linear_backend: str = "auto",
         min_prob: float = 0.0,
         weight_dtype: torch.dtype | str | None = None,
-        context_vocab: bool = False,
     ) -> None:
         self.min_prob = check_min_prob(min_prob)
-        if not isinstance(context_vocab, bool):
-            raise ValueError(f"context_vocab must be True or False, got {context_vocab!r}")
-        self.context_vocab = context_vocab
         self.target = target
         parts = target_parts(target)
         weight_dtype = weight_dtype_of(weight_dtype)
@@ -703,9 +695,6 @@ class EagleDrafter:
             target.capture_layers(aux_layers)
         self.vocab_size = self.head.config.vocab_size
         self.dtype = dtype
-        self._parts = parts  # the target's LM head rows for context_vocab (shared, never copied)
-        self._in_draft_V = torch.zeros(self.vocab_size, dtype=torch.bool, device=parts.embed_VD.device)
-        self._in_draft_V[self.head.draft_vocab_N] = True
         self.cache: EagleCache | None = None
         self.cache_len_B: torch.Tensor | None = None  # slots holding pairs with true target features
         self._pending_feat_BTD: torch.Tensor | None = None
@@ -758,10 +747,9 @@ class EagleDrafter:
         slot_B = self.cache_len_B.clone()
         rows_B = torch.arange(B, device=device)
         stop = ConfidenceStop(self.min_prob, B, device)
-        context = self.context_rows(state) if self.context_vocab else None
         for k in range(gamma):
-            logits_BN, vocab_N = self.draft_logits(feat_BD, context)
-            token_B, probs_BV = self.choose(logits_BN, state.sampling, generator, vocab_N)
+            logits_BN = self.head.logits(feat_BD)
+            token_B, probs_BV = self.choose(logits_BN, state.sampling, generator)
             if self.min_prob > 0:
                 if probs_BV is None:  # greedy: the head's own probability of its argmax (T = 1)
                     kept = stop.keep(logits_BN.argmax(dim=-1), logits_BV=logits_BN)
@@ -828,56 +816,13 @@ class EagleDrafter:
         return out[:, 0]
 
     def choose(
-        self,
-        logits_BN: torch.Tensor,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        vocab_N: torch.Tensor | None = None,
+        self, logits_BN: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pick a draft token per row: argmax when greedy, else a sample; returns (token, probs).
-        ``vocab_N``: the token ids of the logits' columns, sorted (default: the draft vocabulary)."""
-        vocab_N = self.head.draft_vocab_N if vocab_N is None else vocab_N
+        """Pick a draft token per row: argmax when greedy, else a sample; returns (token, probs)."""
         if sampling.greedy:
-            return vocab_N[logits_BN.argmax(dim=-1)], None
-        probs_BV = draft_distribution(logits_BN, vocab_N, self.vocab_size, sampling)
+            return self.head.draft_vocab_N[logits_BN.argmax(dim=-1)], None
+        probs_BV = draft_distribution(logits_BN, self.head.draft_vocab_N, self.vocab_size, sampling)
         return sample_from_probs(probs_BV, generator), probs_BV
-
-    # --- context vocabulary -------------------------------------------------------------------
-    def context_rows(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The context tokens outside the draft vocabulary (over all rows' committed tokens) as
-        ``(ids_C, lm_head_CD, order)``: their LM-head rows, and the permutation that sorts the
-        columns ``[draft vocabulary; ids_C]`` by token id. None when every context token is in
-        the draft vocabulary."""
-        device = self._in_draft_V.device
-        tokens_BL = state.tokens_BL.to(device)
-        valid_BL = torch.arange(tokens_BL.shape[1], device=device) < state.lengths_B.to(device).unsqueeze(1)
-        seen = torch.unique(tokens_BL[valid_BL])
-        seen = seen[(seen >= 0) & (seen < self.vocab_size)]
-        ids_C = seen[~self._in_draft_V[seen]]
-        if ids_C.numel() == 0:
-            return None
-        lm_head_CD = self._parts.lm_head_VD[ids_C].to(self.dtype)
-        order = torch.argsort(torch.cat([self.head.draft_vocab_N, ids_C]))
-        return ids_C, lm_head_CD, order
-
-    def context_logits(self, feat_BD: torch.Tensor, lm_head_CD: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, C]`` of extra tokens: the target's final norm and LM-head rows on the head's
-        predicted feature, as the draft vocabulary's own logits are computed."""
-        normed_BD = rms_norm(feat_BD, self._parts.norm_D.to(feat_BD.dtype), self.head.norm_eps)
-        return F.linear(normed_BD, lm_head_CD)
-
-    def draft_logits(
-        self, feat_BD: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits and their columns' token ids (sorted): the draft vocabulary, plus the
-        context tokens of :meth:`context_rows` when given."""
-        logits_BN = self.head.logits(feat_BD)
-        if context is None:
-            return logits_BN, self.head.draft_vocab_N
-        ids_C, lm_head_CD, order = context
-        joint = torch.cat([logits_BN, self.context_logits(feat_BD, lm_head_CD).to(logits_BN.dtype)], dim=-1)
-        vocab = torch.cat([self.head.draft_vocab_N, ids_C])
-        return joint[:, order], vocab[order]
 
 
 def _num_params(head: EagleHead) -> int:
