@@ -95,7 +95,9 @@ INLINE void load_row_bf16(v16* w, const uint16_t* p) {
         for (long i = 0; i < I; i++) {                                                                  \
             if (i < pf_lines) __builtin_prefetch(pf + 64 * i, 0, 2);                                    \
             if (ahead) {                                                                                \
-                const char* q = (const char*)(wp + i * BW + ahead);                                     \
+                /* an address past the array is fine for a prefetch (it never faults), but not for \
+                 * pointer arithmetic: compute it as an integer */                                  \
+                const char* q = (const char*)((uintptr_t)(wp + i * BW) + ahead * sizeof(W_T));       \
                 __builtin_prefetch(q, 0, 3);                                                            \
                 if (BW * sizeof(W_T) > 64) __builtin_prefetch(q + 64, 0, 3);                            \
             }                                                                                           \
