@@ -180,14 +180,13 @@ def run(args: argparse.Namespace) -> dict:
     names = list(IMPLS)
     if args.prefetch_ab:
         import moe
-        from kernels.packed_gemm import packed_gemm_available, set_prefetch_distance
+        from kernels.packed_gemm import packed_gemm_available, prefetch_distance, set_prefetch_distance
 
         if not packed_gemm_available():
             raise ValueError("--prefetch-ab needs the packed C kernel, which does not build here")
         impls["ours_nopf"] = moe.MoE.from_hf(impls["hf_eager"]).eval()
         names.append("ours_nopf")
-        distance = set_prefetch_distance(0)
-        set_prefetch_distance(distance)
+        distance = prefetch_distance()
 
         def with_prefetch(m, x, d):
             set_prefetch_distance(d)  # both sides pay the same ctypes call

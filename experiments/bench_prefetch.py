@@ -58,7 +58,7 @@ def run(args: argparse.Namespace, log=print, command: str = "") -> dict:
     import torch
 
     import specdec
-    from kernels.packed_gemm import packed_gemm_available, set_prefetch_distance
+    from kernels.packed_gemm import packed_gemm_available, prefetch_distance, set_prefetch_distance
     from specdec.cli import encode_prompt
     from specdec.prompt_sets import load_prompts
 
@@ -72,8 +72,7 @@ def run(args: argparse.Namespace, log=print, command: str = "") -> dict:
         for set_name in args.prompt_set
         for text in load_prompts(set_name, args.num_prompts)
     ]
-    distance = set_prefetch_distance(0)
-    set_prefetch_distance(distance)
+    distance = prefetch_distance()
     methods = [
         (f"{drafter}{suffix}", drafter, pf)
         for drafter in ["none", *args.drafters]

@@ -30,6 +30,7 @@ __all__ = [
     "packed_gemm_available",
     "pack_weight",
     "packed_matmul",
+    "prefetch_distance",
     "set_prefetch_distance",
 ]
 
@@ -68,15 +69,19 @@ def packed_gemm_library() -> ctypes.CDLL:
     return lib
 
 
+def prefetch_distance() -> int:
+    """How far ahead (bytes) a pass of 2..MR rows prefetches the weight stream now (0: off)."""
+    return int(packed_gemm_library().packed_gemm_prefetch())
+
+
 def set_prefetch_distance(num_bytes: int) -> int:
     """Set how far ahead (bytes) a pass of 2..MR rows prefetches the weight stream (0: off, leaving
     it to the hardware prefetchers; the default is 4096); returns the previous distance. Process-wide;
     meant for benchmarks that compare the two side by side."""
     if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0:
         raise ValueError(f"num_bytes must be an int >= 0, got {num_bytes!r}")
-    lib = packed_gemm_library()
-    previous = int(lib.packed_gemm_prefetch())
-    lib.packed_gemm_set_prefetch(num_bytes)
+    previous = prefetch_distance()
+    packed_gemm_library().packed_gemm_set_prefetch(num_bytes)
     return previous
 
 

@@ -91,6 +91,7 @@ def test_set_prefetch_distance_validates_and_returns_the_previous_one():
     previous = pg.set_prefetch_distance(4096)
     try:
         assert pg.set_prefetch_distance(128) == 4096
+        assert pg.prefetch_distance() == 128
         for bad in (-1, 1.5, True, "4096"):
             with pytest.raises(ValueError, match="num_bytes"):
                 pg.set_prefetch_distance(bad)

@@ -230,10 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     if target.linear_backend == "packed":
         # The packed kernel's software prefetch for multi-row passes, against the hardware prefetchers
         # alone, in the same run (kernels/csrc/packed_gemm.c).
-        from kernels.packed_gemm import set_prefetch_distance
+        from kernels.packed_gemm import prefetch_distance, set_prefetch_distance
 
-        distance = set_prefetch_distance(0)
-        set_prefetch_distance(distance)
+        distance = prefetch_distance()
         contenders["no sw prefetch"] = target
         setup = {
             name: (lambda d=(0 if name == "no sw prefetch" else distance): set_prefetch_distance(d))
