@@ -385,17 +385,9 @@ def extract_features(
     ``aux_layers``, also per sequence ``[T, A, D]`` (fp16) outputs of those decoder layers from the
     same forward (else None): what :func:`extract_layer_features` computes, bit for bit, without a
     second pass. Returns ``(feats, ids, probs, aux)``."""
-    from specdec.targets.capture import check_layer_indices, layer_output
-
-    blocks = model.model.layers
-    aux_layers = check_layer_indices(aux_layers, len(blocks))
     captured: dict = {}
-
-    def grab(key):
-        return lambda module, args, output: captured.__setitem__(key, layer_output(output))
-
-    hooks = [model.model.norm.register_forward_pre_hook(lambda m, a: captured.__setitem__("h", a[0]))]
-    hooks += [blocks[i].register_forward_hook(grab(i)) for i in sorted(set(aux_layers))]
+    hooks = _capture_layers(model, aux_layers, captured, stop=False)
+    hooks.append(model.model.norm.register_forward_pre_hook(lambda m, a: captured.__setitem__("h", a[0])))
     try:
         n_seqs = len(seqs)
         feats, ids, probs = [None] * n_seqs, [None] * n_seqs, [None] * n_seqs
@@ -422,6 +414,27 @@ class _Enough(Exception):
     """Raised by the hook on the deepest layer that :func:`extract_layer_features` needs."""
 
 
+def _capture_layers(model, layers: tuple[int, ...], captured: dict, *, stop: bool) -> list:
+    """Forward hooks that put the outputs of decoder layers ``layers`` into ``captured`` (by index);
+    with ``stop``, the deepest one then raises :class:`_Enough` to end the forward there. Returns the
+    hook handles; ``ValueError`` for an index that is not a decoder layer."""
+    from specdec.targets.capture import check_layer_indices, layer_output
+
+    blocks = model.model.layers
+    layers = check_layer_indices(layers, len(blocks))
+    deepest = max(layers, default=-1)
+
+    def grab(i):
+        def hook(module, args, output):
+            captured[i] = layer_output(output)
+            if stop and i == deepest:
+                raise _Enough
+
+        return hook
+
+    return [blocks[i].register_forward_hook(grab(i)) for i in sorted(set(layers))]
+
+
 @torch.inference_mode()
 def extract_layer_features(
     model, seqs: list[list[int]], layers: tuple[int, ...], max_batch_tokens: int = 4096
@@ -429,23 +442,10 @@ def extract_layer_features(
     """Per sequence ``[T, A, D]`` (fp16): the outputs of decoder layers ``layers`` (0-based), the
     low and middle features that EAGLE-3 fuses with the last one. The forward stops after the
     deepest of them, so layers (1, 14) of 30 cost half a target pass."""
-    from specdec.targets.capture import check_layer_indices, layer_output
-
-    blocks = model.model.layers
-    if not check_layer_indices(layers, len(blocks)):
+    if not layers:
         raise ValueError("layers must name at least one decoder layer, got none")
     captured: dict[int, torch.Tensor] = {}
-    deepest = max(layers)
-
-    def grab(i):
-        def hook(module, args, output):
-            captured[i] = layer_output(output)
-            if i == deepest:
-                raise _Enough
-
-        return hook
-
-    hooks = [blocks[i].register_forward_hook(grab(i)) for i in sorted(set(layers))]
+    hooks = _capture_layers(model, layers, captured, stop=True)
     try:
         results: list[torch.Tensor | None] = [None] * len(seqs)
         for rows, x, mask in _padded_batches(seqs, max_batch_tokens):
