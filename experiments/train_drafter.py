@@ -61,6 +61,7 @@ __all__ = [
     "train",
     "main",
     "build_draft_vocab",
+    "grow_draft_vocab",
     "unrolled_features",
     "unrolled_losses",
     "evaluate_heldout",
@@ -109,18 +110,27 @@ class TrainConfig:
     """Start from these head weights (a path, or a shipped file's name such as
     ``eagle-smollm2-135m.safetensors``) instead of a fresh head: fine-tuning, e.g. EAGLE-3's token
     loss alone (``reg_weight=0``) after the regression recipe. The head keeps the file's draft
-    vocabulary and input scales; its aux layers and draft vocabulary size must equal this config's.
+    vocabulary and input scales; its aux layers must equal this config's, and a larger
+    ``draft_vocab_size`` grows the file's vocabulary by the data's most frequent other tokens.
     The optimizer and the schedule (warmup, then cosine over ``steps``) start afresh. The file's
     contents (sha256) are part of the checkpoint key."""
 
 
 def build_draft_vocab(data: FeatureData, train_seqs: list[int], n: int) -> tuple[torch.Tensor, dict]:
-    """The ``n`` tokens the target most often predicts (top-1) on the training split, by frequency."""
-    counts = torch.zeros(int(data.topk_ids.max()) + 1 if data.topk_ids.numel() else 1, dtype=torch.long)
+    """The ``n`` tokens the target most often predicts (top-1) on the training split, by frequency.
+
+    Ties keep id order. Tokens that are never a top-1 prediction come after all that are, ordered by
+    how often they appear anywhere in the stored top-k (a vocabulary larger than the distinct top-1
+    predictions fills up with the target's likely alternatives, not with arbitrary ids)."""
+    size = int(data.topk_ids.max()) + 1 if data.topk_ids.numel() else 1
+    counts = torch.zeros(size, dtype=torch.long)
+    anywhere = torch.zeros(size, dtype=torch.long)
     for s in train_seqs:
         a, b = int(data.offsets[s]), int(data.offsets[s + 1])
-        counts += torch.bincount(data.topk_ids[a:b, 0], minlength=counts.numel())[: counts.numel()]
-    order = torch.argsort(counts, descending=True, stable=True)
+        counts += torch.bincount(data.topk_ids[a:b, 0], minlength=size)[:size]
+        anywhere += torch.bincount(data.topk_ids[a:b].reshape(-1), minlength=size)[:size]
+    key = torch.where(counts > 0, counts * (int(anywhere.max()) + 1), anywhere)
+    order = torch.argsort(key, descending=True, stable=True)
     total = counts.sum().item()
     coverage = {
         int(k): round(counts[order[:k]].sum().item() / total, 4) for k in (1024, 2048, 4096, 8192, 16384)
@@ -289,9 +299,28 @@ def _key_fields(cfg: TrainConfig) -> dict:
     return fields
 
 
-def _head_from_weights(cfg: TrainConfig, parts) -> tuple[EagleHead, torch.Tensor]:
+def grow_draft_vocab(stored_N: torch.Tensor, frequent_M: torch.Tensor, n: int) -> torch.Tensor:
+    """``stored_N`` (kept first, in its order) extended to ``n`` tokens by the most frequent tokens of
+    ``frequent_M`` (frequency order) that it lacks."""
+    if n < stored_N.numel():
+        raise ValueError(f"n must be >= the stored vocabulary's {stored_N.numel()} tokens, got {n}")
+    have = torch.zeros(int(max(stored_N.max(), frequent_M.max())) + 1, dtype=torch.bool)
+    have[stored_N] = True
+    extra = frequent_M[~have[frequent_M]][: n - stored_N.numel()]
+    if stored_N.numel() + extra.numel() < n:
+        raise ValueError(
+            f"draft_vocab_size {n}: the data rank only {stored_N.numel() + extra.numel()} distinct tokens"
+        )
+    return torch.cat([stored_N, extra])
+
+
+def _head_from_weights(cfg: TrainConfig, parts, frequent_M: torch.Tensor) -> tuple[EagleHead, torch.Tensor]:
     """The head of ``cfg.init_from`` as a trainable fp32 module (attached to ``parts``), and its draft
-    vocabulary in stored (most frequent first) order; ``ValueError`` when it does not fit ``cfg``."""
+    vocabulary in stored (most frequent first) order; ``ValueError`` when it does not fit ``cfg``.
+
+    A larger ``cfg.draft_vocab_size`` than the file's grows the vocabulary: the file's tokens first,
+    then the most frequent others of ``frequent_M`` (the head's trainable weights do not depend on the
+    vocabulary; its LM-head rows are the target's)."""
     path = resolve_weights(cfg.init_from)
     head, _ = load_eagle_head(path, parts)  # checks the target's fingerprint
     c = head.config
@@ -300,13 +329,21 @@ def _head_from_weights(cfg: TrainConfig, parts) -> tuple[EagleHead, torch.Tensor
             f"init_from: {path.name} fuses target layers {list(c.aux_layers)}, but this run's "
             f"aux_layers are {list(cfg.aux_layers)} (pass --aux-layers {','.join(map(str, c.aux_layers))!r})"
         )
-    if c.draft_vocab_size != cfg.draft_vocab_size:
+    if c.draft_vocab_size > cfg.draft_vocab_size:
         raise ValueError(
             f"init_from: {path.name} has a draft vocabulary of {c.draft_vocab_size}, but this run's "
-            f"draft_vocab_size is {cfg.draft_vocab_size} (pass --draft-vocab-size {c.draft_vocab_size})"
+            f"draft_vocab_size is {cfg.draft_vocab_size}; a vocabulary can grow, not shrink "
+            f"(pass --draft-vocab-size {c.draft_vocab_size} or more)"
         )
+    vocab_N = stored_draft_vocab(path)
+    if c.draft_vocab_size < cfg.draft_vocab_size:
+        vocab_N = grow_draft_vocab(vocab_N, frequent_M, cfg.draft_vocab_size)
+        grown = EagleHead(replace(c, draft_vocab_size=cfg.draft_vocab_size))
+        state = {k: v for k, v in head.state_dict().items() if k != "draft_vocab_N"}
+        grown.load_state_dict({**state, "draft_vocab_N": vocab_N}, strict=True)
+        head = grown.attach(parts, vocab_N)
     head.requires_grad_(True).train()
-    return head, stored_draft_vocab(path)
+    return head, vocab_N
 
 
 def _lr(step: int, cfg: TrainConfig) -> float:
@@ -422,7 +459,8 @@ def train(
     # typical token size (median RMS), not by a std that the outliers dominate.
     aux_rms = [] if data.aux is None else data.aux[:200_000].float().pow(2).mean(-1).sqrt().median(0).values
     if cfg.init_from is not None:
-        head, vocab_N = _head_from_weights(cfg, parts)
+        frequent_M = build_draft_vocab(data, train_seqs, 2 * cfg.draft_vocab_size)[0]  # room to grow
+        head, vocab_N = _head_from_weights(cfg, parts, frequent_M)
         econf = head.config
         log(f"[train] starting from the weights {resolve_weights(cfg.init_from)}")
     else:
@@ -554,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
         "--init-from",
         default=None,
         help="start from these head weights (a path, or a shipped file's name such as "
-        "eagle-smollm2-135m.safetensors) instead of a fresh head: fine-tuning",
+        "eagle-smollm2-135m.safetensors) instead of a fresh head: fine-tuning; a larger "
+        "--draft-vocab-size than the file's grows its vocabulary",
     )
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)

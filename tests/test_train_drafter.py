@@ -15,8 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from experiments.drafter_data import DataConfig, _cache_root, aux_shard_name
-from experiments.train_drafter import TrainConfig, _key_fields, main, train
+from experiments.drafter_data import DataConfig, FeatureData, _cache_root, aux_shard_name, load_dataset
+from experiments.train_drafter import (
+    TrainConfig,
+    _key_fields,
+    build_draft_vocab,
+    grow_draft_vocab,
+    main,
+    train,
+)
 
 pytestmark = pytest.mark.model  # the recipe loads the real SmolLM2-135M for its embedding and LM head
 
@@ -134,6 +141,60 @@ def test_init_from_starts_at_the_given_weights(runs):
     assert len(tuned["heldout_curve"]) == 1  # evaluated at its last step
 
 
+def test_init_from_grows_the_draft_vocabulary(runs):
+    """A larger draft_vocab_size keeps the file's tokens first (in stored order) and its weights, and
+    adds the data's most frequent tokens the file lacks; the grown head trains and saves."""
+    tmp, cfg = runs["tmp"], runs["cfg"]
+    start = str(tmp / "straight.safetensors")
+    _run(tmp, "grown", replace(cfg, init_from=start, steps=2, lr=0.0, draft_vocab_size=96))
+    w0, w = runs["weights"]["straight"], load_file(str(tmp / "grown.safetensors"))
+    vocab = w["draft_vocab_N"]
+    assert vocab.shape == (96,) and vocab.unique().numel() == 96
+    assert torch.equal(vocab[:64], w0["draft_vocab_N"])
+    assert all(torch.equal(w[k], w0[k]) for k in w0 if k != "draft_vocab_N")
+    # the added tokens are the next most frequent top-1 predictions of the training split
+    data = load_dataset(_cache_root(cfg.data, tmp / "data"), cfg.aux_layers)
+    order, _ = build_draft_vocab(data, data.sequences(False), 300)
+    expected = [t for t in order.tolist() if t not in set(w0["draft_vocab_N"].tolist())][:32]
+    assert vocab[64:].tolist() == expected
+    _run(tmp, "grown_tuned", replace(cfg, init_from=start, steps=3, draft_vocab_size=96))
+    assert not torch.equal(load_file(str(tmp / "grown_tuned.safetensors"))["fc.weight"], w["fc.weight"])
+
+
+def test_grow_draft_vocab_checks_its_arguments():
+    stored, frequent = torch.tensor([5, 2, 9]), torch.tensor([2, 7, 5, 1, 9, 3])
+    assert grow_draft_vocab(stored, frequent, 5).tolist() == [5, 2, 9, 7, 1]
+    assert grow_draft_vocab(stored, frequent, 3).tolist() == [5, 2, 9]
+    with pytest.raises(ValueError, match="n must be >= the stored vocabulary's 3"):
+        grow_draft_vocab(stored, frequent, 2)
+    with pytest.raises(ValueError, match="draft_vocab_size 7: the data rank only 6"):
+        grow_draft_vocab(stored, frequent, 7)
+
+
+def test_draft_vocab_ranks_top1_then_topk_frequency():
+    """Top-1 predictions first by frequency (ties by id, as the shipped head's vocabulary was built);
+    then tokens that are never top-1, by how often they appear in the top-k; held-out rows ignored."""
+    ids = torch.tensor(
+        [[4, 9, 7], [4, 7, 9], [2, 7, 8], [2, 9, 8], [6, 8, 3], [4, 5, 8]]  # train rows
+        + [[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]]  # held-out rows: 1 would lead if counted
+    )
+    n = ids.shape[0]
+    data = FeatureData(
+        tokens=torch.zeros(n, dtype=torch.long),
+        features=torch.zeros(n, 1).half(),
+        topk_ids=ids,
+        topk_probs=torch.ones(n, 3).half(),
+        offsets=torch.tensor([0, 6, n]),
+        heldout=torch.tensor([False, True]),
+        names=["train", "held"],
+    )
+    order, coverage = build_draft_vocab(data, data.sequences(False), 9)
+    # top-1: 4 (3×), 2 (2×), 6 (1×); then by top-k appearances: 8 (4×), 7 and 9 (3×, by id), 3, 5, 0
+    assert order.tolist() == [4, 2, 6, 8, 7, 9, 3, 5, 0]
+    assert coverage[1024] == 1.0
+    assert build_draft_vocab(data, data.sequences(False), 2)[0].tolist() == [4, 2]
+
+
 def test_init_from_keys_checkpoints_by_content(runs, tmp_path):
     cfg = runs["cfg"]
     a, b = runs["tmp"] / "straight.safetensors", runs["tmp"] / "other_seed.safetensors"
@@ -149,7 +210,7 @@ def test_init_from_rejects_weights_that_do_not_fit(runs):
     cfg, start = runs["cfg"], str(runs["tmp"] / "straight.safetensors")
     with pytest.raises(ValueError, match="fuses target layers \\[1, 14\\].*--aux-layers '1,14'"):
         _run(runs["tmp"], "no_aux", replace(cfg, init_from=start, aux_layers=()))
-    with pytest.raises(ValueError, match="draft vocabulary of 64.*--draft-vocab-size 64"):
+    with pytest.raises(ValueError, match="vocabulary of 64.*not shrink.*--draft-vocab-size 64"):
         _run(runs["tmp"], "vocab", replace(cfg, init_from=start, draft_vocab_size=32))
     with pytest.raises(ValueError, match="no such file"):
         _run(runs["tmp"], "missing", replace(cfg, init_from=str(runs["tmp"] / "nope.safetensors")))
