@@ -26,6 +26,7 @@ _BUILTIN_COMMANDS = {
     "train-drafter": "experiments.train_drafter:main",
     "bench-moe": "experiments.bench_moe:main",
     "bench-prefetch": "experiments.bench_prefetch:main",
+    "copy-agreement": "experiments.copy_agreement:main",
 }
 COMMANDS = Registry("command", "specdec.experiment_commands", builtins=_BUILTIN_COMMANDS)
 HELP = {
@@ -35,6 +36,7 @@ HELP = {
     "train-drafter": "train the EAGLE-style drafter (experiments.train_drafter)",
     "bench-moe": "benchmark the MoE layer against transformers (experiments.bench_moe)",
     "bench-prefetch": "speculative decoding with the packed kernel's prefetch on and off",
+    "copy-agreement": "does the draft head copy from the context? (experiments.copy_agreement)",
 }
 
 

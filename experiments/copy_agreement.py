@@ -1,0 +1,133 @@
+"""Does the draft head copy from the context? Teacher-forced agreement split by what prompt lookup says.
+
+At each position t of a window, the head's first draft step sees the target's feature ``f_t`` and
+the next token ``x_{t+1}`` and predicts ``x_{t+2}``; it agrees when its top-1 equals the target's
+top-1 there. Positions fall into three kinds by an n-gram lookup in the window so far (the most
+recent earlier occurrence of ``x_{t-n+2..t+1}``, as prompt lookup does):
+
+- ``copy``: the token after that occurrence is the target's top-1 (copying would be right);
+- ``lookup_wrong``: there is an occurrence, followed by another token;
+- ``no_match``: the n-gram has not occurred yet.
+
+A head that has learned to copy agrees at ``copy`` positions about as well on held-out windows as
+on training windows; one that memorised its training text does not.
+
+    python -m experiments copy-agreement                       # the shipped head, the recipe's cache
+    python -m experiments copy-agreement --weights my_head.safetensors --batches 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["KINDS", "lookup_kinds", "copy_agreement", "main"]
+
+KINDS = ("copy", "lookup_wrong", "no_match")
+
+
+def lookup_kinds(tokens: Sequence[int], top1: Sequence[int], n: int = 2) -> list[str]:
+    """The kind of each position t (``len(tokens) - 1`` of them) for predicting ``x_{t+2}``.
+
+    ``tokens``: the window ``x_0..x_T``; ``top1[t]``: the target's top-1 for ``x_{t+2}`` (it has
+    ``len(tokens) - 1`` entries, the last ones unused where ``x_{t+2}`` is past the window). The
+    n-gram ends at ``x_{t+1}``; positions whose n-gram would start before ``x_0`` are ``no_match``.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if len(top1) != len(tokens) - 1:
+        raise ValueError(f"top1 must hold len(tokens) - 1 = {len(tokens) - 1} entries, got {len(top1)}")
+    last_next: dict[tuple[int, ...], int] = {}  # n-gram -> the token after its latest occurrence
+    kinds = []
+    for t in range(len(tokens) - 1):
+        start = t + 2 - n
+        gram = tuple(tokens[start : t + 2]) if start >= 0 else None
+        follow = last_next.get(gram) if gram is not None else None
+        if follow is None:
+            kinds.append("no_match")
+        elif follow == int(top1[t]):
+            kinds.append("copy")
+        else:
+            kinds.append("lookup_wrong")
+        if gram is not None and t + 2 < len(tokens):
+            last_next[gram] = int(tokens[t + 2])
+    return kinds
+
+
+@torch.no_grad()
+def copy_agreement(
+    head, data, seqs: list[int], *, batches: int, seq_len: int = 256, n: int = 2, seed: int = 777
+):
+    """Step-1 agreement of ``head`` with the target on ``batches`` × 8 seeded windows of ``seqs``, by
+    kind: ``{kind: {"positions": int, "agreement": float}}``."""
+    from experiments.train_drafter import Batches, unrolled_features
+
+    if batches < 1:
+        raise ValueError(f"batches must be >= 1, got {batches}")
+    vocab_N = head.draft_vocab_N
+    windows = Batches(data, seqs, seq_len, 8, seed=seed)
+    hits = dict.fromkeys(KINDS, 0)
+    counts = dict.fromkeys(KINDS, 0)
+    for i in range(batches):
+        b = windows.batch(i)
+        feats, tokens = b["features"], b["tokens"]
+        T = feats.shape[1] - 1
+        inp = feats[:, :T]
+        if head.fc_aux is not None:
+            inp = head.project(inp, b["aux"][:, :T])
+        pred_BTD = unrolled_features(head, inp, tokens[:, 1:], 1)[0]
+        guess_BT = vocab_N[head.logits(pred_BTD).argmax(-1)]
+        top1_BT = b["topk_ids"][:, 1:, 0]
+        for r in range(tokens.shape[0]):
+            length = int(b["valid"][r].sum())  # x_0..x_{length-1}
+            kinds = lookup_kinds(tokens[r, :length].tolist(), top1_BT[r, : length - 1].tolist(), n)
+            for t, kind in enumerate(kinds[: length - 2]):  # x_{t+2} inside the window
+                counts[kind] += 1
+                hits[kind] += int(guess_BT[r, t] == top1_BT[r, t])
+    return {k: {"positions": counts[k], "agreement": round(hits[k] / max(1, counts[k]), 4)} for k in KINDS}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments copy-agreement", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--weights", default=None, help="head weights (default: the shipped head)")
+    p.add_argument("--batches", type=int, default=12, help="batches of 8 windows per split")
+    p.add_argument("--ngram", type=int, default=2, help="n of the lookup that defines a copy position")
+    p.add_argument("--json", default=None, help="also write the result here")
+    a = p.parse_args(argv)
+    if a.batches < 1:
+        raise ValueError(f"--batches must be >= 1, got {a.batches}")
+    if a.ngram < 1:
+        raise ValueError(f"--ngram must be >= 1, got {a.ngram}")
+
+    from experiments.drafter_data import _cache_root, load_dataset
+    from experiments.train_drafter import TrainConfig
+    from specdec.drafters.eagle import load_eagle_head, target_parts
+    from specdec.targets.loading import load_hf_model
+
+    cfg = TrainConfig()
+    root = _cache_root(cfg.data, None)
+    if not (root / "manifest.json").exists():
+        raise ValueError(
+            f"no drafter data cache at {root}: build it with python -m experiments train-drafter"
+        )
+    model = load_hf_model(cfg.data.target)
+    head, _ = load_eagle_head(a.weights, target_parts(model))
+    data = load_dataset(root, head.config.aux_layers)
+    out = {
+        split: copy_agreement(head, data, data.sequences(held), batches=a.batches, n=a.ngram)
+        for split, held in (("train", False), ("heldout", True))
+    }
+    print(json.dumps(out, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"weights": a.weights, "batches": a.batches, "ngram": a.ngram, **out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
