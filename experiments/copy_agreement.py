@@ -63,7 +63,7 @@ def copy_agreement(
 ):
     """Step-1 agreement of ``head`` with the target on ``batches`` × 8 seeded windows of ``seqs``, by
     kind: ``{kind: {"positions": int, "agreement": float}}``."""
-    from experiments.train_drafter import Batches, unrolled_features
+    from experiments.train_drafter import Batches, step1_input, unrolled_features
 
     if batches < 1:
         raise ValueError(f"batches must be >= 1, got {batches}")
@@ -75,10 +75,7 @@ def copy_agreement(
         b = windows.batch(i)
         feats, tokens = b["features"], b["tokens"]
         T = feats.shape[1] - 1
-        inp = feats[:, :T]
-        if head.fc_aux is not None:
-            inp = head.project(inp, b["aux"][:, :T])
-        pred_BTD = unrolled_features(head, inp, tokens[:, 1:], 1)[0]
+        pred_BTD = unrolled_features(head, step1_input(head, feats[:, :T], b), tokens[:, 1:], 1)[0]
         guess_BT = vocab_N[head.logits(pred_BTD).argmax(-1)]
         top1_BT = b["topk_ids"][:, 1:, 0]
         for r in range(tokens.shape[0]):

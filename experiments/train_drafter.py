@@ -62,6 +62,7 @@ __all__ = [
     "main",
     "build_draft_vocab",
     "grow_draft_vocab",
+    "step1_input",
     "unrolled_features",
     "unrolled_losses",
     "evaluate_heldout",
@@ -236,6 +237,16 @@ def unrolled_features(
     return preds
 
 
+def step1_input(head: EagleHead, feature_BTD: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The first draft step's input feature at the batch's first T positions: ``feature_BTD`` itself,
+    or for an EAGLE-3 head fused with the batch's aux-layer outputs (:meth:`EagleHead.project`)."""
+    if head.fc_aux is None:
+        return feature_BTD
+    if "aux" not in batch:
+        raise ValueError("this head fuses aux layers, but the batch has no aux features")
+    return head.project(feature_BTD, batch["aux"][:, : feature_BTD.shape[1]])
+
+
 def unrolled_losses(
     head: EagleHead,
     batch: dict[str, torch.Tensor],
@@ -253,10 +264,7 @@ def unrolled_losses(
     if cfg.feature_noise > 0 and head.training:
         noise = torch.rand(inp_feat.shape, generator=generator) * 2 - 1
         inp_feat = inp_feat + noise * cfg.feature_noise * feature_std
-    if head.fc_aux is not None:  # EAGLE-3: fuse the low/middle layers into the step-1 input
-        if "aux" not in batch:
-            raise ValueError("this head fuses aux layers, but the batch has no aux features")
-        inp_feat = head.project(inp_feat, batch["aux"][:, :T])
+    inp_feat = step1_input(head, inp_feat, batch)
     tgt_feat = feats[:, 1:]  # f_{t+1}
     valid = batch["valid"][:, 1:]
     # Target distribution over the draft vocabulary at position t+1 (renormalised top-k).
@@ -448,7 +456,10 @@ def train(
         f"{n_train} train tokens, "
         f"{data.features.numel() * 2 / 2**20:.0f} MiB of features"
     )
-    vocab_N, coverage = build_draft_vocab(data, train_seqs, cfg.draft_vocab_size)
+    # One ranking serves both starts: a fresh head takes its first draft_vocab_size tokens, a head
+    # grown from --init-from the most frequent ones its file lacks (twice the size leaves room).
+    frequent_M, coverage = build_draft_vocab(data, train_seqs, 2 * cfg.draft_vocab_size)
+    vocab_N = frequent_M[: cfg.draft_vocab_size].clone()
     log(f"[train] top-1 coverage of the draft vocab by size: {coverage}")
 
     model = load_hf_model(cfg.data.target)
@@ -459,7 +470,6 @@ def train(
     # typical token size (median RMS), not by a std that the outliers dominate.
     aux_rms = [] if data.aux is None else data.aux[:200_000].float().pow(2).mean(-1).sqrt().median(0).values
     if cfg.init_from is not None:
-        frequent_M = build_draft_vocab(data, train_seqs, 2 * cfg.draft_vocab_size)[0]  # room to grow
         head, vocab_N = _head_from_weights(cfg, parts, frequent_M)
         econf = head.config
         log(f"[train] starting from the weights {resolve_weights(cfg.init_from)}")
