@@ -75,7 +75,9 @@ def copy_agreement(
         b = windows.batch(i)
         feats, tokens = b["features"], b["tokens"]
         T = feats.shape[1] - 1
-        pred_BTD = unrolled_features(head, step1_input(head, feats[:, :T], b), tokens[:, 1:], 1)[0]
+        pred_BTD = unrolled_features(
+            head, step1_input(head, feats[:, :T], b), tokens[:, 1:], 1, tokens[:, :T]
+        )[0]
         guess_BT = vocab_N[head.logits(pred_BTD).argmax(-1)]
         top1_BT = b["topk_ids"][:, 1:, 0]
         for r in range(tokens.shape[0]):

@@ -98,6 +98,10 @@ class TrainConfig:
     last layer alone). Their features are captured in the same forward as the cache's features for
     shards extracted now, and added to shards already cached by ``build_aux_features`` (about half a
     target pass)."""
+    prev_token_input: bool = False
+    """Feed the head ``embed(x_t)`` too (``EagleConfig.prev_token_input``): a key for copying from
+    the context. With ``init_from`` a head without it gains the block, zero-initialised (the
+    starting head's predictions unchanged)."""
     eval_every: int = 100
     ckpt_every: int = 50
     autocast_bf16: bool = True
@@ -212,7 +216,11 @@ def _attend_unrolled(q_BHTd, keys, values, s: int) -> torch.Tensor:
 
 
 def unrolled_features(
-    head: EagleHead, features_BTD: torch.Tensor, next_tokens_BT: torch.Tensor, steps: int
+    head: EagleHead,
+    features_BTD: torch.Tensor,
+    next_tokens_BT: torch.Tensor,
+    steps: int,
+    tokens_BT: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Predicted features of ``steps`` unrolled draft steps (training-time test, EAGLE-3).
 
@@ -220,7 +228,9 @@ def unrolled_features(
     prediction made at t−1 (the head's own guess of f_t) with the true token, and its query at t
     attends to step-1 keys at positions ≤ t−s+1 and to the step-r key at t−s+r for r = 2..s: the
     s-th draft token at inference, after true features up to position t−s+1. Returns one
-    ``[B, T, D]`` tensor per step (valid for t ≥ s−1).
+    ``[B, T, D]`` tensor per step (valid for t ≥ s−1). ``tokens_BT``: x_t, the tokens at the
+    features' positions, for a head with ``prev_token_input`` (the same at every step: step s's
+    pair at t is still the draft token at t+1 after the token at t).
     """
     B, T, _ = features_BTD.shape
     positions = torch.arange(T).expand(B, T)
@@ -229,7 +239,7 @@ def unrolled_features(
     for s in range(1, steps + 1):
         if s > 1:
             feat_in = F.pad(preds[-1], (0, 0, 1, 0))[:, :T]  # f̂ predicted at t−1 for position t
-        h = head.fuse(feat_in, next_tokens_BT)
+        h = head.fuse(feat_in, next_tokens_BT, tokens_BT)
         q, k, v = head.qkv(h, positions)
         keys.append(k)
         values.append(v)
@@ -274,7 +284,9 @@ def unrolled_losses(
     soft = probs / mass.clamp_min(1e-6)
     top1 = ids[..., 0]
     out = {"loss": torch.zeros(())}
-    for s, pred in enumerate(unrolled_features(head, inp_feat, tokens[:, 1:], cfg.unroll), start=1):
+    for s, pred in enumerate(
+        unrolled_features(head, inp_feat, tokens[:, 1:], cfg.unroll, tokens[:, :T]), start=1
+    ):
         w = (valid & (torch.arange(T) >= s - 1)).float()
         # Features are large (std ≈ 39 for SmolLM2, a few dims in the hundreds): regress them in
         # units of their std so the loss sits in smooth-L1's quadratic zone and balances the CE.
@@ -299,7 +311,12 @@ def _key_fields(cfg: TrainConfig) -> dict:
     the value that reproduces the older recipe (no regression weight change, no aux layers), so
     older runs keep their directories."""
     fields = asdict(cfg)
-    for name, legacy in (("reg_weight", 1.0), ("aux_layers", ()), ("init_from", None)):
+    for name, legacy in (
+        ("reg_weight", 1.0),
+        ("aux_layers", ()),
+        ("init_from", None),
+        ("prev_token_input", False),
+    ):
         if fields[name] == legacy:
             del fields[name]
     if cfg.init_from is not None:  # the starting weights by content, not by name
@@ -343,7 +360,20 @@ def _head_from_weights(cfg: TrainConfig, parts, frequent_M: torch.Tensor) -> tup
             f"draft_vocab_size is {cfg.draft_vocab_size}; a vocabulary can grow, not shrink "
             f"(pass --draft-vocab-size {c.draft_vocab_size} or more)"
         )
+    if c.prev_token_input and not cfg.prev_token_input:
+        raise ValueError(
+            f"init_from: {path.name} feeds the previous token (prev_token_input), but this run does not "
+            "(pass --prev-token-input)"
+        )
     vocab_N = stored_draft_vocab(path)
+    if cfg.prev_token_input and not c.prev_token_input:  # add the x_t block to fc, zero: same outputs
+        wider = EagleHead(replace(c, prev_token_input=True))
+        state = head.state_dict()
+        state["fc.weight"] = torch.cat(
+            [state["fc.weight"], torch.zeros_like(state["fc.weight"][:, : c.hidden_size])], 1
+        )
+        wider.load_state_dict(state, strict=True)
+        head, c = wider.attach(parts, vocab_N), wider.config
     if c.draft_vocab_size < cfg.draft_vocab_size:
         vocab_N = grow_draft_vocab(vocab_N, frequent_M, cfg.draft_vocab_size)
         grown = EagleHead(replace(c, draft_vocab_size=cfg.draft_vocab_size))
@@ -481,6 +511,7 @@ def train(
             embed_scale=1.0 / embed_std,
             aux_layers=tuple(cfg.aux_layers),
             aux_scales=tuple(1.0 / float(r) for r in aux_rms),
+            prev_token_input=cfg.prev_token_input,
         )
         torch.manual_seed(cfg.seed)  # the same initial head whether or not the data was just built
         head = EagleHead(econf).attach(parts, vocab_N)
@@ -605,6 +636,14 @@ def main(argv: list[str] | None = None) -> int:
         "eagle-smollm2-135m.safetensors) instead of a fresh head: fine-tuning; a larger "
         "--draft-vocab-size than the file's grows its vocabulary",
     )
+    p.add_argument(
+        "--prev-token-input",
+        action=argparse.BooleanOptionalAction,
+        default=d.prev_token_input,
+        help="also feed the head embed(x_t), the token at the feature's position, a key for copying "
+        "from the context (default: %(default)s); with --init-from, a head without it gains the "
+        "block at zero",
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -668,6 +707,7 @@ def main(argv: list[str] | None = None) -> int:
         aux_layers=aux_layers,
         reg_weight=a.reg_weight,
         init_from=a.init_from,
+        prev_token_input=a.prev_token_input,
         steps=a.steps,
         draft_vocab_size=a.draft_vocab_size,
         unroll=a.unroll,

@@ -29,23 +29,24 @@ from specdec.targets.hf import HFTarget
 from specdec.targets.llama import LlamaTarget
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny Llama target and a head trained on its greedy continuations; returns a dict."""
-    path = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3)
-    target = LlamaTarget.from_pretrained(path)
-    hf = tiny_llama(seed=3)
-    parts = target_parts(target)
-    seqs, out = greedy_training_block(hf, target)
+def _train_tiny_head(
+    target, hf, parts, seqs, out, weights, prev_token_input: bool = False, seed: int | None = None
+) -> list[float]:
+    """Train a tiny head on the target's greedy continuations (the recipe's loss), save it to
+    ``weights``; returns its top-1 agreement with the target per step (teacher-forced step).
+    ``seed``: seed the head's initialisation (None: the global generator as it stands)."""
     # Unit-scale inputs, as the recipe sets them (the tiny target's features are ~0.03).
     config = EagleConfig.from_hf_config(
         hf.config,
         draft_vocab_size=200,
         feature_scale=1 / float(out.hidden_BTD.std()),
         embed_scale=1 / float(parts.embed_VD.std()),
+        prev_token_input=prev_token_input,
     )
     counts = torch.bincount(seqs.flatten(), minlength=259)
     vocab = torch.argsort(counts, descending=True, stable=True)[:200]
+    if seed is not None:
+        torch.manual_seed(seed)
     head = EagleHead(config)
     head.draft_vocab_N = vocab
     head.attach(parts)
@@ -62,25 +63,47 @@ def tiny(tmp_path_factory):
     }
     cfg = TrainConfig(unroll=2, feature_noise=0.0)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    accuracy = []  # the head's top-1 agreement with the target (teacher-forced step)
+    accuracy = []
     for _ in range(100):
         losses = unrolled_losses(head, batch, vocab_index, cfg, 1 / config.feature_scale)
         opt.zero_grad()
         losses["loss"].backward()
         opt.step()
         accuracy.append(float(losses["acc1"]))
-    weights = tmp_path_factory.mktemp("head") / "head.safetensors"
     head.draft_vocab_N = vocab  # frequency order, as the recipe saves it
     save_eagle_head(head, weights, target_name="tiny", embed_VD=parts.embed_VD)
+    return accuracy
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama target and a head trained on its greedy continuations; returns a dict."""
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3)
+    target = LlamaTarget.from_pretrained(path)
+    hf = tiny_llama(seed=3)
+    parts = target_parts(target)
+    seqs, out = greedy_training_block(hf, target)
+    weights = tmp_path_factory.mktemp("head") / "head.safetensors"
+    accuracy = _train_tiny_head(target, hf, parts, seqs, out, weights)
     return {
         "path": path,
         "target": target,
         "hf": hf,
         "weights": weights,
         "accuracy": accuracy,
-        "config": config,
         "parts": parts,
+        "seqs": seqs,
+        "out": out,
     }
+
+
+@pytest.fixture(scope="module")
+def tiny_prev(tiny, tmp_path_factory):
+    """``tiny`` with a head that also takes the previous token (``prev_token_input``)."""
+    weights = tmp_path_factory.mktemp("head-prev") / "head.safetensors"
+    args = (tiny["target"], tiny["hf"], tiny["parts"], tiny["seqs"], tiny["out"], weights)
+    accuracy = _train_tiny_head(*args, prev_token_input=True, seed=0)
+    return {**tiny, "weights": weights, "accuracy": accuracy}
 
 
 def _prompts():
@@ -95,9 +118,164 @@ def _options(tiny, drafter: str) -> dict:
     return {"weights": str(tiny["weights"]), **stops.get(drafter, {})}
 
 
-def test_training_learns_the_targets_next_tokens(tiny):
-    accuracy = tiny["accuracy"]
+@pytest.mark.parametrize("which", ["tiny", "tiny_prev"])
+def test_training_learns_the_targets_next_tokens(request, which):
+    accuracy = request.getfixturevalue(which)["accuracy"]
     assert accuracy[0] < 0.1 and min(accuracy[-10:]) > 0.3
+
+
+# --- a head that also takes the previous token (prev_token_input) ---------------------------------
+def _reference_logits(head, feats_TD, committed: list[int], path: list[int], prev_offset: int = 1):
+    """Draft logits after chain-drafting ``path`` from the ``committed`` tokens (whose target features
+    are ``feats_TD``), by re-running the reference forward over the whole sequence of triples
+    ``(f_t, x_{t+1}, x_t)`` at each step: no cache, no drafter bookkeeping. ``prev_offset`` != 1
+    feeds a wrong "previous" token (the test's check that the comparison can fail)."""
+    seq = committed + path
+    n = len(committed)
+    feats = list(feats_TD[: n - 1])
+    for _ in range(len(path) + 1):
+        T = len(feats)
+        nxt = torch.tensor([seq[1 : T + 1]])
+        prev = torch.tensor([[seq[max(0, t + 1 - prev_offset)] for t in range(T)]])
+        f_hat = head(torch.stack(feats).unsqueeze(0), nxt, prev)[0, -1]
+        feats.append(f_hat)
+    return head.logits(f_hat)
+
+
+def _recording(cls, target, weights, **options):
+    class Recording(cls):
+        def propose(self, state, gamma, generator=None):
+            p = super().propose(state, gamma, generator)
+            n = int(state.lengths_B[0])
+            self.log.append((state.tokens_BL[0, :n].tolist(), p))
+            return p
+
+    d = Recording(target, weights=weights, weight_dtype="float32", **options)
+    d.log = []
+    return d
+
+
+def _features(target, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        target.reset(1, len(tokens))
+        return target.forward(torch.tensor([tokens]), torch.zeros(1, dtype=torch.long)).hidden_BTD[0].clone()
+
+
+def _in_top(logits_N, token_index: int, k: int, tol: float = 1e-3) -> bool:
+    """The token is among the k largest logits, up to ``tol`` (float ties between the paths)."""
+    return bool(logits_N[token_index] >= logits_N.topk(k).values[-1] - tol)
+
+
+@pytest.mark.parametrize("tree", [None, "small", "dynamic"])
+def test_prev_token_head_drafts_equal_recomputing_the_reference_forward(tiny_prev, tree):
+    """The drafter feeds the right previous token everywhere (catch-up, each chain step, each tree
+    node, the root's children): every draft equals re-running the head's reference forward over the
+    whole committed + drafted sequence; a previous token off by one would not."""
+    target, weights = tiny_prev["target"], tiny_prev["weights"]
+    head, _ = load_eagle_head(weights, tiny_prev["parts"])
+    index_V = torch.full((259,), -1, dtype=torch.long)
+    index_V[head.draft_vocab_N] = torch.arange(head.draft_vocab_N.numel())
+    if tree is None:
+        d = _recording(EagleDrafter, target, weights)
+    else:
+        d = _recording(EagleTreeDrafter, target, weights, tree=tree, tree_width=3)
+    prompt = _prompts()[1]
+    specdec.generate(
+        target, [prompt], drafter=d, max_new_tokens=16, temperature=0.0, gamma=3, ignore_eos=True
+    )
+    checked = wrong_prev_differs = 0
+    with torch.no_grad():
+        for committed, proposal in d.log[:4]:
+            feats = _features(target, committed)
+            if proposal.tree is None:
+                nodes = [
+                    (list(proposal.tokens_BK[0, :k].tolist()), int(proposal.tokens_BK[0, k]), 1)
+                    for k in range(proposal.tokens_BK.shape[1])
+                ]
+            else:
+                tr, toks = proposal.tree.tree, proposal.tree.tokens_BN[0].tolist()
+                nodes = []
+                for c in range(1, tr.num_nodes):
+                    path, a = [], tr.parents[c]
+                    while a > 0:
+                        path.insert(0, toks[a])
+                        a = tr.parents[a]
+                    nodes.append((path, toks[c], 3 if tree == "dynamic" else len(tr.children[tr.parents[c]])))
+            for path, token, k in nodes:
+                ref = _reference_logits(head, feats, committed, path)
+                assert _in_top(ref, int(index_V[token]), k), (committed, path, token)
+                bad = _reference_logits(head, feats, committed, path, prev_offset=0)
+                wrong_prev_differs += not _in_top(bad, int(index_V[token]), k)
+                checked += 1
+    assert checked >= 6 and wrong_prev_differs > 0
+
+
+def test_prev_token_head_cache_and_packed_paths_equal_the_reference(tiny_prev):
+    """Cache steps (a block, a token, a block) and the packed fast path with the x_t block equal the
+    reference forward; a head with prev_token_input refuses to run without x_t."""
+    parts = tiny_prev["parts"]
+    head, _ = load_eagle_head(tiny_prev["weights"], parts)
+    packed, _ = load_eagle_head(
+        tiny_prev["weights"], parts, linear_backend="auto", weight_dtype=torch.float32
+    )
+    assert head.fc.weight.shape[1] == 3 * 64
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(2, 11, 64, generator=g) * 0.05
+    tokens = torch.randint(0, 259, (2, 12), generator=g)
+    nxt, prev = tokens[:, 1:], tokens[:, :-1]
+    with torch.no_grad():
+        ref = head(feats, nxt, prev)
+        assert (ref - head(feats, nxt, nxt)).abs().max() > 1e-3 * ref.abs().max()  # x_t matters
+        for h in (head, packed):
+            cache = EagleCache(h, 2, 4)  # grows on demand
+            outs = []
+            for a, b in [(0, 4), (4, 5), (5, 11)]:
+                slots = torch.arange(a, b).expand(2, -1)
+                visible = torch.arange(b) <= slots.unsqueeze(-1)
+                outs.append(cache.step(h, feats[:, a:b], nxt[:, a:b], slots, slots, visible, prev[:, a:b]))
+            torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-4, rtol=1e-4)
+        with pytest.raises(ValueError, match="prev_tokens_BT"):
+            head(feats, nxt)
+        with pytest.raises(ValueError, match="prev_tokens_BT"):
+            head(feats, nxt, prev[:, :3])
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_prev_token_unrolled_training_equals_inference_drafting(tiny_prev, step):
+    """Training-time test with x_t: unrolled step s at t == the s-th draft at inference."""
+    head, _ = load_eagle_head(tiny_prev["weights"], tiny_prev["parts"])
+    g = torch.Generator().manual_seed(1)
+    T = 9
+    feats = torch.randn(1, T, 64, generator=g) * 0.05
+    tokens = torch.randint(0, 259, (1, T + 1), generator=g)
+    nxt, cur = tokens[:, 1:], tokens[:, :-1]
+    with torch.no_grad():
+        preds = unrolled_features(head, feats, nxt, step, cur)
+        for m in range(0, T - step + 1):
+            cache = EagleCache(head, 1, T)
+            slots = torch.arange(m + 1).unsqueeze(0)
+            vis = torch.arange(m + 1) <= slots.unsqueeze(-1)
+            f = cache.step(head, feats[:, : m + 1], nxt[:, : m + 1], slots, slots, vis, cur[:, : m + 1])[
+                :, -1:
+            ]
+            for r in range(2, step + 1):
+                s = m + r - 1
+                slot = torch.tensor([[s]])
+                vis = torch.arange(s + 1) <= slot.unsqueeze(-1)
+                f = cache.step(head, f, nxt[:, s : s + 1], slot, slot, vis, cur[:, s : s + 1])
+            torch.testing.assert_close(f[0, 0], preds[step - 1][0, m + step - 1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree", "ngram-eagle"])
+def test_prev_token_head_greedy_equals_plain_decoding_ragged_batch(tiny_prev, drafter):
+    target, prompts = tiny_prev["target"], _prompts()
+    kw = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    ref = specdec.generate(target, prompts, drafter="none", **kw)
+    out = specdec.generate(
+        target, prompts, drafter=drafter, drafter_options=_options(tiny_prev, drafter), gamma=4, **kw
+    )
+    assert out.token_ids == ref.token_ids
+    assert out.metrics.num_accepted > 0
 
 
 def test_cache_steps_equal_the_reference_forward(tiny):

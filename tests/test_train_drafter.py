@@ -216,3 +216,28 @@ def test_init_from_rejects_weights_that_do_not_fit(runs):
         _run(runs["tmp"], "missing", replace(cfg, init_from=str(runs["tmp"] / "nope.safetensors")))
     with pytest.raises(ValueError, match="no such file"):  # the CLI flag reaches the config
         main(["--init-from", str(runs["tmp"] / "nope.safetensors"), "--data-root", str(runs["tmp"] / "data")])
+
+
+def test_prev_token_input_trains_and_init_from_adds_the_block_at_zero(runs):
+    """--prev-token-input: a fresh head's fc takes [embed(x_{t+1}); f_t; embed(x_t)] and trains; from
+    a file without the block, the block starts at zero (at lr 0 the file's weights come back with
+    zero columns appended, so the head computes what the file's did) and then learns; a file with
+    the block refuses a run without it. The flag keys the checkpoint only when on."""
+    tmp, cfg = runs["tmp"], runs["cfg"]
+    w0 = runs["weights"]["straight"]
+    fresh = replace(cfg, prev_token_input=True, steps=3)
+    _run(tmp, "prev_fresh", fresh)
+    w_fresh = load_file(str(tmp / "prev_fresh.safetensors"))
+    assert w_fresh["fc.weight"].shape == (DIM, 3 * DIM)
+    start = str(tmp / "straight.safetensors")
+    _run(tmp, "prev_still", replace(fresh, init_from=start, steps=2, lr=0.0))
+    w = load_file(str(tmp / "prev_still.safetensors"))
+    assert torch.equal(w["fc.weight"][:, : 2 * DIM], w0["fc.weight"])
+    assert not w["fc.weight"][:, 2 * DIM :].any()
+    assert all(torch.equal(w[k], w0[k]) for k in w0 if k != "fc.weight")
+    _run(tmp, "prev_tuned", replace(fresh, init_from=start, steps=3))
+    assert load_file(str(tmp / "prev_tuned.safetensors"))["fc.weight"][:, 2 * DIM :].abs().max() > 0
+    with pytest.raises(ValueError, match="prev_token_input.*--prev-token-input"):
+        _run(tmp, "prev_dropped", replace(cfg, init_from=str(tmp / "prev_fresh.safetensors")))
+    assert "prev_token_input" not in _key_fields(cfg)
+    assert _key_fields(fresh)["prev_token_input"] is True

@@ -81,6 +81,11 @@ class EagleConfig:
     Empty: the EAGLE-1 input, the last layer's feature alone."""
     aux_scales: tuple[float, ...] = ()
     """1/(typical size) of each aux layer's output, as ``feature_scale``."""
+    prev_token_input: bool = False
+    """Also feed ``embed(x_t)``, the token at the feature's own position, as a third ``fc`` block:
+    the pair at slot t then carries both x_t and x_{t+1}, so one attention layer can copy from the
+    context (the query's x_{t+1} matches a key's x_j; that slot's value holds x_{j+1}), the
+    induction pattern that the target's last-layer feature alone carries too weakly."""
 
     def __post_init__(self) -> None:
         # JSON metadata stores tuples as lists.
@@ -214,7 +219,7 @@ class EagleHead(nn.Module):
         c = config
         self.config = c
         qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
+        self.fc = nn.Linear((3 if c.prev_token_input else 2) * c.hidden_size, c.hidden_size, bias=True)
         A = len(c.aux_layers)
         self.fc_aux = nn.Linear((A + 1) * c.hidden_size, c.hidden_size, bias=False) if A else None
         if self.fc_aux is not None:  # start as the EAGLE-1 input (g = f); training mixes the aux layers in
@@ -282,7 +287,8 @@ class EagleHead(nn.Module):
         dtype = weight_dtype or self.fc.weight.dtype
         w = lambda m: m.weight.detach()
         D = c.hidden_size
-        scale_I = torch.cat([torch.full((D,), c.embed_scale), torch.full((D,), c.feature_scale)])
+        scales = [c.embed_scale, c.feature_scale] + ([c.embed_scale] if c.prev_token_input else [])
+        scale_I = torch.cat([torch.full((D,), x) for x in scales])
         fc_w = w(self.fc).float() * scale_I.to(self.fc.weight.device)  # folded in float32
         self._packed = {
             "fc": pack_linear(fc_w, self.fc.bias.detach(), backend=backend, dtype=dtype),
@@ -354,13 +360,26 @@ class EagleHead(nn.Module):
         x_BTI = x_BTI * scales.repeat_interleave(c.hidden_size)
         return self.fc_aux(x_BTI) / c.feature_scale
 
-    def fuse(self, feature_BTD: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
-        """``fc([embed(x_{t+1}); f_t])`` (both at unit scale): the layer input."""
+    def fuse(
+        self, feature_BTD: torch.Tensor, tokens_BT: torch.Tensor, prev_tokens_BT: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``fc([embed(x_{t+1}); f_t])`` (both at unit scale): the layer input; with
+        ``config.prev_token_input``, ``fc([embed(x_{t+1}); f_t; embed(x_t)])`` (``prev_tokens_BT`` = x_t)."""
         c = self.config
         emb_BTD = F.embedding(tokens_BT, self.embed_VD).to(feature_BTD.dtype)
+        blocks = [emb_BTD, feature_BTD]
+        if c.prev_token_input:
+            if prev_tokens_BT is None or prev_tokens_BT.shape != tokens_BT.shape:
+                raise ValueError(
+                    "prev_tokens_BT must be the tokens at the features' positions, shaped like tokens_BT "
+                    f"{tuple(tokens_BT.shape)}, for a head with prev_token_input; got "
+                    f"{None if prev_tokens_BT is None else tuple(prev_tokens_BT.shape)}"
+                )
+            blocks.append(F.embedding(prev_tokens_BT, self.embed_VD).to(feature_BTD.dtype))
         if self._packed is not None:  # the scales are folded into fc's columns
-            return self._packed["fc"](torch.cat((emb_BTD, feature_BTD), dim=-1))
-        return self.fc(torch.cat((emb_BTD * c.embed_scale, feature_BTD * c.feature_scale), dim=-1))
+            return self._packed["fc"](torch.cat(blocks, dim=-1))
+        scales = (c.embed_scale, c.feature_scale, c.embed_scale)
+        return self.fc(torch.cat([x * a for x, a in zip(blocks, scales, strict=False)], dim=-1))
 
     def qkv(
         self, h_BTD: torch.Tensor, positions_BT: torch.Tensor
@@ -432,12 +451,14 @@ class EagleHead(nn.Module):
             return self._packed["head"](feature_BTD)
         return F.linear(rms_norm(feature_BTD, self.norm_D, self.norm_eps), self.head_ND)
 
-    def forward(self, feature_BTD: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, feature_BTD: torch.Tensor, tokens_BT: torch.Tensor, prev_tokens_BT: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Reference teacher-forced pass over whole sequences (causal, positions 0..T-1):
-        ``f̂_{t+1}`` for every pair ``(f_t, x_{t+1})``."""
+        ``f̂_{t+1}`` for every pair ``(f_t, x_{t+1})`` (and ``x_t``, see :meth:`fuse`)."""
         B, T, _ = feature_BTD.shape
         positions_BT = torch.arange(T, device=feature_BTD.device).expand(B, T)
-        h_BTD = self.fuse(feature_BTD, tokens_BT)
+        h_BTD = self.fuse(feature_BTD, tokens_BT, prev_tokens_BT)
         q, k, v = self.qkv(h_BTD, positions_BT)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.finish(h_BTD, attn)
@@ -478,14 +499,16 @@ class EagleCache:
         slots_BT: torch.Tensor,
         positions_BT: torch.Tensor,
         visible_BTL: torch.Tensor | None,
+        prev_tokens_BT: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the head on a block of pairs at cache ``slots_BT`` (RoPE at ``positions_BT``);
         ``visible_BTL[b, t, s]``: may query t attend to slot s (``L`` = slots in use). ``None``:
-        one query per row at the same slot, which sees every slot up to its own (no mask)."""
+        one query per row at the same slot, which sees every slot up to its own (no mask).
+        ``prev_tokens_BT``: the tokens at the features' positions (a ``prev_token_input`` head)."""
         B, T = tokens_BT.shape
         L = int(slots_BT.max()) + 1 if visible_BTL is None else visible_BTL.shape[-1]
         self.ensure(int(slots_BT.max()) + 1)
-        h_BTD = head.fuse(feature_BTD, tokens_BT)
+        h_BTD = head.fuse(feature_BTD, tokens_BT, prev_tokens_BT)
         q, k, v = head.qkv(h_BTD, positions_BT)
         # k: [B, G, T, d] → cache[b, :, slot, :]
         s = int(slots_BT[0, 0])
@@ -746,6 +769,7 @@ class EagleDrafter:
         tokens, probs = [], []
         slot_B = self.cache_len_B.clone()
         rows_B = torch.arange(B, device=device)
+        prev_B = state.last_tokens_B().to(device)  # the token at the first draft pair's feature
         stop = ConfidenceStop(self.min_prob, B, device)
         for k in range(gamma):
             logits_BN = self.head.logits(feat_BD)
@@ -760,8 +784,8 @@ class EagleDrafter:
             tokens.append(token_B)
             probs.append(probs_BV)
             if k + 1 < gamma:
-                feat_BD = self.chain_step(feat_BD, token_B, slot_B, rows_B)
-                slot_B = slot_B + 1
+                feat_BD = self.chain_step(feat_BD, token_B, slot_B, rows_B, prev_B)
+                slot_B, prev_B = slot_B + 1, token_B
         if not tokens:
             return Proposal(torch.zeros(B, 0, dtype=torch.long, device=device), None)
         probs_BKV = None if state.sampling.greedy else torch.stack(probs, dim=1)
@@ -790,9 +814,12 @@ class EagleDrafter:
         tokens_BT = state.tokens_BL.to(device).gather(
             1, (slots_BT + 1).clamp(max=state.tokens_BL.shape[1] - 1)
         )
+        prev_BT = state.tokens_BL.to(device).gather(1, slots_BT.clamp(max=state.tokens_BL.shape[1] - 1))
         L = int(slots_BT.max()) + 1
         visible_BTL = torch.arange(L, device=device) <= slots_BT.unsqueeze(-1)
-        out_BTD = self.cache.step(self.head, feats_BTD[:, :T], tokens_BT, slots_BT, slots_BT, visible_BTL)
+        out_BTD = self.cache.step(
+            self.head, feats_BTD[:, :T], tokens_BT, slots_BT, slots_BT, visible_BTL, prev_BT
+        )
         last_B = (count_B - 1).clamp(min=0)
         rows_B = torch.arange(B, device=device)
         has_B = (count_B > 0).unsqueeze(1)
@@ -802,16 +829,23 @@ class EagleDrafter:
         return self._next_feat_BD
 
     def chain_step(
-        self, feat_BD: torch.Tensor, token_B: torch.Tensor, slot_B: torch.Tensor, rows_B: torch.Tensor
+        self,
+        feat_BD: torch.Tensor,
+        token_B: torch.Tensor,
+        slot_B: torch.Tensor,
+        rows_B: torch.Tensor,
+        prev_B: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One autoregressive draft step: pair ``(f̂, token)`` at ``slot_B`` → next ``f̂``."""
+        """One autoregressive draft step: pair ``(f̂, token)`` at ``slot_B`` → next ``f̂``
+        (``prev_B``: the token at f̂'s position, for a ``prev_token_input`` head)."""
         slots_B1 = slot_B.unsqueeze(1)
         if bool((slot_B == slot_B[0]).all()):
             visible_B1L = None  # every row sees slots 0..slot: no mask needed
         else:
             visible_B1L = torch.arange(int(slot_B.max()) + 1, device=slot_B.device) <= slots_B1.unsqueeze(-1)
+        prev_B1 = None if prev_B is None else prev_B.unsqueeze(1)
         out = self.cache.step(
-            self.head, feat_BD.unsqueeze(1), token_B.unsqueeze(1), slots_B1, slots_B1, visible_B1L
+            self.head, feat_BD.unsqueeze(1), token_B.unsqueeze(1), slots_B1, slots_B1, visible_B1L, prev_B1
         )
         return out[:, 0]
 
@@ -839,6 +873,7 @@ def describe(head: EagleHead) -> str:
         f"{c.num_heads}/{c.num_kv_heads} heads; head flops/token ≈ "
         f"{2 * (_num_params(head) + head.draft_vocab_N.numel() * c.hidden_size) / 1e6:.1f} MFLOP"
         f" (rope θ={c.rope_theta:g}, {math.prod(head.fc.weight.shape) / 1e6:.2f}M in fc"
+        + (" with the previous token's embedding" if c.prev_token_input else "")
         + (
             f", {math.prod(head.fc_aux.weight.shape) / 1e6:.2f}M in fc_aux fusing layers {list(c.aux_layers)}"
             if head.fc_aux is not None

@@ -117,13 +117,16 @@ class EagleTreeDrafter(EagleDrafter):
         if tree.num_nodes == 1:
             return Proposal(torch.zeros(B, 0, dtype=torch.long, device=device), None)
         if self.dynamic and B == 1 and state.sampling.greedy:
-            return self._propose_dynamic(feat_BD, min(gamma, room - 1), min(self.tree_nodes, room - 1))
+            return self._propose_dynamic(
+                feat_BD, min(gamma, room - 1), min(self.tree_nodes, room - 1), int(state.last_tokens_B()[0])
+            )
         N, head, sampling = tree.num_nodes, self.head, state.sampling
         feat_BND = feat_BD.new_zeros(B, N, D)
         feat_BND[:, 0] = feat_BD
         tokens_BN = torch.zeros(B, N, dtype=torch.long, device=device)
         draft_probs_BNV = None if sampling.greedy else torch.zeros(B, N, self.vocab_size, device=device)
         base_B = self.cache_len_B  # node i (≥ 1) sits at head-cache slot base + i − 1
+        last_B = state.last_tokens_B().to(device)  # the root's token (at the first nodes' parent feature)
         ancestors_NN = tree.ancestor_mask(device)
         for d in range(tree.max_depth):
             parents = [m for m in tree.nodes_at_depth(d) if tree.children[m]]
@@ -146,8 +149,9 @@ class EagleTreeDrafter(EagleDrafter):
             visible_BPL = (node_BL < 1).unsqueeze(1) | (
                 in_tree_BL.unsqueeze(1) & ancestors_NN[idx_P][:, node_BL.clamp(0, N - 1)].transpose(0, 1)
             )
+            prev_BP = torch.where(parent_P == 0, last_B.unsqueeze(1), tokens_BN[:, parent_P])
             out_BPD = self.cache.step(
-                head, feat_BND[:, parent_P], tokens_BN[:, idx_P], slots_BP, positions_BP, visible_BPL
+                head, feat_BND[:, parent_P], tokens_BN[:, idx_P], slots_BP, positions_BP, visible_BPL, prev_BP
             )
             feat_BND[:, idx_P] = out_BPD
         main = list(tree.main_path)
@@ -170,7 +174,9 @@ class EagleTreeDrafter(EagleDrafter):
         keys = probs_BN.log() - (-u.log()).log()  # log q + Gumbel(0, 1); −inf where q = 0
         return vocab[keys.topk(k, dim=-1).indices]
 
-    def _propose_dynamic(self, feat_BD: torch.Tensor, depth: int, num_nodes: int) -> Proposal:
+    def _propose_dynamic(
+        self, feat_BD: torch.Tensor, depth: int, num_nodes: int, last_token: int
+    ) -> Proposal:
         """EAGLE-2 dynamic tree (Li et al. 2024, arXiv 2406.16858), greedy and one row: expand the
         ``tree_width`` best nodes per depth by cumulative draft log-probability, then keep the
         ``tree_nodes`` best nodes overall, none below ``tree_min_prob``. (Greedy verification is
@@ -179,7 +185,7 @@ class EagleTreeDrafter(EagleDrafter):
         head, device, W = self.head, feat_BD.device, self.tree_width
         min_logp = math.log(self.tree_min_prob) if self.tree_min_prob > 0 else -math.inf
         base = int(self.cache_len_B[0])  # expanded node e sits at head-cache slot base + e
-        parent, token, score, node_depth = [-1], [0], [0.0], [0]
+        parent, token, score, node_depth = [-1], [last_token], [0.0], [0]  # the root: the last token
         slot_of: dict[int, int] = {}  # node → head-cache slot (expanded nodes only)
         feats = {0: feat_BD[0]}
         frontier = [0]
@@ -219,6 +225,7 @@ class EagleTreeDrafter(EagleDrafter):
                 slots,
                 positions,
                 visible_PL.unsqueeze(0),
+                torch.tensor([[token[parent[c]] for c in frontier]], device=device),
             )
             for i, c in enumerate(frontier):
                 feats[c] = out[0, i]
