@@ -366,20 +366,17 @@ def _head_from_weights(cfg: TrainConfig, parts, frequent_M: torch.Tensor) -> tup
             "(pass --prev-token-input)"
         )
     vocab_N = stored_draft_vocab(path)
-    if cfg.prev_token_input and not c.prev_token_input:  # add the x_t block to fc, zero: same outputs
-        wider = EagleHead(replace(c, prev_token_input=True))
-        state = head.state_dict()
-        state["fc.weight"] = torch.cat(
-            [state["fc.weight"], torch.zeros_like(state["fc.weight"][:, : c.hidden_size])], 1
-        )
-        wider.load_state_dict(state, strict=True)
-        head, c = wider.attach(parts, vocab_N), wider.config
     if c.draft_vocab_size < cfg.draft_vocab_size:
         vocab_N = grow_draft_vocab(vocab_N, frequent_M, cfg.draft_vocab_size)
-        grown = EagleHead(replace(c, draft_vocab_size=cfg.draft_vocab_size))
-        state = {k: v for k, v in head.state_dict().items() if k != "draft_vocab_N"}
-        grown.load_state_dict({**state, "draft_vocab_N": vocab_N}, strict=True)
-        head = grown.attach(parts, vocab_N)
+    wanted = replace(c, draft_vocab_size=cfg.draft_vocab_size, prev_token_input=cfg.prev_token_input)
+    if wanted != c:  # rebuild with the grown vocabulary and/or the x_t block in fc (zero: same outputs)
+        state = {**head.state_dict(), "draft_vocab_N": vocab_N}
+        if wanted.prev_token_input and not c.prev_token_input:
+            fc = state["fc.weight"]
+            state["fc.weight"] = torch.cat([fc, fc.new_zeros(fc.shape[0], c.hidden_size)], 1)
+        head = EagleHead(wanted)
+        head.load_state_dict(state, strict=True)
+        head.attach(parts, vocab_N)
     head.requires_grad_(True).train()
     return head, vocab_N
 

@@ -287,8 +287,7 @@ class EagleHead(nn.Module):
         dtype = weight_dtype or self.fc.weight.dtype
         w = lambda m: m.weight.detach()
         D = c.hidden_size
-        scales = [c.embed_scale, c.feature_scale] + ([c.embed_scale] if c.prev_token_input else [])
-        scale_I = torch.cat([torch.full((D,), x) for x in scales])
+        scale_I = torch.cat([torch.full((D,), x) for x in self._fc_scales()])
         fc_w = w(self.fc).float() * scale_I.to(self.fc.weight.device)  # folded in float32
         self._packed = {
             "fc": pack_linear(fc_w, self.fc.bias.detach(), backend=backend, dtype=dtype),
@@ -360,6 +359,11 @@ class EagleHead(nn.Module):
         x_BTI = x_BTI * scales.repeat_interleave(c.hidden_size)
         return self.fc_aux(x_BTI) / c.feature_scale
 
+    def _fc_scales(self) -> list[float]:
+        """The input scale of each of ``fc``'s blocks, in :meth:`fuse`'s order."""
+        c = self.config
+        return [c.embed_scale, c.feature_scale] + ([c.embed_scale] if c.prev_token_input else [])
+
     def fuse(
         self, feature_BTD: torch.Tensor, tokens_BT: torch.Tensor, prev_tokens_BT: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -378,8 +382,7 @@ class EagleHead(nn.Module):
             blocks.append(F.embedding(prev_tokens_BT, self.embed_VD).to(feature_BTD.dtype))
         if self._packed is not None:  # the scales are folded into fc's columns
             return self._packed["fc"](torch.cat(blocks, dim=-1))
-        scales = (c.embed_scale, c.feature_scale, c.embed_scale)
-        return self.fc(torch.cat([x * a for x, a in zip(blocks, scales, strict=False)], dim=-1))
+        return self.fc(torch.cat([x * a for x, a in zip(blocks, self._fc_scales(), strict=True)], dim=-1))
 
     def qkv(
         self, h_BTD: torch.Tensor, positions_BT: torch.Tensor
@@ -811,10 +814,14 @@ class EagleDrafter:
         device = feats_BTD.device
         ar_T = torch.arange(T, device=device)
         slots_BT = self.cache_len_B.unsqueeze(1) + ar_T
-        tokens_BT = state.tokens_BL.to(device).gather(
-            1, (slots_BT + 1).clamp(max=state.tokens_BL.shape[1] - 1)
+        # Committed tokens at slots s .. s+T: x_s is each pair's previous token, x_{s+1} its token.
+        window_BT1 = state.tokens_BL.to(device).gather(
+            1,
+            (self.cache_len_B.unsqueeze(1) + torch.arange(T + 1, device=device)).clamp(
+                max=state.tokens_BL.shape[1] - 1
+            ),
         )
-        prev_BT = state.tokens_BL.to(device).gather(1, slots_BT.clamp(max=state.tokens_BL.shape[1] - 1))
+        prev_BT, tokens_BT = window_BT1[:, :-1], window_BT1[:, 1:]
         L = int(slots_BT.max()) + 1
         visible_BTL = torch.arange(L, device=device) <= slots_BT.unsqueeze(-1)
         out_BTD = self.cache.step(

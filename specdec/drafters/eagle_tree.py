@@ -124,9 +124,11 @@ class EagleTreeDrafter(EagleDrafter):
         feat_BND = feat_BD.new_zeros(B, N, D)
         feat_BND[:, 0] = feat_BD
         tokens_BN = torch.zeros(B, N, dtype=torch.long, device=device)
+        tokens_BN[:, 0] = state.last_tokens_B().to(
+            device
+        )  # the root: each node's input after it is its parent's token
         draft_probs_BNV = None if sampling.greedy else torch.zeros(B, N, self.vocab_size, device=device)
         base_B = self.cache_len_B  # node i (≥ 1) sits at head-cache slot base + i − 1
-        last_B = state.last_tokens_B().to(device)  # the root's token (at the first nodes' parent feature)
         ancestors_NN = tree.ancestor_mask(device)
         for d in range(tree.max_depth):
             parents = [m for m in tree.nodes_at_depth(d) if tree.children[m]]
@@ -149,9 +151,14 @@ class EagleTreeDrafter(EagleDrafter):
             visible_BPL = (node_BL < 1).unsqueeze(1) | (
                 in_tree_BL.unsqueeze(1) & ancestors_NN[idx_P][:, node_BL.clamp(0, N - 1)].transpose(0, 1)
             )
-            prev_BP = torch.where(parent_P == 0, last_B.unsqueeze(1), tokens_BN[:, parent_P])
             out_BPD = self.cache.step(
-                head, feat_BND[:, parent_P], tokens_BN[:, idx_P], slots_BP, positions_BP, visible_BPL, prev_BP
+                head,
+                feat_BND[:, parent_P],
+                tokens_BN[:, idx_P],
+                slots_BP,
+                positions_BP,
+                visible_BPL,
+                tokens_BN[:, parent_P],
             )
             feat_BND[:, idx_P] = out_BPD
         main = list(tree.main_path)
@@ -236,6 +243,6 @@ class EagleTreeDrafter(EagleDrafter):
         chosen.sort(key=lambda c: (node_depth[c], -score[c]))
         index = {0: 0, **{c: i + 1 for i, c in enumerate(chosen)}}
         tree = TokenTree((-1, *(index[parent[c]] for c in chosen)))
-        tokens_1N = torch.tensor([[0, *(token[c] for c in chosen)]], device=device)
+        tokens_1N = torch.tensor([[token[c] for c in (0, *chosen)]], device=device)
         main = list(tree.main_path)  # children are in score order: the first is the best
         return Proposal(tokens_1N[:, main], None, tree=TreeProposal(tree, tokens_1N, None))
