@@ -10,10 +10,13 @@ recent earlier occurrence of ``x_{t-n+2..t+1}``, as prompt lookup does):
 - ``no_match``: the n-gram has not occurred yet.
 
 A head that has learned to copy agrees at ``copy`` positions about as well on held-out windows as
-on training windows; one that memorised its training text does not.
+on training windows; one that memorised its training text does not. ``--lessons N`` adds a third
+split: N fresh copy lessons (:func:`experiments.drafter_data.repeat_sequences` with another seed
+than training's), spans in a word order no head has seen, where only copying can agree.
 
     python -m experiments copy-agreement                       # the shipped head, the recipe's cache
     python -m experiments copy-agreement --weights my_head.safetensors --batches 24
+    python -m experiments copy-agreement --lessons 48       # also on fresh copy lessons (~30 s more)
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["KINDS", "lookup_kinds", "copy_agreement", "main"]
+__all__ = ["KINDS", "lookup_kinds", "copy_agreement", "lesson_data", "main"]
 
 KINDS = ("copy", "lookup_wrong", "no_match")
 
@@ -89,6 +92,34 @@ def copy_agreement(
     return {k: {"positions": counts[k], "agreement": round(hits[k] / max(1, counts[k]), 4)} for k in KINDS}
 
 
+def lesson_data(model, tokenizer, data, n: int, *, aux_layers: tuple[int, ...] = (), seed: int = 1):
+    """``n`` copy lessons built from ``data``'s training sequences (earlier lessons excluded), run
+    through the target ``model`` (a transformers causal LM): a :class:`FeatureData` whose sequences
+    are ``repeat/<i>``, all marked held out. Training builds its lessons with the data seed (0 in the
+    recipe), so the default ``seed=1`` gives spans that no recipe head has trained on."""
+    from experiments.drafter_data import FeatureData, extract_features, repeat_sequences
+
+    natural = [
+        (data.names[s], False, data.tokens[data.offsets[s] : data.offsets[s + 1]].tolist())
+        for s in data.sequences(False)
+        if not data.names[s].startswith("repeat/")
+    ]
+    lessons = repeat_sequences(tokenizer, natural, n, seed=seed)
+    seqs = [ids for _, _, ids in lessons]
+    feats, ids, probs, aux = extract_features(model, seqs, data.topk_ids.shape[1], aux_layers=aux_layers)
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    return FeatureData(
+        tokens=torch.tensor([t for s in seqs for t in s], dtype=torch.int64),
+        features=torch.cat(feats),
+        topk_ids=torch.cat(ids).long(),
+        topk_probs=torch.cat(probs),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        heldout=torch.ones(len(seqs), dtype=torch.bool),
+        names=[name for name, _, _ in lessons],
+        aux=torch.cat(aux) if aux is not None else None,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m experiments copy-agreement", description=__doc__.splitlines()[0]
@@ -96,8 +127,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--weights", default=None, help="head weights (default: the shipped head)")
     p.add_argument("--batches", type=int, default=12, help="batches of 8 windows per split")
     p.add_argument("--ngram", type=int, default=2, help="n of the lookup that defines a copy position")
+    p.add_argument(
+        "--lessons",
+        type=int,
+        default=0,
+        help="also score this many fresh copy lessons (spans no head trained on; default: none)",
+    )
     p.add_argument("--json", default=None, help="also write the result here")
     a = p.parse_args(argv)
+    if a.lessons < 0:
+        raise ValueError(f"--lessons must be >= 0, got {a.lessons}")
     if a.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {a.batches}")
     if a.ngram < 1:
@@ -106,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from experiments.drafter_data import _cache_root, load_dataset
     from experiments.train_drafter import TrainConfig
     from specdec.drafters.eagle import load_eagle_head, target_parts
-    from specdec.targets.loading import load_hf_model
+    from specdec.targets.loading import load_hf_model, load_tokenizer
 
     cfg = TrainConfig()
     root = _cache_root(cfg.data, None)
@@ -117,14 +156,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = load_hf_model(cfg.data.target)
     head, _ = load_eagle_head(a.weights, target_parts(model))
     data = load_dataset(root, head.config.aux_layers)
-    out = {
-        split: copy_agreement(head, data, data.sequences(held), batches=a.batches, n=a.ngram)
+    natural = [s for s in range(len(data.names)) if not data.names[s].startswith("repeat/")]
+    out = {  # the natural text: the training split without its copy lessons, and the held-out split
+        split: copy_agreement(
+            head, data, [s for s in natural if bool(data.heldout[s]) == held], batches=a.batches, n=a.ngram
+        )
         for split, held in (("train", False), ("heldout", True))
     }
+    if a.lessons:
+        lessons = lesson_data(
+            model, load_tokenizer(cfg.data.target), data, a.lessons, aux_layers=head.config.aux_layers
+        )
+        batches = -(-a.lessons // 8)
+        out["lessons"] = copy_agreement(head, lessons, lessons.sequences(True), batches=batches, n=a.ngram)
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"weights": a.weights, "batches": a.batches, "ngram": a.ngram, **out}, f, indent=1)
+            json.dump(
+                {"weights": a.weights, "batches": a.batches, "ngram": a.ngram, "num_lessons": a.lessons}
+                | out,
+                f,
+                indent=1,
+            )
     return 0
 
 

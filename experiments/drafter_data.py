@@ -20,7 +20,11 @@ Sources (all offline):
   everyday chat requests (advice, plans, explanations, stories) that HumanEval and 58 training MT-Bench
   questions cover thinly. ``self_instruct_rounds`` rounds of requests, each its own seed; a round
   only adds to what earlier rounds cached;
-- Python source from the standard library and documentation from site-packages (package READMEs).
+- Python source from the standard library and documentation from site-packages (package READMEs);
+- ``repeat_sequences`` copy lessons (:func:`repeat_sequences`): a training sequence's opening, then
+  a span of its words in a new random order written again and again (sometimes with other text in
+  between), as the target's loops repeat a sentence. The target copies there, and since every span
+  is new, the head can match it only by copying from its context, not by remembering the text.
 
 Held-out split, by prompt (never trained on): every prompt that ``specdec bench`` picks with
 ``--num-prompts`` up to 8 (it spaces prompts evenly: index ⌊i·L/n⌋), i.e. 22 of the 164 HumanEval
@@ -55,6 +59,7 @@ __all__ = [
     "load_prompts",
     "function_prompts",
     "self_instruct_requests",
+    "repeat_sequences",
     "generate_continuations",
     "is_heldout",
     "build_dataset",
@@ -96,6 +101,12 @@ class DataConfig:
     """Also generate continuations of held-out prompts (only used for held-out monitoring)."""
     text_tokens: int = 30_000
     """Tokens of Python and documentation text."""
+    repeat_sequences: int = 1500
+    """Copy lessons (:func:`repeat_sequences`): sequences of a shuffled word span written again and
+    again after a training sequence's opening, all training data (0: none, the recipe before
+    2026-12-01). They taught the shipped head to copy from its context (its model card)."""
+    repeat_length: int = 257
+    """Tokens in each copy-lesson sequence (257: one training window of 256 + 1)."""
     text_chunk: int = 512
     topk: int = 8
     gen_batch_size: int = 64
@@ -105,6 +116,8 @@ class DataConfig:
         fields = asdict(self)
         if fields["self_instruct_rounds"] == 1:
             del fields["self_instruct_rounds"]  # added later: one round keeps the older caches' keys
+        if fields["repeat_sequences"] == 0:  # added later: none keeps the older caches' keys
+            del fields["repeat_sequences"], fields["repeat_length"]
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -312,6 +325,59 @@ def text_sequences(tokenizer, cfg: DataConfig) -> list[tuple[str, bool, list[int
             continue
         out.append((f"text/{path.name}", i % 10 == 0, ids))
         total += len(ids)
+    return out
+
+
+def repeat_sequences(
+    tokenizer,
+    natural: list[tuple[str, bool, list[int]]],
+    n: int,
+    *,
+    length: int = 257,
+    seed: int = 0,
+) -> list[tuple[str, bool, list[int]]]:
+    """``n`` copy lessons of ``length`` tokens, built from the training sequences in ``natural``.
+
+    Each is a training sequence's first 16–96 tokens (a natural opening), then a span of 3–16 words
+    drawn from another training sequence's text and put in a random order, repeated until the
+    sequence is full; after a copy, 30 % of the time, 1–32 tokens of a third sequence come between.
+    The span's token ids are the same in every copy. Word order is new for every sequence, so the
+    second and later copies can be predicted only by copying from earlier in the window: this is the
+    induction that prompt lookup does by hand, on text the head has never seen. Names are
+    ``repeat/<i>``; all are training data (the held-out split stays the natural prompts)."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if length < 32:
+        raise ValueError(f"length must be >= 32, got {length}")
+    pool = [ids for _, held, ids in natural if not held and len(ids) >= 32]
+    if n and not pool:
+        raise ValueError("repeat_sequences needs training sequences of at least 32 tokens")
+    out: list[tuple[str, bool, list[int]]] = []
+    for i in range(n):
+        rng = random.Random(f"repeat|{seed}|{i}")
+        lead = rng.choice(pool)
+        seq = list(lead[: rng.randint(16, 96)])
+        span: list[int] = []
+        for _ in range(1000):
+            if 3 <= len(span) <= 48:
+                break
+            src = rng.choice(pool)
+            a = rng.randrange(max(1, len(src) - 96))
+            words = tokenizer.decode(src[a : a + 96]).split()
+            if len(words) < 3:
+                continue
+            rng.shuffle(words)
+            text = " " + " ".join(words[: rng.randint(3, min(16, len(words)))])
+            span = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            raise ValueError("repeat_sequences found no text of 3+ words in its training sequences")
+        while len(seq) < length:
+            seq += span
+            if rng.random() < 0.3:
+                gap_src = rng.choice(pool)
+                g = rng.randrange(len(gap_src))
+                seq += gap_src[g : g + rng.randint(1, 32)]
+        out.append((f"repeat/{i}", False, seq[:length]))
     return out
 
 
@@ -654,6 +720,11 @@ def build_dataset(
     # Sources added later come last, so the shards of older configs stay the same and are shared.
     for round_prompts in self_rounds:
         seqs += _continued(round_prompts, conts)
+    if cfg.repeat_sequences:
+        seqs += repeat_sequences(
+            tokenizer, seqs, cfg.repeat_sequences, length=cfg.repeat_length, seed=cfg.seed
+        )
+        log(f"[data] {cfg.repeat_sequences} copy lessons of {cfg.repeat_length} tokens")
     total = sum(len(s) for _, _, s in seqs)
     log(f"[data] {len(seqs)} sequences, {total} tokens; features in shards")
     shard_size = 64

@@ -98,10 +98,11 @@ class TrainConfig:
     last layer alone). Their features are captured in the same forward as the cache's features for
     shards extracted now, and added to shards already cached by ``build_aux_features`` (about half a
     target pass)."""
-    prev_token_input: bool = False
+    prev_token_input: bool = True
     """Feed the head ``embed(x_t)`` too (``EagleConfig.prev_token_input``): a key for copying from
-    the context. With ``init_from`` a head without it gains the block, zero-initialised (the
-    starting head's predictions unchanged)."""
+    the context (on in the recipe since 2026-12-01, with the data's copy lessons). With
+    ``init_from`` a head without it gains the block, zero-initialised (the starting head's
+    predictions unchanged)."""
     eval_every: int = 100
     ckpt_every: int = 50
     autocast_bf16: bool = True
@@ -672,6 +673,13 @@ def main(argv: list[str] | None = None) -> int:
         help="rounds of --self-instruct requests, each with its own seed (later rounds add to the cache)",
     )
     p.add_argument(
+        "--repeat-sequences",
+        type=int,
+        default=d.data.repeat_sequences,
+        help="copy lessons: sequences of a shuffled word span written again and again after a "
+        "training sequence's opening (default: %(default)s)",
+    )
+    p.add_argument(
         "--data-root", type=Path, default=None, help="feature cache root (default ~/.cache/specdec)"
     )
     p.add_argument("--work", type=Path, default=None, help="checkpoint directory (default inside the cache)")
@@ -681,7 +689,13 @@ def main(argv: list[str] | None = None) -> int:
         "--no-autocast", action="store_true", help="train in fp32 (slower) instead of bf16 autocast"
     )
     a = p.parse_args(argv)
-    for name in ("sample_continuations", "function_prompts", "self_instruct", "self_instruct_rounds"):
+    for name in (
+        "sample_continuations",
+        "function_prompts",
+        "self_instruct",
+        "self_instruct_rounds",
+        "repeat_sequences",
+    ):
         if getattr(a, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
     for name in ("steps", "draft_vocab_size", "unroll", "batch_size", "seq_len", "eval_prompts"):
@@ -724,6 +738,7 @@ def main(argv: list[str] | None = None) -> int:
             function_prompts=a.function_prompts,
             self_instruct=a.self_instruct,
             self_instruct_rounds=a.self_instruct_rounds,
+            repeat_sequences=a.repeat_sequences,
         ),
     )
     train(

@@ -168,3 +168,63 @@ def test_shard_key_addresses_content():
         drafter_data.shard_key("smollm2-135m", 8, chunk[::-1]),
     ]
     assert len({key, *changed}) == 7
+
+
+def _natural(n: int = 12) -> list[tuple[str, bool, list[int]]]:
+    tok = byte_tokenizer()
+    words = "the plot was terrible and the cast could not save a story about three old friends".split()
+    out = []
+    for i in range(n):
+        text = f"Item {i:02d}: " + " ".join(words[i % 5 :] + words[: i % 5]) + "."
+        out.append((f"s/{i}", i % 4 == 3, tok(text).input_ids))
+    return out
+
+
+def test_repeat_sequences_write_one_new_span_again_and_again():
+    tok = byte_tokenizer()
+    natural = _natural()
+    held_openings = [ids[:16] for _, held, ids in natural if held]
+    lessons = drafter_data.repeat_sequences(tok, natural, 20, length=400, seed=0)
+    assert [n for n, _, _ in lessons] == [f"repeat/{i}" for i in range(20)]
+    assert not any(held for _, held, _ in lessons)
+    assert lessons == drafter_data.repeat_sequences(tok, natural, 20, length=400, seed=0)
+    assert lessons != drafter_data.repeat_sequences(tok, natural, 20, length=400, seed=1)
+    for _, _, ids in lessons:
+        assert len(ids) == 400
+        # A natural opening of 16-96 tokens from a training sequence, never a held-out one.
+        openings = [src for _, held, src in natural if not held and ids[:16] == src[:16]]
+        assert openings, tok.decode(ids)
+        assert ids[:16] not in held_openings
+        # Some span of 3-48 tokens right after the opening occurs again later, token for token.
+        body = ids[16:]
+        repeated = any(
+            body[a : a + m] == body[b : b + m]
+            for m in (3,)
+            for a in range(len(body) - m)
+            for b in range(a + m, len(body) - m)
+        )
+        assert repeated, tok.decode(ids)
+    # Many positions are predictable by a lookup in the window (6 bytes: this tokenizer spells bytes).
+    from experiments.copy_agreement import lookup_kinds
+
+    kinds = [k for _, _, ids in lessons for k in lookup_kinds(ids, ids[2:] + [0], n=6)[:-1]]
+    assert kinds.count("copy") / len(kinds) > 0.4
+
+
+def test_repeat_sequences_reject_bad_arguments():
+    tok = byte_tokenizer()
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        drafter_data.repeat_sequences(tok, _natural(), -1)
+    with pytest.raises(ValueError, match="length must be >= 32"):
+        drafter_data.repeat_sequences(tok, _natural(), 2, length=8)
+    with pytest.raises(ValueError, match="training sequences"):
+        drafter_data.repeat_sequences(tok, [(n, True, ids) for n, _, ids in _natural()], 2)
+    assert drafter_data.repeat_sequences(tok, [], 0) == []
+
+
+def test_data_config_key_is_unchanged_without_copy_lessons():
+    base = drafter_data.DataConfig(repeat_sequences=0)
+    assert base.key() == drafter_data.DataConfig(repeat_sequences=0, repeat_length=100).key()  # unused
+    assert base.key() != drafter_data.DataConfig(repeat_sequences=10).key()
+    assert base.key() == "07643697dc"  # the recipe's cache from before the field existed
+    assert drafter_data.DataConfig().key() == "5fadf898ac"  # the shipped head's data

@@ -6,10 +6,11 @@ mix), the training loss, and the data cache's layer features.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
-from _tiny import greedy_training_block, save_tiny_checkpoint, tiny_llama
+from _tiny import byte_tokenizer, greedy_training_block, save_tiny_checkpoint, tiny_llama
 
 import specdec
 from experiments.drafter_data import (
@@ -293,6 +294,7 @@ def test_build_dataset_writes_layer_features_from_the_feature_pass(tiny3, tmp_pa
         function_prompts=0,
         self_instruct=0,
         text_tokens=0,
+        repeat_sequences=0,
         topk=4,
     )
     quiet = lambda s: None  # noqa: E731
@@ -320,3 +322,55 @@ def test_extract_features_checks_its_aux_layers(tiny3):
         extract_features(tiny3["hf"], [[3, 4, 5]], topk=4, aux_layers=(3,))
     feats, ids, probs, aux = extract_features(tiny3["hf"], [[3, 4, 5]], topk=4)
     assert aux is None and feats[0].shape == (3, 64) and ids[0].shape == probs[0].shape == (3, 4)
+
+
+def test_copy_lessons_come_after_the_natural_sequences_and_reuse_their_shards(tiny3, tmp_path, monkeypatch):
+    """A config that adds copy lessons keeps every natural sequence in its order, appends the lessons
+    (built from the natural training sequences, all training data), and reuses the natural shards:
+    only the shard that now holds lessons is extracted."""
+    import experiments.drafter_data as dd
+    import specdec.targets as targets_pkg
+    import specdec.targets.loading as loading
+
+    tok = byte_tokenizer()
+    rng = torch.Generator().manual_seed(2)
+    words = "the plot was terrible and a cast of old friends could not save it".split()
+    prompts = []
+    for i in range(70):
+        picks = torch.randint(len(words), (8,), generator=rng).tolist()
+        text = f"p{i}: " + " ".join(words[j] for j in picks)
+        prompts.append(dd.Prompt(f"p{i}", "humaneval", i % 4 == 0, tuple(tok(text).input_ids)))
+    monkeypatch.setattr(dd, "load_prompts", lambda tokenizer: prompts)
+    monkeypatch.setattr(loading, "load_tokenizer", lambda name: tok)
+    monkeypatch.setattr(loading, "load_hf_model", lambda name: tiny3["hf"])
+    monkeypatch.setattr(targets_pkg, "load_target", lambda name: LlamaTarget.from_pretrained(tiny3["path"]))
+    cfg = dd.DataConfig(
+        target="tiny",
+        greedy_tokens=3,
+        sample_tokens=0,
+        function_prompts=0,
+        self_instruct=0,
+        text_tokens=0,
+        repeat_sequences=0,
+        topk=4,
+    )
+    quiet = lambda s: None  # noqa: E731
+    plain = dd.load_dataset(dd.build_dataset(cfg, tmp_path, log=quiet))
+    lines: list[str] = []
+    with_lessons_dir = dd.build_dataset(
+        replace(cfg, repeat_sequences=4, repeat_length=48), tmp_path, log=lines.append
+    )
+    assert with_lessons_dir != tmp_path / f"tiny-{cfg.key()}"
+    assert "[data] 1 of 2 shards were already in" in " ".join(lines)  # the full natural shard
+    data = dd.load_dataset(with_lessons_dir)
+    n = len(plain.names)
+    assert data.names[:n] == plain.names and data.names[n:] == [f"repeat/{i}" for i in range(4)]
+    assert not data.heldout[n:].any()
+    assert torch.equal(data.tokens[: int(plain.offsets[n])], plain.tokens)
+    spans = zip(plain.offsets[:-1].tolist(), plain.offsets[1:].tolist(), strict=True)
+    natural = [
+        (name, bool(held), plain.tokens[a:b].tolist())
+        for name, held, (a, b) in zip(plain.names, plain.heldout, spans, strict=True)
+    ]
+    lessons = dd.repeat_sequences(tok, natural, 4, length=48, seed=0)
+    assert data.tokens[int(plain.offsets[n]) :].tolist() == [t for _, _, ids in lessons for t in ids]

@@ -223,13 +223,18 @@ def test_prev_token_input_trains_and_init_from_adds_the_block_at_zero(runs):
     a file without the block, the block starts at zero (at lr 0 the file's weights come back with
     zero columns appended, so the head computes what the file's did) and then learns; a file with
     the block refuses a run without it. The flag keys the checkpoint only when on."""
-    tmp, cfg = runs["tmp"], runs["cfg"]
-    w0 = runs["weights"]["straight"]
-    fresh = replace(cfg, prev_token_input=True, steps=3)
+    tmp = runs["tmp"]
+    assert runs["cfg"].prev_token_input  # the recipe's default since the copy lessons
+    assert load_file(str(tmp / "straight.safetensors"))["fc.weight"].shape == (DIM, 3 * DIM)
+    cfg = replace(runs["cfg"], prev_token_input=False, steps=3)
+    _run(tmp, "no_prev", cfg)
+    w0 = load_file(str(tmp / "no_prev.safetensors"))
+    assert w0["fc.weight"].shape == (DIM, 2 * DIM)
+    fresh = replace(cfg, prev_token_input=True)
     _run(tmp, "prev_fresh", fresh)
     w_fresh = load_file(str(tmp / "prev_fresh.safetensors"))
     assert w_fresh["fc.weight"].shape == (DIM, 3 * DIM)
-    start = str(tmp / "straight.safetensors")
+    start = str(tmp / "no_prev.safetensors")
     _run(tmp, "prev_still", replace(fresh, init_from=start, steps=2, lr=0.0))
     w = load_file(str(tmp / "prev_still.safetensors"))
     assert torch.equal(w["fc.weight"][:, : 2 * DIM], w0["fc.weight"])
