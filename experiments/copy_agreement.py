@@ -12,7 +12,7 @@ recent earlier occurrence of ``x_{t-n+2..t+1}``, as prompt lookup does):
 A head that has learned to copy agrees at ``copy`` positions about as well on held-out windows as
 on training windows; one that memorised its training text does not. ``--lessons N`` adds a third
 split: N fresh copy lessons (:func:`experiments.drafter_data.repeat_sequences` with another seed
-than training's), spans in a word order no head has seen, where only copying can agree.
+than training's), each scored once: spans in a word order no head has seen, where only copying can agree.
 
     python -m experiments copy-agreement                       # the shipped head, the recipe's cache
     python -m experiments copy-agreement --weights my_head.safetensors --batches 24
@@ -62,20 +62,33 @@ def lookup_kinds(tokens: Sequence[int], top1: Sequence[int], n: int = 2) -> list
 
 @torch.no_grad()
 def copy_agreement(
-    head, data, seqs: list[int], *, batches: int, seq_len: int = 256, n: int = 2, seed: int = 777
+    head,
+    data,
+    seqs: list[int],
+    *,
+    batches: int | None,
+    seq_len: int = 256,
+    n: int = 2,
+    seed: int = 777,
 ):
-    """Step-1 agreement of ``head`` with the target on ``batches`` × 8 seeded windows of ``seqs``, by
-    kind: ``{kind: {"positions": int, "agreement": float}}``."""
+    """Step-1 agreement of ``head`` with the target on ``batches`` × 8 seeded windows of ``seqs``
+    (``batches=None``: every window of ``seqs`` once, in order), by kind:
+    ``{kind: {"positions": int, "agreement": float}}``."""
     from experiments.train_drafter import Batches, step1_input, unrolled_features
 
-    if batches < 1:
+    if batches is not None and batches < 1:
         raise ValueError(f"batches must be >= 1, got {batches}")
     vocab_N = head.draft_vocab_N
     windows = Batches(data, seqs, seq_len, 8, seed=seed)
+    if batches is None:
+        every = range(len(windows.windows))
+        picks = [list(every[i : i + 8]) for i in range(0, len(every), 8)]
+    else:
+        picks = [None] * batches
     hits = dict.fromkeys(KINDS, 0)
     counts = dict.fromkeys(KINDS, 0)
-    for i in range(batches):
-        b = windows.batch(i)
+    for i, pick in enumerate(picks):
+        b = windows.batch(i) if pick is None else windows.take(pick)
         feats, tokens = b["features"], b["tokens"]
         T = feats.shape[1] - 1
         pred_BTD = unrolled_features(
@@ -167,8 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lessons = lesson_data(
             model, load_tokenizer(cfg.data.target), data, a.lessons, aux_layers=head.config.aux_layers
         )
-        batches = -(-a.lessons // 8)
-        out["lessons"] = copy_agreement(head, lessons, lessons.sequences(True), batches=batches, n=a.ngram)
+        out["lessons"] = copy_agreement(head, lessons, lessons.sequences(True), batches=None, n=a.ngram)
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as f:

@@ -160,20 +160,24 @@ class Batches:
         """Batch number ``step`` (a pure function of seed and step, so resuming is exact); with aux
         layer features in the data, ``aux`` is ``[B, T, A, D]``."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        pick = torch.randint(len(self.windows), (self.batch_size,), generator=g).tolist()
+        return self.take(torch.randint(len(self.windows), (self.batch_size,), generator=g).tolist())
+
+    def take(self, pick: list[int]) -> dict[str, torch.Tensor]:
+        """A batch of the windows numbered ``pick`` (in :attr:`windows`), one row each."""
         T = max(self.windows[i][1] - self.windows[i][0] for i in pick)
         D = self.data.features.shape[1]
         k = self.data.topk_ids.shape[1]
+        B = len(pick)
         out = {
-            "features": torch.zeros(self.batch_size, T, D),
-            "tokens": torch.zeros(self.batch_size, T, dtype=torch.long),
-            "topk_ids": torch.zeros(self.batch_size, T, k, dtype=torch.long),
-            "topk_probs": torch.zeros(self.batch_size, T, k),
-            "valid": torch.zeros(self.batch_size, T, dtype=torch.bool),
+            "features": torch.zeros(B, T, D),
+            "tokens": torch.zeros(B, T, dtype=torch.long),
+            "topk_ids": torch.zeros(B, T, k, dtype=torch.long),
+            "topk_probs": torch.zeros(B, T, k),
+            "valid": torch.zeros(B, T, dtype=torch.bool),
         }
         aux = self.data.aux
         if aux is not None:
-            out["aux"] = torch.zeros(self.batch_size, T, *aux.shape[1:])
+            out["aux"] = torch.zeros(B, T, *aux.shape[1:])
         for r, i in enumerate(pick):
             a, b = self.windows[i]
             n = b - a

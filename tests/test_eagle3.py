@@ -374,3 +374,35 @@ def test_copy_lessons_come_after_the_natural_sequences_and_reuse_their_shards(ti
     ]
     lessons = dd.repeat_sequences(tok, natural, 4, length=48, seed=0)
     assert data.tokens[int(plain.offsets[n]) :].tolist() == [t for _, _, ids in lessons for t in ids]
+
+
+def test_copy_agreement_scores_every_fresh_lesson_once(tiny3):
+    """copy-agreement's lessons split: each of N fresh lessons is one window, scored once
+    (batches=None), and Batches.take builds what batch() builds for the same windows."""
+    from experiments import copy_agreement as ca
+    from experiments.drafter_data import FeatureData
+    from experiments.train_drafter import Batches
+
+    tok = byte_tokenizer()
+    texts = [f"Item {i:02d}: the plot was terrible and the cast could not save it." for i in range(6)]
+    seqs = [tok(t).input_ids for t in texts]
+    lengths = torch.tensor([len(s) for s in seqs])
+    total = int(lengths.sum())
+    natural = FeatureData(
+        tokens=torch.tensor([t for s in seqs for t in s]),
+        features=torch.zeros(total, 64),
+        topk_ids=torch.zeros(total, 4, dtype=torch.long),
+        topk_probs=torch.zeros(total, 4),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        heldout=torch.zeros(len(seqs), dtype=torch.bool),
+        names=[f"s/{i}" for i in range(len(seqs))],
+    )
+    lessons = ca.lesson_data(tiny3["hf"], tok, natural, 11, aux_layers=AUX)
+    head, _ = load_eagle_head(str(tiny3["weights"]), tiny3["parts"])
+    once = ca.copy_agreement(head, lessons, lessons.sequences(True), batches=None)
+    assert sum(k["positions"] for k in once.values()) == 11 * (257 - 2)
+    windows = Batches(lessons, lessons.sequences(True), 256, 8, seed=777)
+    g = torch.Generator().manual_seed(777 * 1_000_003 + 0)
+    pick = torch.randint(len(windows.windows), (8,), generator=g).tolist()
+    a, b = windows.batch(0), windows.take(pick)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
