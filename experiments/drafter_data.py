@@ -357,10 +357,7 @@ def repeat_sequences(
         rng = random.Random(f"repeat|{seed}|{i}")
         lead = rng.choice(pool)
         seq = list(lead[: rng.randint(16, 96)])
-        span: list[int] = []
         for _ in range(1000):
-            if 3 <= len(span) <= 48:
-                break
             src = rng.choice(pool)
             a = rng.randrange(max(1, len(src) - 96))
             words = tokenizer.decode(src[a : a + 96]).split()
@@ -369,8 +366,10 @@ def repeat_sequences(
             rng.shuffle(words)
             text = " " + " ".join(words[: rng.randint(3, min(16, len(words)))])
             span = tokenizer(text, add_special_tokens=False).input_ids
+            if 3 <= len(span) <= 48:
+                break
         else:
-            raise ValueError("repeat_sequences found no text of 3+ words in its training sequences")
+            raise ValueError("repeat_sequences found no span of 3-48 tokens in its training sequences")
         while len(seq) < length:
             seq += span
             if rng.random() < 0.3:
