@@ -114,8 +114,7 @@ def lesson_data(model, tokenizer, data, n: int, *, aux_layers: tuple[int, ...] =
 
     natural = [
         (data.names[s], False, data.tokens[data.offsets[s] : data.offsets[s + 1]].tolist())
-        for s in data.sequences(False)
-        if not data.names[s].startswith("repeat/")
+        for s in data.natural(False)
     ]
     lessons = repeat_sequences(tokenizer, natural, n, seed=seed)
     seqs = [ids for _, _, ids in lessons]
@@ -169,11 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = load_hf_model(cfg.data.target)
     head, _ = load_eagle_head(a.weights, target_parts(model))
     data = load_dataset(root, head.config.aux_layers)
-    natural = [s for s in range(len(data.names)) if not data.names[s].startswith("repeat/")]
     out = {  # the natural text: the training split without its copy lessons, and the held-out split
-        split: copy_agreement(
-            head, data, [s for s in natural if bool(data.heldout[s]) == held], batches=a.batches, n=a.ngram
-        )
+        split: copy_agreement(head, data, data.natural(held), batches=a.batches, n=a.ngram)
         for split, held in (("train", False), ("heldout", True))
     }
     if a.lessons:

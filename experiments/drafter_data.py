@@ -70,6 +70,8 @@ __all__ = [
 ]
 
 HELDOUT_MAX_BENCH_PROMPTS = 8
+LESSON_PREFIX = "repeat/"
+"""Names of copy lessons (:func:`repeat_sequences`) start with this."""
 SET_SIZES = {"humaneval": 164, "mtbench": 80}
 
 
@@ -376,7 +378,7 @@ def repeat_sequences(
                 gap_src = rng.choice(pool)
                 g = rng.randrange(len(gap_src))
                 seq += gap_src[g : g + rng.randint(1, 32)]
-        out.append((f"repeat/{i}", False, seq[:length]))
+        out.append((f"{LESSON_PREFIX}{i}", False, seq[:length]))
     return out
 
 
@@ -588,6 +590,10 @@ class FeatureData:
 
     def sequences(self, heldout: bool) -> list[int]:
         return [i for i in range(len(self.names)) if bool(self.heldout[i]) == heldout]
+
+    def natural(self, heldout: bool) -> list[int]:
+        """:meth:`sequences` without the copy lessons: the text the target reads in real use."""
+        return [i for i in self.sequences(heldout) if not self.names[i].startswith(LESSON_PREFIX)]
 
 
 def _cache_root(cfg: DataConfig, root: Path | None) -> Path:

@@ -66,6 +66,24 @@ def tiny_llama(
     return model
 
 
+def token_data(seqs: list[list[int]], names: list[str], heldout: list[bool], *, dim: int = 8, topk: int = 4):
+    """A ``FeatureData`` holding only token sequences (zero features and top-k): what code that reads
+    the cache's text, not its features, needs."""
+    from experiments.drafter_data import FeatureData
+
+    lengths = torch.tensor([len(s) for s in seqs])
+    total = int(lengths.sum())
+    return FeatureData(
+        tokens=torch.tensor([t for s in seqs for t in s]),
+        features=torch.zeros(total, dim),
+        topk_ids=torch.zeros(total, topk, dtype=torch.long),
+        topk_probs=torch.zeros(total, topk),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        heldout=torch.tensor(heldout, dtype=torch.bool),
+        names=names,
+    )
+
+
 def save_tiny_checkpoint(path: Path, *, tokenizer=None, **model_options) -> Path:
     """Write a tiny Llama (safetensors) and a tokenizer to ``path``; returns ``path``."""
     path = Path(path)

@@ -49,25 +49,16 @@ def test_command_is_registered_and_validates():
 
 def test_lesson_data_runs_fresh_lessons_through_the_target():
     import torch
-    from _tiny import byte_tokenizer, tiny_llama
+    from _tiny import byte_tokenizer, tiny_llama, token_data
 
-    from experiments.drafter_data import FeatureData, extract_features, repeat_sequences
+    from experiments.drafter_data import extract_features, repeat_sequences
 
     tok = byte_tokenizer()
     hf = tiny_llama(seed=4, num_layers=3)
     texts = [f"Item {i:02d}: the plot was terrible and the cast could not save it." for i in range(6)]
     seqs = [tok(t).input_ids for t in texts] + [list(range(40, 80))]
     names = [f"s/{i}" for i in range(6)] + ["repeat/0"]  # an earlier lesson: never a source
-    lengths = torch.tensor([len(s) for s in seqs])
-    data = FeatureData(
-        tokens=torch.tensor([t for s in seqs for t in s]),
-        features=torch.zeros(int(lengths.sum()), 8),
-        topk_ids=torch.zeros(int(lengths.sum()), 4, dtype=torch.long),
-        topk_probs=torch.zeros(int(lengths.sum()), 4),
-        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-        heldout=torch.tensor([False, False, False, False, False, True, False]),
-        names=names,
-    )
+    data = token_data(seqs, names, [False, False, False, False, False, True, False])
     lessons = copy_agreement.lesson_data(hf, tok, data, 3, aux_layers=(1,), seed=1)
     natural = [(n, False, s) for n, s in zip(names[:5], seqs[:5], strict=True)]
     expected = [ids for _, _, ids in repeat_sequences(tok, natural, 3, seed=1)]

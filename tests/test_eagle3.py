@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _tiny import byte_tokenizer, greedy_training_block, save_tiny_checkpoint, tiny_llama
+from _tiny import byte_tokenizer, greedy_training_block, save_tiny_checkpoint, tiny_llama, token_data
 
 import specdec
 from experiments.drafter_data import (
@@ -265,29 +265,18 @@ def test_layer_features_extend_a_cache_and_batches_carry_them(tiny3, tmp_path):
     assert b["aux"].shape[:2] == b["features"].shape[:2] and b["aux"].shape[2:] == (2, 64)
 
 
-def test_build_dataset_writes_layer_features_from_the_feature_pass(tiny3, tmp_path, monkeypatch):
-    """build_dataset(aux_layers=...) writes each new shard's layer features from the same forward as
-    its features: bit for bit what build_aux_features adds in a second pass to a cache built
-    without them (two shards, held-out prompts included), and that pass then has nothing to do."""
-    from safetensors.torch import load_file
-
+def _tiny_build(monkeypatch, tiny3, prompts, *, tokenizer):
+    """Point build_dataset at the tiny target and ``prompts`` (continued 3 greedy tokens, no other
+    source); returns that DataConfig."""
     import experiments.drafter_data as dd
     import specdec.targets as targets_pkg
     import specdec.targets.loading as loading
 
-    gen = torch.Generator().manual_seed(1)
-    lengths = torch.randint(4, 20, (70,), generator=gen).tolist()
-    prompts = [
-        dd.Prompt(
-            f"p{i}", "humaneval", i % 4 == 0, tuple(torch.randint(3, 250, (n,), generator=gen).tolist())
-        )
-        for i, n in enumerate(lengths)
-    ]
-    monkeypatch.setattr(dd, "load_prompts", lambda tokenizer: prompts)
-    monkeypatch.setattr(loading, "load_tokenizer", lambda name: None)
+    monkeypatch.setattr(dd, "load_prompts", lambda tok: prompts)
+    monkeypatch.setattr(loading, "load_tokenizer", lambda name: tokenizer)
     monkeypatch.setattr(loading, "load_hf_model", lambda name: tiny3["hf"])
     monkeypatch.setattr(targets_pkg, "load_target", lambda name: LlamaTarget.from_pretrained(tiny3["path"]))
-    cfg = dd.DataConfig(
+    return dd.DataConfig(
         target="tiny",
         greedy_tokens=3,
         sample_tokens=0,
@@ -297,6 +286,25 @@ def test_build_dataset_writes_layer_features_from_the_feature_pass(tiny3, tmp_pa
         repeat_sequences=0,
         topk=4,
     )
+
+
+def test_build_dataset_writes_layer_features_from_the_feature_pass(tiny3, tmp_path, monkeypatch):
+    """build_dataset(aux_layers=...) writes each new shard's layer features from the same forward as
+    its features: bit for bit what build_aux_features adds in a second pass to a cache built
+    without them (two shards, held-out prompts included), and that pass then has nothing to do."""
+    from safetensors.torch import load_file
+
+    import experiments.drafter_data as dd
+
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(4, 20, (70,), generator=gen).tolist()
+    prompts = [
+        dd.Prompt(
+            f"p{i}", "humaneval", i % 4 == 0, tuple(torch.randint(3, 250, (n,), generator=gen).tolist())
+        )
+        for i, n in enumerate(lengths)
+    ]
+    cfg = _tiny_build(monkeypatch, tiny3, prompts, tokenizer=None)
     quiet = lambda s: None  # noqa: E731
     one_pass = dd.build_dataset(cfg, tmp_path / "a", log=quiet, aux_layers=AUX)
     two_pass = dd.build_dataset(cfg, tmp_path / "b", log=quiet)
@@ -329,8 +337,6 @@ def test_copy_lessons_come_after_the_natural_sequences_and_reuse_their_shards(ti
     (built from the natural training sequences, all training data), and reuses the natural shards:
     only the shard that now holds lessons is extracted."""
     import experiments.drafter_data as dd
-    import specdec.targets as targets_pkg
-    import specdec.targets.loading as loading
 
     tok = byte_tokenizer()
     rng = torch.Generator().manual_seed(2)
@@ -340,20 +346,7 @@ def test_copy_lessons_come_after_the_natural_sequences_and_reuse_their_shards(ti
         picks = torch.randint(len(words), (8,), generator=rng).tolist()
         text = f"p{i}: " + " ".join(words[j] for j in picks)
         prompts.append(dd.Prompt(f"p{i}", "humaneval", i % 4 == 0, tuple(tok(text).input_ids)))
-    monkeypatch.setattr(dd, "load_prompts", lambda tokenizer: prompts)
-    monkeypatch.setattr(loading, "load_tokenizer", lambda name: tok)
-    monkeypatch.setattr(loading, "load_hf_model", lambda name: tiny3["hf"])
-    monkeypatch.setattr(targets_pkg, "load_target", lambda name: LlamaTarget.from_pretrained(tiny3["path"]))
-    cfg = dd.DataConfig(
-        target="tiny",
-        greedy_tokens=3,
-        sample_tokens=0,
-        function_prompts=0,
-        self_instruct=0,
-        text_tokens=0,
-        repeat_sequences=0,
-        topk=4,
-    )
+    cfg = _tiny_build(monkeypatch, tiny3, prompts, tokenizer=tok)
     quiet = lambda s: None  # noqa: E731
     plain = dd.load_dataset(dd.build_dataset(cfg, tmp_path, log=quiet))
     lines: list[str] = []
@@ -380,23 +373,12 @@ def test_copy_agreement_scores_every_fresh_lesson_once(tiny3):
     """copy-agreement's lessons split: each of N fresh lessons is one window, scored once
     (batches=None), and Batches.take builds what batch() builds for the same windows."""
     from experiments import copy_agreement as ca
-    from experiments.drafter_data import FeatureData
     from experiments.train_drafter import Batches
 
     tok = byte_tokenizer()
     texts = [f"Item {i:02d}: the plot was terrible and the cast could not save it." for i in range(6)]
     seqs = [tok(t).input_ids for t in texts]
-    lengths = torch.tensor([len(s) for s in seqs])
-    total = int(lengths.sum())
-    natural = FeatureData(
-        tokens=torch.tensor([t for s in seqs for t in s]),
-        features=torch.zeros(total, 64),
-        topk_ids=torch.zeros(total, 4, dtype=torch.long),
-        topk_probs=torch.zeros(total, 4),
-        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-        heldout=torch.zeros(len(seqs), dtype=torch.bool),
-        names=[f"s/{i}" for i in range(len(seqs))],
-    )
+    natural = token_data(seqs, [f"s/{i}" for i in range(len(seqs))], [False] * len(seqs), dim=64)
     lessons = ca.lesson_data(tiny3["hf"], tok, natural, 11, aux_layers=AUX)
     head, _ = load_eagle_head(str(tiny3["weights"]), tiny3["parts"])
     once = ca.copy_agreement(head, lessons, lessons.sequences(True), batches=None)

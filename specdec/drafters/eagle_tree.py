@@ -116,17 +116,16 @@ class EagleTreeDrafter(EagleDrafter):
         device = feat_BD.device
         if tree.num_nodes == 1:
             return Proposal(torch.zeros(B, 0, dtype=torch.long, device=device), None)
+        last_B = state.last_tokens_B().to(device)  # the root's token: each node's x_t is its parent's
         if self.dynamic and B == 1 and state.sampling.greedy:
             return self._propose_dynamic(
-                feat_BD, min(gamma, room - 1), min(self.tree_nodes, room - 1), int(state.last_tokens_B()[0])
+                feat_BD, min(gamma, room - 1), min(self.tree_nodes, room - 1), int(last_B[0])
             )
         N, head, sampling = tree.num_nodes, self.head, state.sampling
         feat_BND = feat_BD.new_zeros(B, N, D)
         feat_BND[:, 0] = feat_BD
         tokens_BN = torch.zeros(B, N, dtype=torch.long, device=device)
-        tokens_BN[:, 0] = state.last_tokens_B().to(
-            device
-        )  # the root: each node's input after it is its parent's token
+        tokens_BN[:, 0] = last_B
         draft_probs_BNV = None if sampling.greedy else torch.zeros(B, N, self.vocab_size, device=device)
         base_B = self.cache_len_B  # node i (≥ 1) sits at head-cache slot base + i − 1
         ancestors_NN = tree.ancestor_mask(device)
