@@ -103,6 +103,10 @@ class TrainConfig:
     the context (on in the recipe since 2026-12-01, with the data's copy lessons). With
     ``init_from`` a head without it gains the block, zero-initialised (the starting head's
     predictions unchanged)."""
+    num_layers: int = 1
+    """Decoder layers in the head (``EagleConfig.num_layers``). With ``init_from`` a head with fewer
+    layers gains the missing ones on top, their output projections at zero (the starting head's
+    predictions unchanged)."""
     eval_every: int = 100
     ckpt_every: int = 50
     autocast_bf16: bool = True
@@ -239,16 +243,19 @@ def unrolled_features(
     """
     B, T, _ = features_BTD.shape
     positions = torch.arange(T).expand(B, T)
-    keys, values, preds = [], [], []
+    L = head.config.num_layers
+    keys, values, preds = [[] for _ in range(L)], [[] for _ in range(L)], []
     feat_in = features_BTD
     for s in range(1, steps + 1):
         if s > 1:
             feat_in = F.pad(preds[-1], (0, 0, 1, 0))[:, :T]  # f̂ predicted at t−1 for position t
         h = head.fuse(feat_in, next_tokens_BT, tokens_BT)
-        q, k, v = head.qkv(h, positions)
-        keys.append(k)
-        values.append(v)
-        preds.append(head.finish(h, _attend_unrolled(q, keys, values, s)))
+        for i in range(L):  # each layer attends to its own keys of the earlier steps
+            q, k, v = head.qkv(h, positions, i)
+            keys[i].append(k)
+            values[i].append(v)
+            h = head.finish(h, _attend_unrolled(q, keys[i], values[i], s), i)
+        preds.append(head.feature(h))
     return preds
 
 
@@ -321,6 +328,7 @@ def _key_fields(cfg: TrainConfig) -> dict:
         ("aux_layers", ()),
         ("init_from", None),
         ("prev_token_input", False),
+        ("num_layers", 1),
     ):
         if fields[name] == legacy:
             del fields[name]
@@ -370,16 +378,32 @@ def _head_from_weights(cfg: TrainConfig, parts, frequent_M: torch.Tensor) -> tup
             f"init_from: {path.name} feeds the previous token (prev_token_input), but this run does not "
             "(pass --prev-token-input)"
         )
+    if c.num_layers > cfg.num_layers:
+        raise ValueError(
+            f"init_from: {path.name} has {c.num_layers} decoder layers, but this run's num_layers is "
+            f"{cfg.num_layers}; layers can be added, not removed (pass --num-layers {c.num_layers} or more)"
+        )
     vocab_N = stored_draft_vocab(path)
     if c.draft_vocab_size < cfg.draft_vocab_size:
         vocab_N = grow_draft_vocab(vocab_N, frequent_M, cfg.draft_vocab_size)
-    wanted = replace(c, draft_vocab_size=cfg.draft_vocab_size, prev_token_input=cfg.prev_token_input)
-    if wanted != c:  # rebuild with the grown vocabulary and/or the x_t block in fc (zero: same outputs)
+    wanted = replace(
+        c,
+        draft_vocab_size=cfg.draft_vocab_size,
+        prev_token_input=cfg.prev_token_input,
+        num_layers=cfg.num_layers,
+    )
+    if wanted != c:
+        # Rebuild with the grown vocabulary, the x_t block in fc and/or more layers, each added
+        # at zero output so that the starting head computes what the file's does.
         state = {**head.state_dict(), "draft_vocab_N": vocab_N}
         if wanted.prev_token_input and not c.prev_token_input:
             fc = state["fc.weight"]
             state["fc.weight"] = torch.cat([fc, fc.new_zeros(fc.shape[0], c.hidden_size)], 1)
+        torch.manual_seed(cfg.seed)  # the added layers' other weights: a seeded fresh init
         head = EagleHead(wanted)
+        for i in range(c.num_layers - 1, wanted.num_layers - 1):  # the added layers
+            added = head.extra_layers[i].zero_output().state_dict()
+            state.update({f"extra_layers.{i}.{k}": v for k, v in added.items()})
         head.load_state_dict(state, strict=True)
         head.attach(parts, vocab_N)
     head.requires_grad_(True).train()
@@ -514,6 +538,7 @@ def train(
             aux_layers=tuple(cfg.aux_layers),
             aux_scales=tuple(1.0 / float(r) for r in aux_rms),
             prev_token_input=cfg.prev_token_input,
+            num_layers=cfg.num_layers,
         )
         torch.manual_seed(cfg.seed)  # the same initial head whether or not the data was just built
         head = EagleHead(econf).attach(parts, vocab_N)
@@ -646,6 +671,13 @@ def main(argv: list[str] | None = None) -> int:
         "from the context (default: %(default)s); with --init-from, a head without it gains the "
         "block at zero",
     )
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=d.num_layers,
+        help="decoder layers in the head (default: %(default)s, EAGLE's one); with --init-from, "
+        "layers the file lacks are added on top at zero output",
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -702,7 +734,15 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if getattr(a, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
-    for name in ("steps", "draft_vocab_size", "unroll", "batch_size", "seq_len", "eval_prompts"):
+    for name in (
+        "steps",
+        "draft_vocab_size",
+        "unroll",
+        "batch_size",
+        "seq_len",
+        "eval_prompts",
+        "num_layers",
+    ):
         if getattr(a, name) < (0 if name == "eval_prompts" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     try:
@@ -723,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
         reg_weight=a.reg_weight,
         init_from=a.init_from,
         prev_token_input=a.prev_token_input,
+        num_layers=a.num_layers,
         steps=a.steps,
         draft_vocab_size=a.draft_vocab_size,
         unroll=a.unroll,

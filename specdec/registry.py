@@ -117,6 +117,7 @@ DRAFTERS = Registry(
         "eagle-tree": "specdec.drafters.eagle_tree:EagleTreeDrafter",
         "ngram-eagle": "specdec.drafters.fallback:ngram_eagle",
         "ngram-eagle-tree": "specdec.drafters.fallback:ngram_eagle_tree",
+        "ngram-eagle-auto": "specdec.drafters.by_mode:ngram_eagle_auto",
         "default": "specdec.drafters.default:default_drafter",
     },
 )

@@ -30,7 +30,15 @@ from specdec.targets.llama import LlamaTarget
 
 
 def _train_tiny_head(
-    target, hf, parts, seqs, out, weights, prev_token_input: bool = False, seed: int | None = None
+    target,
+    hf,
+    parts,
+    seqs,
+    out,
+    weights,
+    prev_token_input: bool = False,
+    seed: int | None = None,
+    num_layers: int = 1,
 ) -> list[float]:
     """Train a tiny head on the target's greedy continuations (the recipe's loss), save it to
     ``weights``; returns its top-1 agreement with the target per step (teacher-forced step).
@@ -42,6 +50,7 @@ def _train_tiny_head(
         feature_scale=1 / float(out.hidden_BTD.std()),
         embed_scale=1 / float(parts.embed_VD.std()),
         prev_token_input=prev_token_input,
+        num_layers=num_layers,
     )
     counts = torch.bincount(seqs.flatten(), minlength=259)
     vocab = torch.argsort(counts, descending=True, stable=True)[:200]
@@ -97,13 +106,14 @@ def tiny(tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="module")
-def tiny_prev(tiny, tmp_path_factory):
-    """``tiny`` with a head that also takes the previous token (``prev_token_input``)."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-layer", "2-layer"])
+def tiny_prev(tiny, tmp_path_factory, request):
+    """``tiny`` with a head that also takes the previous token (``prev_token_input``), with one
+    decoder layer and with two (``num_layers``: every test of this fixture runs for both)."""
     weights = tmp_path_factory.mktemp("head-prev") / "head.safetensors"
     args = (tiny["target"], tiny["hf"], tiny["parts"], tiny["seqs"], tiny["out"], weights)
-    accuracy = _train_tiny_head(*args, prev_token_input=True, seed=0)
-    return {**tiny, "weights": weights, "accuracy": accuracy}
+    accuracy = _train_tiny_head(*args, prev_token_input=True, seed=0, num_layers=request.param)
+    return {**tiny, "weights": weights, "accuracy": accuracy, "num_layers": request.param}
 
 
 def _prompts():
@@ -118,10 +128,16 @@ def _options(tiny, drafter: str) -> dict:
     return {"weights": str(tiny["weights"]), **stops.get(drafter, {})}
 
 
-@pytest.mark.parametrize("which", ["tiny", "tiny_prev"])
-def test_training_learns_the_targets_next_tokens(request, which):
-    accuracy = request.getfixturevalue(which)["accuracy"]
+def test_training_learns_the_targets_next_tokens(tiny):
+    accuracy = tiny["accuracy"]
     assert accuracy[0] < 0.1 and min(accuracy[-10:]) > 0.3
+
+
+def test_prev_token_training_learns_the_targets_next_tokens(tiny_prev):
+    accuracy = tiny_prev["accuracy"]
+    assert accuracy[0] < 0.1 and min(accuracy[-10:]) > 0.3
+    head, _ = load_eagle_head(tiny_prev["weights"], tiny_prev["parts"])
+    assert head.config.num_layers == tiny_prev["num_layers"] == len(head.extra_layers) + 1
 
 
 # --- a head that also takes the previous token (prev_token_input) ---------------------------------
@@ -328,6 +344,14 @@ def test_packed_fused_head_equals_the_module_path(tiny, backend, B):
     assert outs[0][-1].abs().max() > 0.1
 
 
+def _packed_products(head):
+    """Every packed product of a head: fc, fc_aux, the LM head and each layer's four."""
+    pk = head._packed
+    return [v for k, v in pk.items() if k != "layers"] + [
+        lin for layer in pk["layers"] for lin in layer.values()
+    ]
+
+
 def test_bf16_packed_weights_are_the_default_on_the_packed_kernel_and_stay_close(tiny):
     """The drafter stores its packed weights in bf16 where the packed CPU kernel runs (activations
     stay float32); the layer's weights ship as bf16, so only fc's folded scales and the LM-head
@@ -338,9 +362,9 @@ def test_bf16_packed_weights_are_the_default_on_the_packed_kernel_and_stay_close
     drafter = EagleDrafter(tiny["target"], weights=str(tiny["weights"]))
     kernel = resolve_backend("auto", "cpu")
     want = torch.bfloat16 if kernel == "packed" else torch.float32
-    assert {lin.dtype for lin in drafter.head._packed.values()} == {want}
+    assert {lin.dtype for lin in _packed_products(drafter.head)} == {want}
     f32 = EagleDrafter(tiny["target"], weights=str(tiny["weights"]), weight_dtype="float32")
-    assert {lin.dtype for lin in f32.head._packed.values()} == {torch.float32}
+    assert {lin.dtype for lin in _packed_products(f32.head)} == {torch.float32}
     g = torch.Generator().manual_seed(4)
     feats = torch.randn(1, 6, 64, generator=g) * 3
     tokens = torch.randint(0, 259, (1, 6), generator=g)
@@ -576,7 +600,9 @@ def test_smaller_draft_vocab_keeps_the_most_frequent(tiny):
 
 @pytest.mark.model
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["eagle", "eagle-tree", "ngram-eagle", "ngram-eagle-tree"])
+@pytest.mark.parametrize(
+    "drafter", ["eagle", "eagle-tree", "ngram-eagle", "ngram-eagle-tree", "ngram-eagle-auto"]
+)
 def test_smollm2_greedy_equals_transformers(drafter):
     """Greedy output with the shipped head equals transformers' greedy generate, token for token."""
     from specdec.targets import load_target
@@ -611,19 +637,24 @@ def test_smollm2_greedy_equals_transformers(drafter):
 
 @pytest.mark.model
 def test_default_drafter_is_lookup_then_the_shipped_eagle_head_for_smollm2():
+    from specdec.drafters.by_mode import ModeDrafter
     from specdec.drafters.default import default_drafter, default_drafter_name
     from specdec.drafters.fallback import FallbackDrafter
     from specdec.drafters.ngram import NGramDrafter
     from specdec.targets import load_target
 
     target = load_target("smollm2-135m")
-    assert default_drafter_name(target) == "ngram-eagle"
+    assert default_drafter_name(target) == "ngram-eagle-auto"
     drafter = default_drafter(target)
-    assert isinstance(drafter, FallbackDrafter) and drafter.registry_name == "ngram-eagle"
-    assert isinstance(drafter.primary, NGramDrafter) and isinstance(drafter.fallback, EagleDrafter)
-    assert drafter.fallback.min_prob == 0.2  # the tuned confidence stop (docs/eagle.md)
-    tree = create_drafter("ngram-eagle-tree", target)
-    assert tree.fallback.tree_min_prob == 0.05 and create_drafter("eagle", target).min_prob == 0.0
+    assert isinstance(drafter, ModeDrafter) and drafter.registry_name == "ngram-eagle-auto"
+    chain, tree = drafter.drafters["chain"], drafter.drafters["tree"]
+    assert isinstance(chain, FallbackDrafter) and isinstance(tree, FallbackDrafter)
+    assert isinstance(chain.primary, NGramDrafter) and type(chain.fallback) is EagleDrafter
+    assert isinstance(tree.primary, NGramDrafter) and isinstance(tree.fallback, EagleTreeDrafter)
+    assert chain.fallback.min_prob == 0.2  # the tuned confidence stop (docs/eagle.md)
+    assert tree.fallback.tree_min_prob == 0.05 and tree.fallback.dynamic  # the tuned node floor
+    assert create_drafter("ngram-eagle-tree", target).fallback.tree_min_prob == 0.05
+    assert create_drafter("eagle", target).min_prob == 0.0
 
 
 def test_default_drafter_falls_back_for_other_targets(tiny, capsys):
@@ -700,3 +731,36 @@ def test_ngram_eagle_tree_mixes_lookup_chains_and_eagle_trees(tiny):
     )
     assert out.token_ids == ref.token_ids
     assert drafter.counts["primary"] > 0 and drafter.counts["fallback"] > 0
+
+
+def test_ngram_eagle_auto_takes_the_tree_for_greedy_single_rows_only(tiny):
+    """ngram-eagle-auto: the tree for greedy single-row runs, the chain for sampled and batched runs
+    and on targets without tree attention; greedy output equals plain decoding in every mode, and
+    the mode's options reach the right drafter."""
+    from specdec.drafters.by_mode import ModeDrafter
+    from specdec.drafters.fallback import FallbackDrafter
+
+    target, prompts = tiny["target"], _prompts()
+    opts = {"weights": str(tiny["weights"]), "min_prob": 0.0, "tree_min_prob": 0.0, "tree_width": 3}
+    drafter = create_drafter("ngram-eagle-auto", target, **opts)
+    assert isinstance(drafter, ModeDrafter)
+    chain, tree = drafter.drafters["chain"], drafter.drafters["tree"]
+    assert isinstance(chain.fallback, EagleDrafter) and not isinstance(chain.fallback, EagleTreeDrafter)
+    assert isinstance(tree.fallback, EagleTreeDrafter) and tree.fallback.tree_width == 3
+    kw = {"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True}
+    for batch, mode in ((prompts[:1], "tree"), (prompts, "chain")):
+        ref = specdec.generate(target, batch, drafter="none", **kw)
+        before = {m: sum(d.counts.values()) for m, d in drafter.drafters.items()}
+        out = specdec.generate(target, batch, drafter=drafter, gamma=4, **kw)
+        assert drafter.last_mode == mode and out.token_ids == ref.token_ids
+        used = {m: sum(d.counts.values()) - before[m] for m, d in drafter.drafters.items()}
+        assert used[mode] > 0 and used["tree" if mode == "chain" else "chain"] == 0
+    specdec.generate(target, prompts[:1], drafter=drafter, max_new_tokens=8, temperature=0.7, seed=0)
+    assert drafter.last_mode == "chain"
+    hf_target = HFTarget(tiny["hf"])
+    on_hf = create_drafter("ngram-eagle-auto", hf_target, weights=str(tiny["weights"]))
+    assert on_hf.drafters["tree"] is None and isinstance(on_hf.drafters["chain"], FallbackDrafter)
+    specdec.generate(hf_target, prompts[:1], drafter=on_hf, **kw)
+    assert on_hf.last_mode == "chain"
+    with pytest.raises(ValueError, match="before begin"):
+        ModeDrafter(chain).propose(None, 2)

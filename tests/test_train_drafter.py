@@ -24,6 +24,8 @@ from experiments.train_drafter import (
     main,
     train,
 )
+from specdec.drafters.eagle import load_eagle_head, target_parts
+from specdec.targets.loading import load_hf_model
 
 pytestmark = pytest.mark.model  # the recipe loads the real SmolLM2-135M for its embedding and LM head
 
@@ -246,3 +248,47 @@ def test_prev_token_input_trains_and_init_from_adds_the_block_at_zero(runs):
         _run(tmp, "prev_dropped", replace(cfg, init_from=str(tmp / "prev_fresh.safetensors")))
     assert "prev_token_input" not in _key_fields(cfg)
     assert _key_fields(fresh)["prev_token_input"] is True
+
+
+def test_num_layers_trains_and_init_from_adds_layers_at_zero_output(runs):
+    """--num-layers 2: a fresh head gets a second, pre-norm layer and trains it; from a one-layer
+    file the added layer starts with zero output projections (at lr 0 the file's weights come back
+    unchanged beside it, and the head's predictions equal the file's), then learns; a file with more
+    layers than the run refuses. The field keys the checkpoint only when it is not 1."""
+    tmp, cfg = runs["tmp"], runs["cfg"]
+    start = str(tmp / "straight.safetensors")
+    w0 = runs["weights"]["straight"]
+    _run(tmp, "deep_still", replace(cfg, init_from=start, steps=2, lr=0.0, num_layers=2))
+    w = load_file(str(tmp / "deep_still.safetensors"))
+    assert all(torch.equal(w[k], w0[k]) for k in w0)
+    added = {k for k in w if k not in w0}
+    assert {k.split(".", 2)[2] for k in added} == {
+        "input_norm",
+        "qkv_proj.weight",
+        "o_proj.weight",
+        "post_norm",
+        "gate_up_proj.weight",
+        "down_proj.weight",
+    }
+    assert not w["extra_layers.0.o_proj.weight"].any() and not w["extra_layers.0.down_proj.weight"].any()
+    assert w["extra_layers.0.qkv_proj.weight"].abs().max() > 0  # a fresh init, so it can learn
+    # the grown head computes what the file's does
+    data = load_dataset(_cache_root(cfg.data, tmp / "data"), cfg.aux_layers)
+    parts = target_parts(load_hf_model(cfg.data.target))
+    one, _ = load_eagle_head(start, parts)
+    two, _ = load_eagle_head(tmp / "deep_still.safetensors", parts)
+    assert two.config.num_layers == 2 and one.config.num_layers == 1
+    feats = data.features[:12].float().unsqueeze(0)
+    tokens = data.tokens[:13].unsqueeze(0)
+    with torch.no_grad():
+        f1 = one(one.project(feats, data.aux[:12].float().unsqueeze(0)), tokens[:, 1:], tokens[:, :-1])
+        f2 = two(two.project(feats, data.aux[:12].float().unsqueeze(0)), tokens[:, 1:], tokens[:, :-1])
+    torch.testing.assert_close(f2, f1)
+    _run(tmp, "deep_tuned", replace(cfg, init_from=start, steps=3, num_layers=2))
+    assert load_file(str(tmp / "deep_tuned.safetensors"))["extra_layers.0.o_proj.weight"].abs().max() > 0
+    fresh = _run(tmp, "deep_fresh", replace(cfg, steps=3, num_layers=2))
+    assert fresh["config"]["num_layers"] == 2
+    with pytest.raises(ValueError, match="2 decoder layers.*--num-layers 2"):
+        _run(tmp, "deep_dropped", replace(cfg, init_from=str(tmp / "deep_fresh.safetensors")))
+    assert "num_layers" not in _key_fields(cfg)
+    assert _key_fields(replace(cfg, num_layers=2))["num_layers"] == 2

@@ -86,6 +86,11 @@ class EagleConfig:
     the pair at slot t then carries both x_t and x_{t+1}, so one attention layer can copy from the
     context (the query's x_{t+1} matches a key's x_j; that slot's value holds x_{j+1}), the
     induction pattern that the target's last-layer feature alone carries too weakly."""
+    num_layers: int = 1
+    """Decoder layers in the head. The first is EAGLE's (no input norm: ``fc`` feeds it); each
+    further one is a standard pre-norm Llama layer (input RMSNorm) with its own KV cache, stacked on
+    the first's output: more of the target's next-token computation for the head to emulate, at the
+    cost of one more layer per draft token."""
 
     def __post_init__(self) -> None:
         # JSON metadata stores tuples as lists.
@@ -98,7 +103,14 @@ class EagleConfig:
                 f"aux_scales must hold one positive scale per aux layer ({len(self.aux_layers)}), "
                 f"got {self.aux_scales}"
             )
-        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "num_layers",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -203,6 +215,34 @@ def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tenso
     return x_BHTd * cos_BTd.unsqueeze(1) + rotated * sin_BTd.unsqueeze(1)
 
 
+class DraftLayer(nn.Module):
+    """A further decoder layer of the head (``config.num_layers`` > 1): a pre-norm Llama layer.
+
+    The head's first layer has the same parts without ``input_norm`` (EAGLE feeds it ``fc``'s
+    output directly); its weights live on :class:`EagleHead` itself, so one-layer heads keep their
+    state-dict names.
+    """
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        c = config
+        qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.qkv_proj = nn.Linear(c.hidden_size, qkv_out, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def zero_output(self) -> DraftLayer:
+        """Zero the projections into the residual stream: the layer then passes its input through
+        unchanged (how ``--init-from`` grows a trained head by a layer without changing it)."""
+        with torch.no_grad():
+            self.o_proj.weight.zero_()
+            self.down_proj.weight.zero_()
+        return self
+
+
 class EagleHead(nn.Module):
     """One Llama decoder layer over ``fc([embed(token); feature])``, plus the reduced LM head.
 
@@ -231,6 +271,8 @@ class EagleHead(nn.Module):
         self.post_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.input_norm = None  # the first layer has none (EAGLE); a DraftLayer has one
+        self.extra_layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers - 1))
         self.register_buffer("draft_vocab_N", torch.arange(c.draft_vocab_size), persistent=True)
         # Inference fast path (see pack()): the same weights in the CPU-friendly layout.
         self._packed: dict[str, Any] | None = None
@@ -296,17 +338,7 @@ class EagleHead(nn.Module):
                 if self.fc_aux is not None
                 else {}
             ),
-            "qkv_proj": pack_linear(w(self.qkv_proj), None, backend=backend, dtype=dtype),
-            "o_proj": pack_linear(w(self.o_proj), None, backend=backend, dtype=dtype),
-            "gate_up_proj": pack_linear(
-                w(self.gate_up_proj),
-                None,
-                backend=backend,
-                dtype=dtype,
-                norm_weight_I=self.post_norm.detach(),
-                norm_eps=self.norm_eps,
-            ),
-            "down_proj": pack_linear(w(self.down_proj), None, backend=backend, dtype=dtype, swiglu=True),
+            "layers": [self._pack_layer(i, backend, dtype) for i in range(c.num_layers)],
         }
         if self.head_ND is not None:
             self._packed["head"] = pack_linear(
@@ -319,6 +351,37 @@ class EagleHead(nn.Module):
             )
         self._packed_backend, self._packed_dtype = backend, weight_dtype
         return self
+
+    def _pack_layer(self, i: int, backend: str, dtype: torch.dtype) -> dict[str, Any]:
+        """Layer ``i``'s products for :meth:`pack` (a further layer's input norm fused into qkv)."""
+        from specdec.targets.linear import pack_linear
+
+        layer = self.layer(i)
+        w = lambda m: m.weight.detach()
+        norm = (
+            {}
+            if layer.input_norm is None
+            else {"norm_weight_I": layer.input_norm.detach(), "norm_eps": self.norm_eps}
+        )
+        return {
+            "qkv_proj": pack_linear(w(layer.qkv_proj), None, backend=backend, dtype=dtype, **norm),
+            "o_proj": pack_linear(w(layer.o_proj), None, backend=backend, dtype=dtype),
+            "gate_up_proj": pack_linear(
+                w(layer.gate_up_proj),
+                None,
+                backend=backend,
+                dtype=dtype,
+                norm_weight_I=layer.post_norm.detach(),
+                norm_eps=self.norm_eps,
+            ),
+            "down_proj": pack_linear(w(layer.down_proj), None, backend=backend, dtype=dtype, swiglu=True),
+        }
+
+    def layer(self, i: int) -> nn.Module:
+        """Decoder layer ``i`` (0: EAGLE's first layer, whose weights are the head's own)."""
+        if not 0 <= i < self.config.num_layers:
+            raise ValueError(f"layer must be in [0, num_layers={self.config.num_layers}), got {i}")
+        return self if i == 0 else self.extra_layers[i - 1]
 
     def _fc_aux_folded(self) -> torch.Tensor:
         """``fc_aux``'s weight with the input scales and the output's 1/feature_scale folded in."""
@@ -385,14 +448,17 @@ class EagleHead(nn.Module):
         return self.fc(torch.cat([x * a for x, a in zip(blocks, self._fc_scales(), strict=True)], dim=-1))
 
     def qkv(
-        self, h_BTD: torch.Tensor, positions_BT: torch.Tensor
+        self, h_BTD: torch.Tensor, positions_BT: torch.Tensor, layer: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project and rotate: ``q [B, H, T, d]``, ``k, v [B, G, T, d]``."""
+        """Layer ``layer``'s projection of the residual stream ``h_BTD``, rotated:
+        ``q [B, H, T, d]``, ``k, v [B, G, T, d]`` (a further layer normalises its input first)."""
         c = self.config
         B, T, _ = h_BTD.shape
         if self._packed is not None:
-            return self._qkv_packed(h_BTD, positions_BT)
-        q, k, v = self.qkv_proj(h_BTD).split(
+            return self._qkv_packed(h_BTD, positions_BT, layer)
+        mod = self.layer(layer)
+        x_BTD = h_BTD if mod.input_norm is None else rms_norm(h_BTD, mod.input_norm, self.norm_eps)
+        q, k, v = mod.qkv_proj(x_BTD).split(
             [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
         )
         q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
@@ -402,7 +468,7 @@ class EagleHead(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _qkv_packed(
-        self, h_BTD: torch.Tensor, positions_BT: torch.Tensor
+        self, h_BTD: torch.Tensor, positions_BT: torch.Tensor, layer: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`qkv` with fewer ops: q and k rotated together by
         :func:`specdec.targets.rope.apply_rope_flipped` (the same floats as :func:`apply_rope`)."""
@@ -411,7 +477,7 @@ class EagleHead(nn.Module):
         c = self.config
         B, T, _ = h_BTD.shape
         H, G, d = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv_BTCd = self._packed["qkv_proj"](h_BTD).view(B, T, H + 2 * G, d)
+        qkv_BTCd = self._packed["layers"][layer]["qkv_proj"](h_BTD).view(B, T, H + 2 * G, d)
         cos, flipped_sin = self._rope(positions_BT, h_BTD.dtype, flipped=True)
         qk = apply_rope_flipped(qkv_BTCd[:, :, : H + G], cos.unsqueeze(2), flipped_sin.unsqueeze(2))
         return (
@@ -436,17 +502,23 @@ class EagleHead(nn.Module):
             table = self._rope_table = (cos.to(dtype), sin.to(dtype), flip_sin(sin).to(dtype))
         return table[0][positions_BT], table[2 if flipped else 1][positions_BT]
 
-    def finish(self, h_BTD: torch.Tensor, attn_BHTd: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, MLP: the predicted feature ``f̂`` (back at the target's scale)."""
+    def finish(self, h_BTD: torch.Tensor, attn_BHTd: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """Layer ``layer``'s output projection, residual and MLP: the next residual stream (unit
+        scale); after the last layer, :meth:`feature` gives the predicted feature ``f̂``."""
         B, H, T, d = attn_BHTd.shape
         attn_BTF = attn_BHTd.transpose(1, 2).reshape(B, T, H * d)
         if self._packed is not None:  # residuals, post-norm and SwiGLU fused into the kernels
-            pk = self._packed
+            pk = self._packed["layers"][layer]
             h_BTD = pk["o_proj"](attn_BTF, h_BTD)
-            return pk["down_proj"](pk["gate_up_proj"](h_BTD), h_BTD) / self.config.feature_scale
-        h_BTD = h_BTD + self.o_proj(attn_BTF)
-        gate, up = self.gate_up_proj(rms_norm(h_BTD, self.post_norm, self.norm_eps)).chunk(2, dim=-1)
-        return (h_BTD + self.down_proj(F.silu(gate) * up)) / self.config.feature_scale
+            return pk["down_proj"](pk["gate_up_proj"](h_BTD), h_BTD)
+        mod = self.layer(layer)
+        h_BTD = h_BTD + mod.o_proj(attn_BTF)
+        gate, up = mod.gate_up_proj(rms_norm(h_BTD, mod.post_norm, self.norm_eps)).chunk(2, dim=-1)
+        return h_BTD + mod.down_proj(F.silu(gate) * up)
+
+    def feature(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual stream back at the target's feature scale: ``f̂``."""
+        return h_BTD / self.config.feature_scale
 
     def logits(self, feature_BTD: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[..., N]`` of a (predicted) feature."""
@@ -462,13 +534,16 @@ class EagleHead(nn.Module):
         B, T, _ = feature_BTD.shape
         positions_BT = torch.arange(T, device=feature_BTD.device).expand(B, T)
         h_BTD = self.fuse(feature_BTD, tokens_BT, prev_tokens_BT)
-        q, k, v = self.qkv(h_BTD, positions_BT)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.finish(h_BTD, attn)
+        for i in range(self.config.num_layers):
+            q, k, v = self.qkv(h_BTD, positions_BT, i)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            h_BTD = self.finish(h_BTD, attn, i)
+        return self.feature(h_BTD)
 
 
 class EagleCache:
-    """The head's static KV cache: slot s of row b holds the pair whose feature is at position s.
+    """The head's static KV cache: slot s of row b holds the pair whose feature is at position s
+    (one key and one value tensor per decoder layer).
 
     Rows are independent; a block writes its slots, then attends to the slots its ``visible``
     mask allows (slots past a row's valid length may hold stale drafts and are never visible).
@@ -478,12 +553,12 @@ class EagleCache:
         c = head.config
         w = head.fc.weight
         shape = (batch_size, c.num_kv_heads, capacity, c.head_dim)
-        self.k_BGLd = torch.zeros(shape, dtype=w.dtype, device=w.device)
-        self.v_BGLd = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self.k_BGLd = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.num_layers)]
+        self.v_BGLd = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.num_layers)]
 
     @property
     def capacity(self) -> int:
-        return self.k_BGLd.shape[2]
+        return self.k_BGLd[0].shape[2]
 
     def ensure(self, capacity: int) -> None:
         """Grow (by doubling) so that ``capacity`` slots fit."""
@@ -491,8 +566,8 @@ class EagleCache:
             return
         new = max(capacity, 2 * self.capacity)
         pad = (0, 0, 0, new - self.capacity)
-        self.k_BGLd = F.pad(self.k_BGLd, pad)
-        self.v_BGLd = F.pad(self.v_BGLd, pad)
+        self.k_BGLd = [F.pad(k, pad) for k in self.k_BGLd]
+        self.v_BGLd = [F.pad(v, pad) for v in self.v_BGLd]
 
     def step(
         self,
@@ -512,27 +587,34 @@ class EagleCache:
         L = int(slots_BT.max()) + 1 if visible_BTL is None else visible_BTL.shape[-1]
         self.ensure(int(slots_BT.max()) + 1)
         h_BTD = head.fuse(feature_BTD, tokens_BT, prev_tokens_BT)
-        q, k, v = head.qkv(h_BTD, positions_BT)
-        # k: [B, G, T, d] → cache[b, :, slot, :]
         s = int(slots_BT[0, 0])
-        if B == 1 and (T == 1 or bool((slots_BT[0] == torch.arange(s, s + T, device=slots_BT.device)).all())):
-            # one row writing consecutive slots (every chain draft step and catch-up): a plain copy
-            self.k_BGLd[:, :, s : s + T] = k
-            self.v_BGLd[:, :, s : s + T] = v
-        else:
-            rows_BT = torch.arange(B, device=slots_BT.device).unsqueeze(1).expand(B, T)
-            self.k_BGLd[rows_BT, :, slots_BT] = k.transpose(1, 2)
-            self.v_BGLd[rows_BT, :, slots_BT] = v.transpose(1, 2)
-        # Grouped-query attention without repeating keys: the query heads of one key/value head
-        # are stacked as rows (row r·T + t), as in the native target.
-        H, G, d = q.shape[1], k.shape[1], q.shape[-1]
-        rep = H // G
-        q_BGRd = q.reshape(B, G, rep * T, d)
-        mask = None if visible_BTL is None else visible_BTL.unsqueeze(1).repeat(1, 1, rep, 1)
-        attn = F.scaled_dot_product_attention(
-            q_BGRd, self.k_BGLd[:, :, :L], self.v_BGLd[:, :, :L], attn_mask=mask
+        # one row writing consecutive slots (every chain draft step and catch-up): a plain copy
+        contiguous = B == 1 and (
+            T == 1 or bool((slots_BT[0] == torch.arange(s, s + T, device=slots_BT.device)).all())
         )
-        return head.finish(h_BTD, attn.reshape(B, H, T, d))
+        rows_BT = None if contiguous else torch.arange(B, device=slots_BT.device).unsqueeze(1).expand(B, T)
+        mask = None
+        for i in range(head.config.num_layers):
+            q, k, v = head.qkv(h_BTD, positions_BT, i)
+            k_cache, v_cache = self.k_BGLd[i], self.v_BGLd[i]
+            # k: [B, G, T, d] → cache[b, :, slot, :]
+            if contiguous:
+                k_cache[:, :, s : s + T] = k
+                v_cache[:, :, s : s + T] = v
+            else:
+                k_cache[rows_BT, :, slots_BT] = k.transpose(1, 2)
+                v_cache[rows_BT, :, slots_BT] = v.transpose(1, 2)
+            # Grouped-query attention without repeating keys: the query heads of one key/value head
+            # are stacked as rows (row r·T + t), as in the native target.
+            H, G, d = q.shape[1], k.shape[1], q.shape[-1]
+            rep = H // G
+            if mask is None and visible_BTL is not None:
+                mask = visible_BTL.unsqueeze(1).repeat(1, 1, rep, 1)
+            attn = F.scaled_dot_product_attention(
+                q.reshape(B, G, rep * T, d), k_cache[:, :, :L], v_cache[:, :, :L], attn_mask=mask
+            )
+            h_BTD = head.finish(h_BTD, attn.reshape(B, H, T, d), i)
+        return head.feature(h_BTD)
 
 
 # --- weights ----------------------------------------------------------------------------------
@@ -876,7 +958,8 @@ def describe(head: EagleHead) -> str:
     return (
         f"EAGLE head: {_num_params(head) / 1e6:.2f}M trainable params, "
         f"draft vocab {head.draft_vocab_N.numel()}/{c.vocab_size}, "
-        f"layer dim {c.hidden_size}, ffn {c.intermediate_size}, "
+        f"{c.num_layers} decoder layer{'s' if c.num_layers > 1 else ''} of dim {c.hidden_size}, "
+        f"ffn {c.intermediate_size}, "
         f"{c.num_heads}/{c.num_kv_heads} heads; head flops/token ≈ "
         f"{2 * (_num_params(head) + head.draft_vocab_N.numel() * c.hidden_size) / 1e6:.1f} MFLOP"
         f" (rope θ={c.rope_theta:g}, {math.prod(head.fc.weight.shape) / 1e6:.2f}M in fc"
