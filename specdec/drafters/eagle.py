@@ -250,8 +250,10 @@ class EagleHead(nn.Module):
     features into its input feature (:meth:`project`); its later draft steps feed its own output.
 
     Trainable: ``fc`` (and ``fc_aux``), the layer (``qkv_proj``, ``o_proj``, ``post_norm``, ``gate_up_proj``,
-    ``down_proj``). As in EAGLE, the layer has no input norm: ``fc`` feeds it directly. The
-    embedding, final norm and head rows are the target's (buffers set by :meth:`attach`).
+    ``down_proj``). As in EAGLE, the layer has no input norm: ``fc`` feeds it directly. A head with
+    ``config.num_layers`` > 1 stacks further pre-norm layers on it (``extra_layers``, see
+    :class:`DraftLayer`). The embedding, final norm and head rows are the target's (buffers set by
+    :meth:`attach`).
     """
 
     def __init__(self, config: EagleConfig) -> None:
@@ -553,6 +555,7 @@ class EagleCache:
         c = head.config
         w = head.fc.weight
         shape = (batch_size, c.num_kv_heads, capacity, c.head_dim)
+        # one [B, G, L, d] key and value tensor per decoder layer
         self.k_BGLd = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.num_layers)]
         self.v_BGLd = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(c.num_layers)]
 
