@@ -119,13 +119,12 @@ def lesson_data(model, tokenizer, data, n: int, *, aux_layers: tuple[int, ...] =
     lessons = repeat_sequences(tokenizer, natural, n, seed=seed)
     seqs = [ids for _, _, ids in lessons]
     feats, ids, probs, aux = extract_features(model, seqs, data.topk_ids.shape[1], aux_layers=aux_layers)
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-    return FeatureData(
-        tokens=torch.tensor([t for s in seqs for t in s], dtype=torch.int64),
+    return FeatureData.join(
+        tokens=torch.tensor([t for s in seqs for t in s]),
         features=torch.cat(feats),
-        topk_ids=torch.cat(ids).long(),
+        topk_ids=torch.cat(ids),
         topk_probs=torch.cat(probs),
-        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        lengths=torch.tensor([len(s) for s in seqs]),
         heldout=torch.ones(len(seqs), dtype=torch.bool),
         names=[name for name, _, _ in lessons],
         aux=torch.cat(aux) if aux is not None else None,

@@ -588,6 +588,33 @@ class FeatureData:
     names: list[str]
     aux: torch.Tensor | None = None  # [N, A, D] fp16: outputs of the cache's aux layers (EAGLE-3)
 
+    @classmethod
+    def join(
+        cls,
+        *,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_probs: torch.Tensor,
+        lengths: torch.Tensor,
+        heldout: torch.Tensor,
+        names: list[str],
+        aux: torch.Tensor | None = None,
+    ) -> FeatureData:
+        """Sequences of ``lengths`` tokens laid end to end in the per-token arrays (a shard's layout)
+        as one :class:`FeatureData`: token ids as int64, the offsets from the lengths."""
+        lengths = lengths.to(torch.int64)
+        return cls(
+            tokens=tokens.long(),
+            features=features,
+            topk_ids=topk_ids.long(),
+            topk_probs=topk_probs,
+            offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+            heldout=heldout,
+            names=names,
+            aux=aux,
+        )
+
     def sequences(self, heldout: bool) -> list[int]:
         return [i for i in range(len(self.names)) if bool(self.heldout[i]) == heldout]
 
@@ -807,17 +834,7 @@ def load_dataset(path: Path, aux_layers: tuple[int, ...] = ()) -> FeatureData:
             with safe_open(str(file), framework="pt") as f:
                 aux_parts.append(f.get_tensor("aux"))
         aux = torch.cat(aux_parts)
-    lengths = torch.cat(parts["lengths"])
-    return FeatureData(
-        tokens=torch.cat(parts["tokens"]).long(),
-        features=torch.cat(parts["features"]),
-        topk_ids=torch.cat(parts["topk_ids"]).long(),
-        topk_probs=torch.cat(parts["topk_probs"]),
-        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
-        heldout=torch.cat(parts["heldout"]),
-        names=names,
-        aux=aux,
-    )
+    return FeatureData.join(**{k: torch.cat(v) for k, v in parts.items()}, names=names, aux=aux)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -73,12 +73,12 @@ def token_data(seqs: list[list[int]], names: list[str], heldout: list[bool], *, 
 
     lengths = torch.tensor([len(s) for s in seqs])
     total = int(lengths.sum())
-    return FeatureData(
+    return FeatureData.join(
         tokens=torch.tensor([t for s in seqs for t in s]),
         features=torch.zeros(total, dim),
         topk_ids=torch.zeros(total, topk, dtype=torch.long),
         topk_probs=torch.zeros(total, topk),
-        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        lengths=lengths,
         heldout=torch.tensor(heldout, dtype=torch.bool),
         names=names,
     )

@@ -596,8 +596,13 @@ class EagleCache:
             T == 1 or bool((slots_BT[0] == torch.arange(s, s + T, device=slots_BT.device)).all())
         )
         rows_BT = None if contiguous else torch.arange(B, device=slots_BT.device).unsqueeze(1).expand(B, T)
-        mask = None
-        for i in range(head.config.num_layers):
+        # Grouped-query attention without repeating keys: the query heads of one key/value head
+        # are stacked as rows (row r·T + t), as in the native target; one mask serves every layer.
+        c = head.config
+        H, G, d = c.num_heads, c.num_kv_heads, c.head_dim
+        rep = H // G
+        mask = None if visible_BTL is None else visible_BTL.unsqueeze(1).repeat(1, 1, rep, 1)
+        for i in range(c.num_layers):
             q, k, v = head.qkv(h_BTD, positions_BT, i)
             k_cache, v_cache = self.k_BGLd[i], self.v_BGLd[i]
             # k: [B, G, T, d] → cache[b, :, slot, :]
@@ -607,12 +612,6 @@ class EagleCache:
             else:
                 k_cache[rows_BT, :, slots_BT] = k.transpose(1, 2)
                 v_cache[rows_BT, :, slots_BT] = v.transpose(1, 2)
-            # Grouped-query attention without repeating keys: the query heads of one key/value head
-            # are stacked as rows (row r·T + t), as in the native target.
-            H, G, d = q.shape[1], k.shape[1], q.shape[-1]
-            rep = H // G
-            if mask is None and visible_BTL is not None:
-                mask = visible_BTL.unsqueeze(1).repeat(1, 1, rep, 1)
             attn = F.scaled_dot_product_attention(
                 q.reshape(B, G, rep * T, d), k_cache[:, :, :L], v_cache[:, :, :L], attn_mask=mask
             )
