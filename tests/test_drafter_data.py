@@ -223,8 +223,10 @@ def test_repeat_sequences_reject_bad_arguments():
 
 
 def test_data_config_key_is_unchanged_without_copy_lessons():
-    base = drafter_data.DataConfig(repeat_sequences=0)
-    assert base.key() == drafter_data.DataConfig(repeat_sequences=0, repeat_length=100).key()  # unused
-    assert base.key() != drafter_data.DataConfig(repeat_sequences=10).key()
+    base = drafter_data.DataConfig(repeat_sequences=0, text_tokens=30_000)
+    unused = drafter_data.DataConfig(repeat_sequences=0, text_tokens=30_000, repeat_length=100)
+    assert base.key() == unused.key()
+    assert base.key() != drafter_data.DataConfig(repeat_sequences=10, text_tokens=30_000).key()
     assert base.key() == "07643697dc"  # the recipe's cache from before the field existed
-    assert drafter_data.DataConfig().key() == "5fadf898ac"  # the shipped head's data
+    assert drafter_data.DataConfig(text_tokens=30_000).key() == "5fadf898ac"  # the previous head's data
+    assert drafter_data.DataConfig().key() == "ef4a7f5259"  # the shipped head's data (400 k text tokens)
