@@ -56,6 +56,7 @@ __all__ = [
     "tree_rejection_sample",
     "tree_greedy_verify",
     "verify_tree_proposal",
+    "supports_tree",
     "PRESET_TREES",
 ]
 
@@ -398,6 +399,12 @@ def tree_greedy_verify(
     return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
 
 
+def supports_tree(target: Any) -> bool:
+    """Whether ``target`` can verify a token tree in one call: tree attention in its forward and
+    ``copy_slots`` to compact the accepted path's KV (the native Llama target; not ``HFTarget``)."""
+    return hasattr(target, "copy_slots")
+
+
 def verify_tree_proposal(
     target: Any, state: DecodeState, proposal: TreeProposal, generator: torch.Generator | None = None
 ) -> tuple[TreeVerifyResult, TargetOutput]:
@@ -412,7 +419,7 @@ def verify_tree_proposal(
     ``aux_hidden_BTD``) hold the root's and the accepted nodes' features in path order
     (``[B, A, D]``), as a chain block would.
     """
-    if not hasattr(target, "copy_slots"):
+    if not supports_tree(target):
         raise ValueError(
             f"tree verification needs a target with tree attention and copy_slots "
             f"(the native Llama target); got {type(target).__name__}"

@@ -75,6 +75,7 @@ def ngram_eagle_auto(
     to the tree (None: that drafter's default); ``shared`` (``weights``, ``draft_vocab_size``,
     ``min_ngram``, ...) to both. Both are built now, so bad options fail here."""
     from specdec.drafters.fallback import ngram_eagle, ngram_eagle_tree
+    from specdec.tree import supports_tree
 
     chain_opts = {"min_prob": min_prob}
     tree_opts = {
@@ -84,7 +85,7 @@ def ngram_eagle_auto(
         "tree_width": tree_width,
     }
     chain = ngram_eagle(target, **{k: v for k, v in chain_opts.items() if v is not None}, **shared)
-    if not hasattr(target, "copy_slots"):
+    if not supports_tree(target):
         return ModeDrafter(chain)
     return ModeDrafter(
         chain, ngram_eagle_tree(target, **{k: v for k, v in tree_opts.items() if v is not None}, **shared)

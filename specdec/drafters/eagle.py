@@ -215,6 +215,19 @@ def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tenso
     return x_BHTd * cos_BTd.unsqueeze(1) + rotated * sin_BTd.unsqueeze(1)
 
 
+def add_layer_weights(module: nn.Module, config: EagleConfig) -> None:
+    """Set one decoder layer's weights on ``module``: ``qkv_proj``, ``o_proj``, ``post_norm``,
+    ``gate_up_proj``, ``down_proj`` (in that order, so a seeded head initialises the same). The head's
+    first layer keeps them on :class:`EagleHead` itself; each :class:`DraftLayer` has its own."""
+    c = config
+    qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    module.qkv_proj = nn.Linear(c.hidden_size, qkv_out, bias=False)
+    module.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+    module.post_norm = nn.Parameter(torch.ones(c.hidden_size))
+    module.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+    module.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+
 class DraftLayer(nn.Module):
     """A further decoder layer of the head (``config.num_layers`` > 1): a pre-norm Llama layer.
 
@@ -225,14 +238,8 @@ class DraftLayer(nn.Module):
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
-        c = config
-        qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.qkv_proj = nn.Linear(c.hidden_size, qkv_out, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        self.post_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.input_norm = nn.Parameter(torch.ones(config.hidden_size))
+        add_layer_weights(self, config)
 
     def zero_output(self) -> DraftLayer:
         """Zero the projections into the residual stream: the layer then passes its input through
@@ -260,7 +267,6 @@ class EagleHead(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.fc = nn.Linear((3 if c.prev_token_input else 2) * c.hidden_size, c.hidden_size, bias=True)
         A = len(c.aux_layers)
         self.fc_aux = nn.Linear((A + 1) * c.hidden_size, c.hidden_size, bias=False) if A else None
@@ -268,11 +274,7 @@ class EagleHead(nn.Module):
             with torch.no_grad():
                 self.fc_aux.weight.zero_()
                 self.fc_aux.weight[:, A * c.hidden_size :] = torch.eye(c.hidden_size)
-        self.qkv_proj = nn.Linear(c.hidden_size, qkv_out, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        self.post_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        add_layer_weights(self, c)
         self.input_norm = None  # the first layer has none (EAGLE); a DraftLayer has one
         self.extra_layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers - 1))
         self.register_buffer("draft_vocab_N", torch.arange(c.draft_vocab_size), persistent=True)

@@ -37,7 +37,7 @@ from specdec.drafters.confidence import check_min_prob
 from specdec.drafters.eagle import EagleDrafter
 from specdec.protocols import DecodeState, Proposal
 from specdec.sampling import logits_to_probs
-from specdec.tree import PRESET_TREES, TokenTree, TreeProposal
+from specdec.tree import PRESET_TREES, TokenTree, TreeProposal, supports_tree
 
 __all__ = ["EagleTreeDrafter", "resolve_tree"]
 
@@ -84,7 +84,7 @@ class EagleTreeDrafter(EagleDrafter):
         linear_backend: str = "auto",
         weight_dtype: torch.dtype | str | None = None,
     ) -> None:
-        if not hasattr(target, "copy_slots"):
+        if not supports_tree(target):
             raise ValueError(
                 f"eagle-tree needs a target with tree attention and copy_slots (the native Llama target, "
                 f"backend 'llama'); got {type(target).__name__}. Use the chain drafter 'eagle' instead."
