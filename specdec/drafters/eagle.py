@@ -589,8 +589,9 @@ class EagleCache:
         one query per row at the same slot, which sees every slot up to its own (no mask).
         ``prev_tokens_BT``: the tokens at the features' positions (a ``prev_token_input`` head)."""
         B, T = tokens_BT.shape
-        L = int(slots_BT.max()) + 1 if visible_BTL is None else visible_BTL.shape[-1]
-        self.ensure(int(slots_BT.max()) + 1)
+        slots_used = int(slots_BT.max()) + 1
+        L = slots_used if visible_BTL is None else visible_BTL.shape[-1]
+        self.ensure(slots_used)
         h_BTD = head.fuse(feature_BTD, tokens_BT, prev_tokens_BT)
         s = int(slots_BT[0, 0])
         # one row writing consecutive slots (every chain draft step and catch-up): a plain copy
