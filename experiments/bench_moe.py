@@ -36,11 +36,11 @@ import json
 import platform
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from specdec.bench.interleave import time_interleaved
 
 IMPLS = ("ours", "ours_general", "ours_mkl", "hf_eager", "hf_grouped", "dense", "dense_mkl")
 
@@ -85,12 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="directory for bench_moe.json / bench_moe.md")
-    p.add_argument(
-        "--prefetch-ab",
-        action="store_true",
-        help="also time our layer with the packed kernel's software prefetch off (a separate copy of "
-        "the layer, so neither side finds the other's packed weights in cache)",
-    )
     return p
 
 
@@ -150,27 +144,6 @@ def build_impls(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
     }
 
 
-def _time_interleaved(
-    fns: dict[str, Callable[[], object]], *, seconds: float, min_reps: int, max_reps: int
-) -> dict[str, list[float]]:
-    """Per-implementation wall times (s), interleaved, with a rotating order."""
-    names = list(fns)
-    for name in names:  # warm-up (allocator, BLAS thread pool, lazy init)
-        fns[name]()
-        fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    start = time.perf_counter()
-    rep = 0
-    while rep < max_reps and (rep < min_reps or time.perf_counter() - start < seconds):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
-        for name in order:
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - t0)
-        rep += 1
-    return times
-
-
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark; returns the result record (also written to --out when given)."""
     _validate(args)
@@ -178,22 +151,6 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     impls = build_impls(args)
     names = list(IMPLS)
-    if args.prefetch_ab:
-        import moe
-        from kernels.packed_gemm import packed_gemm_available, prefetch_distance, set_prefetch_distance
-
-        if not packed_gemm_available():
-            raise ValueError("--prefetch-ab needs the packed C kernel, which does not build here")
-        impls["ours_nopf"] = moe.MoE.from_hf(impls["hf_eager"]).eval()
-        names.append("ours_nopf")
-        distance = prefetch_distance()
-
-        def with_prefetch(m, x, d):
-            set_prefetch_distance(d)  # both sides pay the same ctypes call
-            try:
-                return m(x)
-            finally:
-                set_prefetch_distance(distance)
 
     flop_per_token = 6 * args.top_k * args.dim * args.hidden
     rows = []
@@ -208,10 +165,7 @@ def run(args: argparse.Namespace) -> dict:
                 for name in ("ours", "ours_general", "ours_mkl", "hf_grouped")
             }
             fns = {name: (lambda m=impls[name], x=x: m(x)) for name in IMPLS}
-            if args.prefetch_ab:
-                fns["ours"] = lambda m=impls["ours"], x=x: with_prefetch(m, x, distance)
-                fns["ours_nopf"] = lambda m=impls["ours_nopf"], x=x: with_prefetch(m, x, 0)
-            times = _time_interleaved(
+            times = time_interleaved(
                 fns, seconds=args.seconds, min_reps=args.min_reps, max_reps=args.max_reps
             )
             median_s = {name: statistics.median(times[name]) for name in names}
@@ -231,8 +185,6 @@ def run(args: argparse.Namespace) -> dict:
                 "ours_vs_ours_general": gflops["ours"] / gflops["ours_general"],
                 "max_abs_diff_vs_hf_eager": max_abs_diff,
             }
-            if args.prefetch_ab:
-                row["ours_vs_ours_nopf"] = gflops["ours"] / gflops["ours_nopf"]
             row["goal_met"] = row["ours_vs_hf_best"] >= 1.0 and (
                 num_tokens < 512 or row["ours_vs_dense"] >= 0.9
             )
@@ -249,7 +201,6 @@ def run(args: argparse.Namespace) -> dict:
             "dtype": "float32",
             "seconds_per_T": args.seconds,
             "seed": args.seed,
-            "prefetch_ab": bool(args.prefetch_ab),
         },
         "env": _env(),
         "results": rows,
@@ -277,8 +228,7 @@ def _row_text(row: dict) -> str:
         f"hf_eager {g['hf_eager']:7.2f}  hf_grouped {g['hf_grouped']:7.2f}  dense {g['dense']:7.2f}  "
         f"dense_mkl {g['dense_mkl']:7.2f}  |  "
         f"ours/hf_best {row['ours_vs_hf_best']:.2f}  ours/dense {row['ours_vs_dense']:.2f}  "
-        + (f"ours/no-prefetch {row['ours_vs_ours_nopf']:.3f}  " if "ours_vs_ours_nopf" in row else "")
-        + f"({row['reps']} reps)"
+        f"({row['reps']} reps)"
     )
 
 
@@ -302,19 +252,6 @@ def to_markdown(record: dict) -> str:
             f"| {g['hf_grouped']:.1f} | {g['dense']:.1f} | {g['dense_mkl']:.1f} "
             f"| {r['ours_vs_hf_best']:.2f} | {r['ours_vs_dense']:.2f} | {'yes' if r['goal_met'] else 'no'} |"
         )
-    ab = [r for r in record["results"] if "ours_vs_ours_nopf" in r]
-    if ab:
-        lines += [
-            "",
-            "Packed kernel's software prefetch (a separate copy of our layer with it off, interleaved):",
-            "",
-            "| T | ours | ours, no sw prefetch | time ratio (with / without) |",
-            "|---:|---:|---:|---:|",
-        ]
-        for r in ab:
-            g = r["gflops"]
-            ratio = 1 / r["ours_vs_ours_nopf"]
-            lines.append(f"| {r['tokens']} | {g['ours']:.1f} | {g['ours_nopf']:.1f} | {ratio:.3f} |")
     lines += ["", f"Command: `{record['command']}`", ""]
     return "\n".join(lines)
 

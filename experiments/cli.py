@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from specdec.cli_args import ArgumentParser, stderr_line
 from specdec.registry import Registry
 
 __all__ = ["COMMANDS", "main"]
@@ -25,7 +26,6 @@ _BUILTIN_COMMANDS = {
     "summarize": "experiments.cli:cmd_summarize",
     "train-drafter": "experiments.train_drafter:main",
     "bench-moe": "experiments.bench_moe:main",
-    "bench-prefetch": "experiments.bench_prefetch:main",
     "copy-agreement": "experiments.copy_agreement:main",
 }
 COMMANDS = Registry("command", "specdec.experiment_commands", builtins=_BUILTIN_COMMANDS)
@@ -35,7 +35,6 @@ HELP = {
     "summarize": "rebuild an experiment's summary.json from the finished runs in --out (e.g. after shards)",
     "train-drafter": "train the EAGLE-style drafter (experiments.train_drafter)",
     "bench-moe": "benchmark the MoE layer against transformers (experiments.bench_moe)",
-    "bench-prefetch": "speculative decoding with the packed kernel's prefetch on and off",
     "copy-agreement": "does the draft head copy from the context? (experiments.copy_agreement)",
 }
 
@@ -56,26 +55,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0 if args else 2
     name, rest = args[0], args[1:]
-    if name not in COMMANDS.names():
-        print(
-            f"error: unknown command {name!r}; known commands: {', '.join(COMMANDS.names())}", file=sys.stderr
-        )
-        return 2
-    module = _BUILTIN_COMMANDS.get(COMMANDS.resolve(name), "").partition(":")[0]
+    prog = f"python -m experiments {name}"
     try:
-        command = COMMANDS.get(name)
-    except ModuleNotFoundError as e:
-        if module and e.name == module:
-            print(
-                f"error: `python -m experiments {name}` needs the module {module}, which is not there yet "
-                f"(it is written separately); nothing was run.",
-                file=sys.stderr,
-            )
-        else:
-            print(f"error: `python -m experiments {name}` cannot import {e.name!r}: {e}", file=sys.stderr)
+        command = COMMANDS.get(name)  # an unknown name lists the known ones
+        return int(command(rest) or 0)
+    except ValueError as e:  # a bad argument, config file, --set value or field: one line
+        stderr_line(prog, e)
         return 2
-    result = command(rest)
-    return int(result or 0)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; finished runs are kept (run it again to resume)", file=sys.stderr)
+        return 130
 
 
 # --------------------------------------------------------------------------------------------- list
@@ -83,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_list(argv: Sequence[str]) -> int:
     """``list``: names, number of runs (full and --smoke) and descriptions."""
-    parser = argparse.ArgumentParser(prog="python -m experiments list", description=HELP["list"])
+    parser = ArgumentParser(prog="python -m experiments list", description=HELP["list"])
     parser.parse_args(argv)
     from experiments.registry import EXPERIMENTS, get_experiment
 
@@ -109,7 +98,12 @@ def _parse_set(items: Sequence[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set expects KEY=VALUE (VALUE read as YAML), got {item!r}")
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ValueError(
+                f"--set {key.strip()}: the value {value!r} is not valid YAML ({err.problem})"
+            ) from None
     return out
 
 
@@ -162,7 +156,7 @@ def _announce_wandb(out: Path) -> None:
 
 def cmd_run(argv: Sequence[str]) -> int:
     """``run NAME [--out DIR] [--wandb] [--shard i/n] [--smoke] [--publish] ...``."""
-    parser = argparse.ArgumentParser(prog="python -m experiments run", description=HELP["run"])
+    parser = ArgumentParser(prog="python -m experiments run", description=HELP["run"])
     _common(parser)
     parser.add_argument("--shard", help="run only shard i of n (0 <= i < n), e.g. --shard 0/4")
     parser.add_argument("--keep-going", action="store_true", help="report a failing run and continue")
@@ -172,14 +166,11 @@ def cmd_run(argv: Sequence[str]) -> int:
     from experiments.runner import plan_configs, run_experiment
     from experiments.sweep import parse_shard, shard
 
-    try:
-        shard_spec = parse_shard(args.shard) if args.shard else None
-        base, axes = _overrides(args)
-        experiment = get_experiment(args.name)
-        if args.publish and args.smoke:
-            raise ValueError("--publish with --smoke would overwrite the paper's results with a smoke run")
-    except ValueError as e:
-        parser.error(str(e))
+    shard_spec = parse_shard(args.shard) if args.shard else None
+    base, axes = _overrides(args)  # a ValueError here is a user error: main() prints it on one line
+    experiment = get_experiment(args.name)
+    if args.publish and args.smoke:
+        raise ValueError("--publish with --smoke would overwrite the paper's results with a smoke run")
     if args.dry_run:
         from experiments.config import config_to_dict, run_id
 
@@ -211,7 +202,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 
 def cmd_summarize(argv: Sequence[str]) -> int:
     """``summarize NAME --out DIR [--publish]``: rebuild summary.json from the finished runs."""
-    parser = argparse.ArgumentParser(prog="python -m experiments summarize", description=HELP["summarize"])
+    parser = ArgumentParser(prog="python -m experiments summarize", description=HELP["summarize"])
     _common(parser)
     args = parser.parse_args(argv)
     from experiments.registry import get_experiment
@@ -219,11 +210,8 @@ def cmd_summarize(argv: Sequence[str]) -> int:
     from experiments.store import experiment_dir
     from experiments.summary import publish_summary
 
-    try:
-        base, axes = _overrides(args)
-        experiment = get_experiment(args.name)
-    except ValueError as e:
-        parser.error(str(e))
+    base, axes = _overrides(args)
+    experiment = get_experiment(args.name)
     configs = plan_configs(experiment, smoke=args.smoke, base_overrides=base, axis_overrides=axes)
     if args.wandb:
         _announce_wandb(args.out)

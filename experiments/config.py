@@ -225,8 +225,14 @@ def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
     """Read a YAML file that must hold one mapping."""
     import yaml
 
-    text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read the YAML file ({err})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"{path}: not valid YAML{where} ({getattr(err, 'problem', None) or err})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a YAML mapping at the top level, got {type(data).__name__}")
     return data

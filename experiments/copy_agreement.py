@@ -155,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from experiments.drafter_data import _cache_root, load_dataset
     from experiments.train_drafter import TrainConfig
-    from specdec.drafters.eagle import load_eagle_head, target_parts
+    from specdec.drafters.eagle import load_eagle_head
+    from specdec.targets.hf import hf_parts
     from specdec.targets.loading import load_hf_model, load_tokenizer
 
     cfg = TrainConfig()
@@ -165,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"no drafter data cache at {root}: build it with python -m experiments train-drafter"
         )
     model = load_hf_model(cfg.data.target)
-    head, _ = load_eagle_head(a.weights, target_parts(model))
+    head, _ = load_eagle_head(a.weights, hf_parts(model))
     data = load_dataset(root, head.config.aux_layers)
     out = {  # the natural text: the training split without its copy lessons, and the held-out split
         split: copy_agreement(head, data, data.natural(held), batches=a.batches, n=a.ngram)

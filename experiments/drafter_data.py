@@ -18,8 +18,7 @@ Sources (all offline):
   chat template up to the user turn, writes user requests itself (sampled at T=1); each complete one
   becomes a prompt, raw and in the chat template, continued greedily and by one sample. They bring the
   everyday chat requests (advice, plans, explanations, stories) that HumanEval and 58 training MT-Bench
-  questions cover thinly. ``self_instruct_rounds`` rounds of requests, each its own seed; a round
-  only adds to what earlier rounds cached;
+  questions cover thinly;
 - Python source from the standard library and documentation from site-packages (package READMEs);
 - ``repeat_sequences`` copy lessons (:func:`repeat_sequences`): a training sequence's opening, then
   a span of its words in a new random order written again and again (sometimes with other text in
@@ -95,10 +94,6 @@ class DataConfig:
     prompts (raw and chat: 2 each), continued greedily and by one T=``sample_temperature`` sample."""
     self_instruct_tokens: int = 96
     """Longest sampled request; requests without an end of turn by then are dropped."""
-    self_instruct_rounds: int = 1
-    """Rounds of ``self_instruct`` sampled requests, each with its own seed and cache file (a round
-    adds new requests without regenerating the earlier ones; a request kept in an earlier round is
-    dropped). A second round was tried for the shipped head and not kept (see its model card)."""
     heldout_continuations: bool = False
     """Also generate continuations of held-out prompts (only used for held-out monitoring)."""
     text_tokens: int = 400_000
@@ -119,12 +114,8 @@ class DataConfig:
     seed: int = 0
 
     def key(self) -> str:
-        fields = asdict(self)
-        if fields["self_instruct_rounds"] == 1:
-            del fields["self_instruct_rounds"]  # added later: one round keeps the older caches' keys
-        if fields["repeat_sequences"] == 0:  # added later: none keeps the older caches' keys
-            del fields["repeat_sequences"], fields["repeat_length"]
-        return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+        """The cache directory's name: a hash of every field."""
+        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
 
 @dataclass(frozen=True)
@@ -251,14 +242,11 @@ def self_instruct_requests(
     batch_size: int,
     temperature: float = 1.0,
     top_p: float = 0.95,
-    round_index: int = 0,
-    exclude: frozenset[str] = frozenset(),
     log=print,
 ) -> list[str]:
     """User requests written by the chat model itself (Magpie, arXiv 2406.08464): ``n`` samples of
     the user turn from the chat template's prefix alone; the ones that end their turn within
-    ``max_tokens``, distinct, non-trivial and not in ``exclude``, in sampling order. Each
-    ``round_index`` draws different samples for the same ``seed``."""
+    ``max_tokens``, distinct and non-trivial, in sampling order."""
     import specdec
 
     tokenizer = target.tokenizer
@@ -270,7 +258,7 @@ def self_instruct_requests(
     )
     prefix_ids = tokenizer(rendered[: rendered.index(marker)], add_special_tokens=False).input_ids
     requests: list[str] = []
-    seen: set[str] = set(exclude)
+    seen: set[str] = set()
     t0 = time.perf_counter()
     for b, start in enumerate(range(0, n, batch_size)):
         rows = min(batch_size, n - start)
@@ -282,7 +270,7 @@ def self_instruct_requests(
             temperature=temperature,
             top_p=top_p,
             max_new_tokens=max_tokens,
-            seed=seed * 1_000_003 + 17 * b + 1 + 104_729 * round_index,
+            seed=seed * 1_000_003 + 17 * b + 1,
         )
         for row, why in zip(gen.token_ids, gen.finish_reasons, strict=True):
             if why != "eos":
@@ -299,18 +287,11 @@ def self_instruct_requests(
     return requests
 
 
-def _round_suffix(round_index: int) -> str:
-    """How a self-instruct round is named in prompt ids, job names and cache files: nothing for
-    round 0 (the names from before rounds existed, so its caches stay valid), ``-r<k>`` after."""
-    return "" if round_index == 0 else f"-r{round_index}"
-
-
-def self_instruct_prompts(tokenizer, requests: list[str], round_index: int = 0) -> list[Prompt]:
-    """Each request as two training prompts: raw text and the chat template's user turn (ids
-    ``self/<i>`` for round 0, ``self-r<round>/<i>`` after)."""
+def self_instruct_prompts(tokenizer, requests: list[str]) -> list[Prompt]:
+    """Each request as two training prompts: raw text and the chat template's user turn (``self/<i>``)."""
     out = []
     for i, text in enumerate(requests):
-        pid = f"self{_round_suffix(round_index)}/{i}"
+        pid = f"self/{i}"
         out.append(Prompt(pid, "self", False, tuple(tokenizer(text).input_ids)))
         out.append(Prompt(pid + "/chat", "self-chat", False, tuple(chat_ids(tokenizer, text))))
     return out
@@ -672,63 +653,77 @@ def build_dataset(
     ``aux_layers``: also write the outputs of these decoder layers beside every shard this call
     extracts (:func:`aux_shard_name`), from the same forward as its features, so an empty cache
     needs no second pass (:func:`build_aux_features` still adds them to reused shards)."""
-    from safetensors.torch import save_file
-
-    from specdec.targets import load_target
     from specdec.targets.loading import load_hf_model, load_tokenizer
 
     out = _cache_root(cfg, root)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"shards": []}
-    if manifest.get("complete"):
+    if manifest_path.exists() and json.loads(manifest_path.read_text()).get("complete"):
         log(f"[data] cached: {out}")
         return out
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     tokenizer = load_tokenizer(cfg.target)
     prompts = load_prompts(tokenizer)
     log(f"[data] {len(prompts)} prompts ({sum(p.heldout for p in prompts)} held out) -> {out}")
+    (bench, functions, requests), conts = _continuations(cfg, out, tokenizer, prompts, log)
+    # Sources added later come last, so the shards of older configs stay the same and are shared.
+    seqs = _continued(bench + functions, conts) + text_sequences(tokenizer, cfg) + _continued(requests, conts)
+    if cfg.repeat_sequences:
+        seqs += repeat_sequences(
+            tokenizer, seqs, cfg.repeat_sequences, length=cfg.repeat_length, seed=cfg.seed
+        )
+        log(f"[data] {cfg.repeat_sequences} copy lessons of {cfg.repeat_length} tokens")
+    total = sum(len(s) for _, _, s in seqs)
+    log(f"[data] {len(seqs)} sequences, {total} tokens; features in shards")
+    shards = _feature_shards(cfg, out, load_hf_model(cfg.target), seqs, aux_layers, log)
+    _write_json(manifest_path, {"shards": shards, "complete": True, "num_tokens": total})
+    return out
 
-    # Stage 1: continuations, each job cached in its own JSON file beside the config directories,
-    # so configs that share a job (e.g. the greedy continuations) generate it once.
+
+def _continuations(
+    cfg: DataConfig, out: Path, tokenizer, prompts: list[Prompt], log
+) -> tuple[list[list[Prompt]], dict[str, dict[str, list[list[int]]]]]:
+    """Stage 1: the target's continuations of every prompt source, each job cached in its own JSON
+    file beside the config directories (configs that share a job generate it once). Returns the
+    prompt sources (benchmark prompts, function prompts, self-instructed requests) and the
+    continuations by job name and prompt id."""
+    from specdec.targets import load_target
+
     target = load_target(cfg.target)
     fn_prompts = function_prompts(tokenizer, cfg.function_prompts, cfg.seed) if cfg.function_prompts else []
     if fn_prompts:
         log(f"[data] {len(fn_prompts)} prompts from {len(fn_prompts) // 3} standard-library functions")
     trained = [p for p in prompts if not p.heldout]
-    conts: dict[str, dict[str, list[list[int]]]] = {}
     jobs = [("greedy", 0.0, cfg.greedy_tokens, 1, prompts if cfg.heldout_continuations else trained)]
     if fn_prompts:
         jobs.append(("functions", 0.0, cfg.greedy_tokens, 1, fn_prompts))
     if cfg.sample_tokens > 0 and cfg.sample_continuations > 0:
         jobs.append(("sample", cfg.sample_temperature, cfg.sample_tokens, cfg.sample_continuations, trained))
-    self_rounds: list[list[Prompt]] = []
-    kept: set[str] = set()
-    req_stem = f"{cfg.target}-self-instruct-n{cfg.self_instruct}-t{cfg.self_instruct_tokens}-s{cfg.seed}"
-    for r in range(cfg.self_instruct_rounds if cfg.self_instruct > 0 else 0):
-        req_path = out.parent / f"{req_stem}{_round_suffix(r)}.json"
+    self_prompts: list[Prompt] = []
+    if cfg.self_instruct > 0:
+        req_path = (
+            out.parent
+            / f"{cfg.target}-self-instruct-n{cfg.self_instruct}-t{cfg.self_instruct_tokens}-s{cfg.seed}.json"
+        )
         if req_path.exists():
             requests = json.loads(req_path.read_text())
         else:
-            log(f"[data] self-instruct round {r}: sampling {cfg.self_instruct} user requests from the target")
+            log(f"[data] self-instruct: sampling {cfg.self_instruct} user requests from the target")
             requests = self_instruct_requests(
                 target,
                 cfg.self_instruct,
                 max_tokens=cfg.self_instruct_tokens,
                 seed=cfg.seed,
                 batch_size=cfg.gen_batch_size,
-                round_index=r,
-                exclude=frozenset(kept),
                 log=log,
             )
             _write_json(req_path, requests)
-        kept.update(requests)
-        self_rounds.append(self_instruct_prompts(tokenizer, requests, round_index=r))
-        log(f"[data] self-instruct round {r}: {len(requests)} requests -> {len(self_rounds[-1])} prompts")
-        tag = f"self{_round_suffix(r)}"
-        jobs.append((f"{tag}-greedy", 0.0, cfg.greedy_tokens, 1, self_rounds[-1]))
+        self_prompts = self_instruct_prompts(tokenizer, requests)
+        log(f"[data] self-instruct: {len(requests)} requests -> {len(self_prompts)} prompts")
+        jobs.append(("self-greedy", 0.0, cfg.greedy_tokens, 1, self_prompts))
         if cfg.sample_tokens > 0:
-            jobs.append((f"{tag}-sample", cfg.sample_temperature, cfg.sample_tokens, 1, self_rounds[-1]))
+            jobs.append(("self-sample", cfg.sample_temperature, cfg.sample_tokens, 1, self_prompts))
+    conts: dict[str, dict[str, list[list[int]]]] = {}
     for name, temp, n, k, ps in jobs:
         key = hashlib.sha1(json.dumps([p.ids for p in ps]).encode()).hexdigest()[:8]
         cont_path = out.parent / f"{cfg.target}-specdec-{name}-T{temp:g}-n{n}x{k}-s{cfg.seed}-{key}.json"
@@ -748,64 +743,49 @@ def build_dataset(
         )
         conts[name] = {p.pid: g for p, g in zip(ps, gen, strict=True)}
         _write_json(cont_path, conts[name])
-    del target  # only transformers' model is needed from here on (its pre-norm hook)
-    model = load_hf_model(cfg.target)
+    return [prompts, fn_prompts, self_prompts], conts
 
-    # Stage 2: all sequences, then features shard by shard.
-    seqs = _continued(prompts + fn_prompts, conts) + text_sequences(tokenizer, cfg)
-    # Sources added later come last, so the shards of older configs stay the same and are shared.
-    for round_prompts in self_rounds:
-        seqs += _continued(round_prompts, conts)
-    if cfg.repeat_sequences:
-        seqs += repeat_sequences(
-            tokenizer, seqs, cfg.repeat_sequences, length=cfg.repeat_length, seed=cfg.seed
-        )
-        log(f"[data] {cfg.repeat_sequences} copy lessons of {cfg.repeat_length} tokens")
-    total = sum(len(s) for _, _, s in seqs)
-    log(f"[data] {len(seqs)} sequences, {total} tokens; features in shards")
-    shard_size = 64
+
+def _feature_shards(
+    cfg: DataConfig, out: Path, model, seqs: list, aux_layers: tuple[int, ...], log
+) -> list[str]:
+    """Stage 2: features and top-k of every sequence, in content-addressed shards of 64 sequences
+    (a shard already on disk is reused); returns the shard names in sequence order."""
+    from safetensors.torch import save_file
+
+    shard_size, shards, reused = 64, [], 0
     t0 = time.perf_counter()
-    store = out.parent / "shards"
-    store.mkdir(exist_ok=True)
-    manifest["shards"] = []
-    reused = 0
+    (out.parent / "shards").mkdir(exist_ok=True)
     for start in range(0, len(seqs), shard_size):
         chunk = seqs[start : start + shard_size]
         name = f"../shards/{shard_key(cfg.target, cfg.topk, chunk)}.safetensors"
+        shards.append(name)
         if (out / name).exists():
-            manifest["shards"].append(name)
             reused += 1
             continue
-        seqs_chunk = [s for _, _, s in chunk]
-        feats, ids, probs, aux = extract_features(model, seqs_chunk, cfg.topk, aux_layers=aux_layers)
+        feats, ids, probs, aux = extract_features(
+            model, [s for _, _, s in chunk], cfg.topk, aux_layers=aux_layers
+        )
         if max(float(f.float().abs().max()) for f in feats) > 6e4:
             raise ValueError("features overflow fp16; store them as bf16 instead")
         if aux is not None:  # before the shard: a shard on disk means its work is done
             _write_aux(out / aux_shard_name(name, aux_layers), torch.cat(aux), aux_layers)
-        lens = torch.tensor([len(s) for _, _, s in chunk], dtype=torch.int64)
+        tensors = {
+            "tokens": torch.tensor([t for _, _, s in chunk for t in s], dtype=torch.int32),
+            "features": torch.cat(feats),
+            "topk_ids": torch.cat(ids),
+            "topk_probs": torch.cat(probs),
+            "lengths": torch.tensor([len(s) for _, _, s in chunk], dtype=torch.int64),
+            "heldout": torch.tensor([h for _, h, _ in chunk], dtype=torch.bool),
+        }
         tmp = out / (name + ".tmp")
-        save_file(
-            {
-                "tokens": torch.tensor([t for _, _, s in chunk for t in s], dtype=torch.int32),
-                "features": torch.cat(feats),
-                "topk_ids": torch.cat(ids),
-                "topk_probs": torch.cat(probs),
-                "lengths": lens,
-                "heldout": torch.tensor([h for _, h, _ in chunk], dtype=torch.bool),
-            },
-            str(tmp),
-            metadata={"names": json.dumps([n for n, _, _ in chunk])},
-        )
+        save_file(tensors, str(tmp), metadata={"names": json.dumps([n for n, _, _ in chunk])})
         tmp.replace(out / name)
-        manifest["shards"].append(name)
         done = min(start + shard_size, len(seqs))
         log(f"  features: {done}/{len(seqs)} sequences, {time.perf_counter() - t0:.0f}s")
     if reused:
-        log(f"[data] {reused} of {len(manifest['shards'])} shards were already in {store}")
-    manifest["complete"] = True
-    manifest["num_tokens"] = total
-    manifest_path.write_text(json.dumps(manifest))
-    return out
+        log(f"[data] {reused} of {len(shards)} shards were already in {out.parent / 'shards'}")
+    return shards
 
 
 def load_dataset(path: Path, aux_layers: tuple[int, ...] = ()) -> FeatureData:

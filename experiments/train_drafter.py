@@ -38,12 +38,13 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from experiments.config_cli import add_config_arguments, config_from_args
 from experiments.drafter_data import DataConfig, FeatureData, build_aux_features, build_dataset, load_dataset
 from specdec.drafters.eagle import (
     EagleConfig,
@@ -52,16 +53,15 @@ from specdec.drafters.eagle import (
     load_eagle_head,
     resolve_weights,
     save_eagle_head,
-    stored_draft_vocab,
-    target_parts,
 )
+from specdec.drafters.eagle.weights import stored_draft_vocab
+from specdec.targets.hf import hf_parts
 
 __all__ = [
     "TrainConfig",
     "train",
     "main",
     "build_draft_vocab",
-    "grow_draft_vocab",
     "step1_input",
     "unrolled_features",
     "unrolled_losses",
@@ -75,8 +75,9 @@ class TrainConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     draft_vocab_size: int = 8192
+    """N: the draft vocabulary, the tokens the target most often predicts on the training split."""
     steps: int = 4000
-    """4,000 in the recipe since 2026-12-01 (3,000 before, on less data): 81 min measured here."""
+    """Optimizer steps (4,000 for the shipped head: 81 min on 2 cores)."""
     seq_len: int = 256
     batch_size: int = 12
     lr: float = 1e-3
@@ -101,13 +102,7 @@ class TrainConfig:
     target pass)."""
     prev_token_input: bool = True
     """Feed the head ``embed(x_t)`` too (``EagleConfig.prev_token_input``): a key for copying from
-    the context (on in the recipe since 2026-12-01, with the data's copy lessons). With
-    ``init_from`` a head without it gains the block, zero-initialised (the starting head's
-    predictions unchanged)."""
-    num_layers: int = 1
-    """Decoder layers in the head (``EagleConfig.num_layers``). With ``init_from`` a head with fewer
-    layers gains the missing ones on top, their output projections at zero (the starting head's
-    predictions unchanged)."""
+    the context (taught by the data's copy lessons)."""
     eval_every: int = 100
     ckpt_every: int = 50
     autocast_bf16: bool = True
@@ -118,13 +113,33 @@ class TrainConfig:
     """Held-out prompts decoded with the trained head to report τ and α."""
     eval_new_tokens: int = 128
     init_from: str | None = None
-    """Start from these head weights (a path, or a shipped file's name such as
-    ``eagle-smollm2-135m.safetensors``) instead of a fresh head: fine-tuning, e.g. EAGLE-3's token
-    loss alone (``reg_weight=0``) after the regression recipe. The head keeps the file's draft
-    vocabulary and input scales; its aux layers must equal this config's, and a larger
-    ``draft_vocab_size`` grows the file's vocabulary by the data's most frequent other tokens.
-    The optimizer and the schedule (warmup, then cosine over ``steps``) start afresh. The file's
-    contents (sha256) are part of the checkpoint key."""
+    """Start from these head weights (a path, or a shipped file's name) instead of a fresh head:
+    fine-tuning. The file's head must have this config's shape (aux layers, draft vocabulary size,
+    prev_token_input); it keeps its draft vocabulary and input scales. The optimizer and schedule
+    start afresh; the file's contents (sha256) are part of the checkpoint key."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "draft_vocab_size",
+            "steps",
+            "seq_len",
+            "batch_size",
+            "unroll",
+            "eval_every",
+            "ckpt_every",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be an int >= 1, got {value!r}")
+        if self.eval_prompts < 0:
+            raise ValueError(f"TrainConfig.eval_prompts must be >= 0, got {self.eval_prompts}")
+        if any(i < 0 for i in self.aux_layers) or len(set(self.aux_layers)) != len(self.aux_layers):
+            raise ValueError(f"TrainConfig.aux_layers must be distinct indices >= 0, got {self.aux_layers}")
+        if self.reg_weight < 0 or self.ce_weight < 0 or self.reg_weight + self.ce_weight == 0:
+            raise ValueError(
+                "reg_weight and ce_weight must be >= 0 and not both 0, got "
+                f"{self.reg_weight}, {self.ce_weight}"
+            )
 
 
 def build_draft_vocab(data: FeatureData, train_seqs: list[int], n: int) -> tuple[torch.Tensor, dict]:
@@ -244,19 +259,16 @@ def unrolled_features(
     """
     B, T, _ = features_BTD.shape
     positions = torch.arange(T).expand(B, T)
-    L = head.config.num_layers
-    keys, values, preds = [[] for _ in range(L)], [[] for _ in range(L)], []
+    keys, values, preds = [], [], []
     feat_in = features_BTD
     for s in range(1, steps + 1):
         if s > 1:
             feat_in = F.pad(preds[-1], (0, 0, 1, 0))[:, :T]  # f̂ predicted at t−1 for position t
         h = head.fuse(feat_in, next_tokens_BT, tokens_BT)
-        for i in range(L):  # each layer attends to its own keys of the earlier steps
-            q, k, v = head.qkv(h, positions, i)
-            keys[i].append(k)
-            values[i].append(v)
-            h = head.finish(h, _attend_unrolled(q, keys[i], values[i], s), i)
-        preds.append(head.feature(h))
+        q, k, v = head.qkv(h, positions)
+        keys.append(k)
+        values.append(v)
+        preds.append(head.feature(head.finish(h, _attend_unrolled(q, keys, values, s))))
     return preds
 
 
@@ -320,95 +332,27 @@ def unrolled_losses(
 
 
 def _key_fields(cfg: TrainConfig) -> dict:
-    """The config as the checkpoint directory's key. Fields added later are left out when they hold
-    the value that reproduces the older recipe (no regression weight change, no aux layers), so
-    older runs keep their directories."""
+    """The config as the checkpoint directory's key (``init_from`` by its file's contents)."""
     fields = asdict(cfg)
-    for name, legacy in (
-        ("reg_weight", 1.0),
-        ("aux_layers", ()),
-        ("init_from", None),
-        ("prev_token_input", False),
-        ("num_layers", 1),
-    ):
-        if fields[name] == legacy:
-            del fields[name]
-    if cfg.init_from is not None:  # the starting weights by content, not by name
+    if cfg.init_from is not None:
         fields["init_from"] = hashlib.sha256(resolve_weights(cfg.init_from).read_bytes()).hexdigest()
     return fields
 
 
-def grow_draft_vocab(stored_N: torch.Tensor, frequent_M: torch.Tensor, n: int) -> torch.Tensor:
-    """``stored_N`` (kept first, in its order) extended to ``n`` tokens by the most frequent tokens of
-    ``frequent_M`` (frequency order) that it lacks."""
-    if n < stored_N.numel():
-        raise ValueError(f"n must be >= the stored vocabulary's {stored_N.numel()} tokens, got {n}")
-    have = torch.zeros(int(max(stored_N.max(), frequent_M.max())) + 1, dtype=torch.bool)
-    have[stored_N] = True
-    extra = frequent_M[~have[frequent_M]][: n - stored_N.numel()]
-    if stored_N.numel() + extra.numel() < n:
-        raise ValueError(
-            f"draft_vocab_size {n}: the data rank only {stored_N.numel() + extra.numel()} distinct tokens"
-        )
-    return torch.cat([stored_N, extra])
-
-
-def _head_from_weights(cfg: TrainConfig, parts, frequent_M: torch.Tensor) -> tuple[EagleHead, torch.Tensor]:
-    """The head of ``cfg.init_from`` as a trainable fp32 module (attached to ``parts``), and its draft
-    vocabulary in stored (most frequent first) order; ``ValueError`` when it does not fit ``cfg``.
-
-    A larger ``cfg.draft_vocab_size`` than the file's grows the vocabulary: the file's tokens first,
-    then the most frequent others of ``frequent_M`` (the head's trainable weights do not depend on the
-    vocabulary; its LM-head rows are the target's)."""
+def _head_from_weights(cfg: TrainConfig, parts) -> tuple[EagleHead, torch.Tensor]:
+    """The head of ``cfg.init_from`` as a trainable fp32 module (attached to ``parts``) and its draft
+    vocabulary in stored (most frequent first) order; ``ValueError`` when it does not fit ``cfg``."""
     path = resolve_weights(cfg.init_from)
     head, _ = load_eagle_head(path, parts)  # checks the target's fingerprint
     c = head.config
-    if c.aux_layers != tuple(cfg.aux_layers):
+    have = (c.aux_layers, c.draft_vocab_size, c.prev_token_input)
+    want = (tuple(cfg.aux_layers), cfg.draft_vocab_size, cfg.prev_token_input)
+    if have != want:
         raise ValueError(
-            f"init_from: {path.name} fuses target layers {list(c.aux_layers)}, but this run's "
-            f"aux_layers are {list(cfg.aux_layers)} (pass --aux-layers {','.join(map(str, c.aux_layers))!r})"
+            f"init_from: {path.name} has (aux_layers, draft_vocab_size, prev_token_input) = {have}, this "
+            f"run asks for {want}; fine-tuning keeps the head's shape"
         )
-    if c.draft_vocab_size > cfg.draft_vocab_size:
-        raise ValueError(
-            f"init_from: {path.name} has a draft vocabulary of {c.draft_vocab_size}, but this run's "
-            f"draft_vocab_size is {cfg.draft_vocab_size}; a vocabulary can grow, not shrink "
-            f"(pass --draft-vocab-size {c.draft_vocab_size} or more)"
-        )
-    if c.prev_token_input and not cfg.prev_token_input:
-        raise ValueError(
-            f"init_from: {path.name} feeds the previous token (prev_token_input), but this run does not "
-            "(pass --prev-token-input)"
-        )
-    if c.num_layers > cfg.num_layers:
-        raise ValueError(
-            f"init_from: {path.name} has {c.num_layers} decoder layers, but this run's num_layers is "
-            f"{cfg.num_layers}; layers can be added, not removed (pass --num-layers {c.num_layers} or more)"
-        )
-    vocab_N = stored_draft_vocab(path)
-    if c.draft_vocab_size < cfg.draft_vocab_size:
-        vocab_N = grow_draft_vocab(vocab_N, frequent_M, cfg.draft_vocab_size)
-    wanted = replace(
-        c,
-        draft_vocab_size=cfg.draft_vocab_size,
-        prev_token_input=cfg.prev_token_input,
-        num_layers=cfg.num_layers,
-    )
-    if wanted != c:
-        # Rebuild with the grown vocabulary, the x_t block in fc and/or more layers, each added
-        # at zero output so that the starting head computes what the file's does.
-        state = {**head.state_dict(), "draft_vocab_N": vocab_N}
-        if wanted.prev_token_input and not c.prev_token_input:
-            fc = state["fc.weight"]
-            state["fc.weight"] = torch.cat([fc, fc.new_zeros(fc.shape[0], c.hidden_size)], 1)
-        torch.manual_seed(cfg.seed)  # the added layers' other weights: a seeded fresh init
-        head = EagleHead(wanted)
-        for i in range(c.num_layers - 1, wanted.num_layers - 1):  # the added layers
-            added = head.extra_layers[i].zero_output().state_dict()
-            state.update({f"extra_layers.{i}.{k}": v for k, v in added.items()})
-        head.load_state_dict(state, strict=True)
-        head.attach(parts, vocab_N)
-    head.requires_grad_(True).train()
-    return head, vocab_N
+    return head.requires_grad_(True).train(), stored_draft_vocab(path)
 
 
 def _lr(step: int, cfg: TrainConfig) -> float:
@@ -487,19 +431,25 @@ def evaluate_heldout(
     return result
 
 
-def train(
-    cfg: TrainConfig,
-    *,
-    out: Path,
-    work: Path | None = None,
-    data_root: Path | None = None,
-    evaluate: bool = True,
-    log=print,
-) -> dict:
-    """Build (or reuse) the data cache, train, save the head to ``out``; return a summary."""
+@dataclass
+class _Run:
+    """What :func:`train` sets up before the optimisation loop."""
+
+    data: FeatureData
+    train_seqs: list[int]
+    held_seqs: list[int]
+    n_train: int
+    coverage: dict
+    parts: object
+    head: EagleHead
+    vocab_index_V: torch.Tensor
+    feature_std: float
+
+
+def _prepare(cfg: TrainConfig, data_root: Path | None, log) -> tuple[_Run, Path]:
+    """The data cache (built once), the draft vocabulary, and the head to train (fresh or from a file)."""
     from specdec.targets.loading import load_hf_model
 
-    t_start = time.perf_counter()
     if cfg.init_from is not None:
         resolve_weights(cfg.init_from)  # a missing file fails now, not after building the data
     data_dir = build_dataset(cfg.data, data_root, log=log, aux_layers=cfg.aux_layers)
@@ -509,69 +459,55 @@ def train(
     train_seqs, held_seqs = data.sequences(False), data.sequences(True)
     n_train = int(sum(data.offsets[s + 1] - data.offsets[s] for s in train_seqs))
     log(
-        f"[train] data: {len(train_seqs)} train / {len(held_seqs)} held-out sequences, "
-        f"{n_train} train tokens, "
-        f"{data.features.numel() * 2 / 2**20:.0f} MiB of features"
+        f"[train] data: {len(train_seqs)} train / {len(held_seqs)} held-out sequences, {n_train} train "
+        f"tokens, {data.features.numel() * 2 / 2**20:.0f} MiB of features"
     )
-    # One ranking serves both starts: a fresh head takes its first draft_vocab_size tokens, a head
-    # grown from --init-from the most frequent ones its file lacks (twice the size leaves room).
-    frequent_M, coverage = build_draft_vocab(data, train_seqs, 2 * cfg.draft_vocab_size)
-    vocab_N = frequent_M[: cfg.draft_vocab_size].clone()
+    vocab_N, coverage = build_draft_vocab(data, train_seqs, cfg.draft_vocab_size)
     log(f"[train] top-1 coverage of the draft vocab by size: {coverage}")
-
     model = load_hf_model(cfg.data.target)
-    parts = target_parts(model)  # the HF model exposes model.embed_tokens etc. via .model
+    parts = hf_parts(model)
     feature_std = float(data.features[:200_000].float().std())
-    embed_std = float(parts.embed_VD.float().std())
-    # Aux layers carry a few huge outlier dims on some tokens (attention sinks): scale each by its
-    # typical token size (median RMS), not by a std that the outliers dominate.
-    aux_rms = [] if data.aux is None else data.aux[:200_000].float().pow(2).mean(-1).sqrt().median(0).values
     if cfg.init_from is not None:
-        head, vocab_N = _head_from_weights(cfg, parts, frequent_M)
-        econf = head.config
+        head, vocab_N = _head_from_weights(cfg, parts)
         log(f"[train] starting from the weights {resolve_weights(cfg.init_from)}")
     else:
+        # Aux layers carry a few huge outlier dims on some tokens (attention sinks): scale each by
+        # its typical token size (median RMS), not by a std that the outliers dominate.
+        aux_rms = (
+            [] if data.aux is None else data.aux[:200_000].float().pow(2).mean(-1).sqrt().median(0).values
+        )
         econf = EagleConfig.from_hf_config(
             model.config,
             draft_vocab_size=cfg.draft_vocab_size,
             feature_scale=1.0 / feature_std,
-            embed_scale=1.0 / embed_std,
+            embed_scale=1.0 / float(parts.embed_VD.float().std()),
             aux_layers=tuple(cfg.aux_layers),
             aux_scales=tuple(1.0 / float(r) for r in aux_rms),
             prev_token_input=cfg.prev_token_input,
-            num_layers=cfg.num_layers,
         )
         torch.manual_seed(cfg.seed)  # the same initial head whether or not the data was just built
         head = EagleHead(econf).attach(parts, vocab_N)
     head.draft_vocab_N = vocab_N  # frequency order for saving; attach() scores with an id-sorted copy
-    vocab_index_V = torch.full((econf.vocab_size,), -1, dtype=torch.long)
+    vocab_index_V = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
     vocab_index_V[torch.sort(vocab_N).values] = torch.arange(cfg.draft_vocab_size)
-    log(
-        f"[train] {describe(head)}; feature std {feature_std:.3f}, embedding std {embed_std:.4f}"
-        + (
-            f", aux layers {list(cfg.aux_layers)} median RMS {[round(float(r), 3) for r in aux_rms]}"
-            if cfg.aux_layers
-            else ""
-        )
-    )
+    log(f"[train] {describe(head)}; feature std {feature_std:.3f}")
+    run = _Run(data, train_seqs, held_seqs, n_train, coverage, parts, head, vocab_index_V, feature_std)
+    return run, data_dir
 
+
+def _optimise(run: _Run, cfg: TrainConfig, work: Path, log) -> list[dict]:
+    """AdamW over the seeded batches, resuming from ``work/ckpt.pt``; returns the held-out curve."""
+    head = run.head
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    cfg_key = hashlib.sha1(json.dumps(_key_fields(cfg), sort_keys=True, default=str).encode()).hexdigest()[
-        :10
-    ]
-    work = work or data_dir / f"train-{cfg_key}"
-    work.mkdir(parents=True, exist_ok=True)
     ckpt_path = work / "ckpt.pt"
-    step = 0
-    history: list[dict] = []
+    step, history = 0, []
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=True)
         head.load_state_dict(ckpt["head"])
         opt.load_state_dict(ckpt["opt"])
-        step = int(ckpt["step"])
-        history = json.loads(ckpt["history"])
+        step, history = int(ckpt["step"]), json.loads(ckpt["history"])
         log(f"[train] resumed at step {step} from {ckpt_path}")
-    batches = Batches(data, train_seqs, cfg.seq_len, cfg.batch_size, cfg.seed)
+    batches = Batches(run.data, run.train_seqs, cfg.seq_len, cfg.batch_size, cfg.seed)
     noise_gen = torch.Generator()
     head.train()
     t0, tokens_seen, start_step = time.perf_counter(), 0, step
@@ -581,7 +517,7 @@ def train(
         noise_gen.manual_seed(cfg.seed * 7919 + step)
         batch = batches.batch(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-            losses = unrolled_losses(head, batch, vocab_index_V, cfg, feature_std, noise_gen)
+            losses = unrolled_losses(head, batch, run.vocab_index_V, cfg, run.feature_std, noise_gen)
         opt.zero_grad(set_to_none=True)
         losses["loss"].backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
@@ -597,196 +533,79 @@ def train(
                 f"eta {(cfg.steps - step) * el / (step - start_step) / 60:.1f} min"
             )
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            stats = heldout_accuracy(head, data, held_seqs, vocab_index_V, cfg, feature_std)
+            stats = heldout_accuracy(head, run.data, run.held_seqs, run.vocab_index_V, cfg, run.feature_std)
             history.append({"step": step, **{k: round(v, 4) for k, v in stats.items()}})
             log(
                 f"[eval] step {step}: held-out "
                 + " ".join(f"{k}={v:.3f}" for k, v in stats.items() if "acc" in k)
             )
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            tmp = ckpt_path.with_suffix(".tmp")
-            torch.save(
-                {
-                    "head": head.state_dict(),
-                    "opt": opt.state_dict(),
-                    "step": step,
-                    "history": json.dumps(history),
-                },
-                tmp,
-            )
-            tmp.replace(ckpt_path)
+            state = {
+                "head": head.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "history": json.dumps(history),
+            }
+            torch.save(state, ckpt_path.with_suffix(".tmp"))
+            ckpt_path.with_suffix(".tmp").replace(ckpt_path)
+    return history
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    out: Path,
+    work: Path | None = None,
+    data_root: Path | None = None,
+    evaluate: bool = True,
+    log=print,
+) -> dict:
+    """Build (or reuse) the data cache, train, save the head to ``out``; return a summary."""
+    t_start = time.perf_counter()
+    run, data_dir = _prepare(cfg, data_root, log)
+    cfg_key = hashlib.sha1(json.dumps(_key_fields(cfg), sort_keys=True, default=str).encode()).hexdigest()[
+        :10
+    ]
+    work = work or data_dir / f"train-{cfg_key}"
+    work.mkdir(parents=True, exist_ok=True)
+    history = _optimise(run, cfg, work, log)
     train_s = time.perf_counter() - t_start
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {
         "config": json.loads(json.dumps(asdict(cfg), default=str)),
-        "draft_vocab_coverage": coverage,
-        "train_tokens": n_train,
+        "draft_vocab_coverage": run.coverage,
+        "train_tokens": run.n_train,
         "heldout_curve": history,
         "wall_s_data_and_train": round(train_s),
     }
-    save_eagle_head(head, out, target_name=cfg.data.target, embed_VD=parts.embed_VD, extra=summary)
+    save = lambda: save_eagle_head(
+        run.head, out, target_name=cfg.data.target, embed_VD=run.parts.embed_VD, extra=summary
+    )
+    save()
     log(f"[train] saved {out} ({out.stat().st_size / 2**20:.1f} MiB) after {train_s / 60:.1f} min")
     if evaluate:
         summary["heldout_decode"] = evaluate_heldout(out, cfg, log=log)
         log(f"[eval] held-out decoding: {summary['heldout_decode']}")
-        save_eagle_head(head, out, target_name=cfg.data.target, embed_VD=parts.embed_VD, extra=summary)
+        save()
     (out.with_suffix(".json")).write_text(json.dumps(summary, indent=2))
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m experiments train-drafter [options]``."""
-    d = TrainConfig()
-    p = argparse.ArgumentParser(prog="train-drafter", description=__doc__.split("\n\n")[0])
+    """CLI: ``python -m experiments train-drafter [options]``; one option per :class:`TrainConfig` field."""
+    p = argparse.ArgumentParser(
+        prog="python -m experiments train-drafter", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--out", type=Path, default=Path("specdec/weights/eagle-smollm2-135m.safetensors"))
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size)
-    p.add_argument("--unroll", type=int, default=d.unroll)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--ce-weight", type=float, default=d.ce_weight)
-    p.add_argument(
-        "--reg-weight",
-        type=float,
-        default=d.reg_weight,
-        help="weight of the feature regression loss (0: token loss only, as EAGLE-3)",
-    )
-    p.add_argument(
-        "--aux-layers",
-        default=",".join(map(str, d.aux_layers)),
-        help="EAGLE-3 fused input: comma-separated target decoder layers (0-based) whose outputs join "
-        "the last layer's feature (default: %(default)s; an empty string: the EAGLE-1 input alone)",
-    )
-    p.add_argument(
-        "--init-from",
-        default=None,
-        help="start from these head weights (a path, or a shipped file's name such as "
-        "eagle-smollm2-135m.safetensors) instead of a fresh head: fine-tuning; a larger "
-        "--draft-vocab-size than the file's grows its vocabulary",
-    )
-    p.add_argument(
-        "--prev-token-input",
-        action=argparse.BooleanOptionalAction,
-        default=d.prev_token_input,
-        help="also feed the head embed(x_t), the token at the feature's position, a key for copying "
-        "from the context (default: %(default)s); with --init-from, a head without it gains the "
-        "block at zero",
-    )
-    p.add_argument(
-        "--num-layers",
-        type=int,
-        default=d.num_layers,
-        help="decoder layers in the head (default: %(default)s, EAGLE's one); with --init-from, "
-        "layers the file lacks are added on top at zero output",
-    )
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--text-tokens", type=int, default=d.data.text_tokens)
-    p.add_argument("--greedy-tokens", type=int, default=d.data.greedy_tokens)
-    p.add_argument("--sample-tokens", type=int, default=d.data.sample_tokens)
-    p.add_argument(
-        "--sample-continuations",
-        type=int,
-        default=d.data.sample_continuations,
-        help="sampled continuations per training HumanEval/MT-Bench prompt",
-    )
-    p.add_argument(
-        "--function-prompts",
-        type=int,
-        default=d.data.function_prompts,
-        help="standard-library functions used as extra prompts (x3: code, instruction, chat)",
-    )
-    p.add_argument(
-        "--self-instruct",
-        type=int,
-        default=d.data.self_instruct,
-        help="user requests sampled from the target itself (Magpie); each kept one is 2 prompts",
-    )
-    p.add_argument(
-        "--self-instruct-rounds",
-        type=int,
-        default=d.data.self_instruct_rounds,
-        help="rounds of --self-instruct requests, each with its own seed (later rounds add to the cache)",
-    )
-    p.add_argument(
-        "--repeat-sequences",
-        type=int,
-        default=d.data.repeat_sequences,
-        help="copy lessons: sequences of a shuffled word span written again and again after a "
-        "training sequence's opening (default: %(default)s)",
-    )
     p.add_argument(
         "--data-root", type=Path, default=None, help="feature cache root (default ~/.cache/specdec)"
     )
     p.add_argument("--work", type=Path, default=None, help="checkpoint directory (default inside the cache)")
-    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
     p.add_argument("--no-eval", action="store_true", help="skip held-out speculative decoding")
-    p.add_argument(
-        "--no-autocast", action="store_true", help="train in fp32 (slower) instead of bf16 autocast"
-    )
+    add_config_arguments(p, TrainConfig)
     a = p.parse_args(argv)
-    for name in (
-        "sample_continuations",
-        "function_prompts",
-        "self_instruct",
-        "self_instruct_rounds",
-        "repeat_sequences",
-    ):
-        if getattr(a, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
-    for name in (
-        "steps",
-        "draft_vocab_size",
-        "unroll",
-        "batch_size",
-        "seq_len",
-        "eval_prompts",
-        "num_layers",
-    ):
-        if getattr(a, name) < (0 if name == "eval_prompts" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    try:
-        aux_layers = tuple(int(x) for x in a.aux_layers.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(
-            f"--aux-layers must be comma-separated layer indices, got {a.aux_layers!r}"
-        ) from None
-    if any(i < 0 for i in aux_layers) or len(set(aux_layers)) != len(aux_layers):
-        raise ValueError(f"--aux-layers must be distinct indices >= 0, got {a.aux_layers!r}")
-    if a.reg_weight < 0 or a.ce_weight < 0 or a.reg_weight + a.ce_weight == 0:
-        raise ValueError(
-            f"--reg-weight and --ce-weight must be >= 0 and not both 0, got {a.reg_weight} and {a.ce_weight}"
-        )
-    cfg = replace(
-        d,
-        aux_layers=aux_layers,
-        reg_weight=a.reg_weight,
-        init_from=a.init_from,
-        prev_token_input=a.prev_token_input,
-        num_layers=a.num_layers,
-        steps=a.steps,
-        draft_vocab_size=a.draft_vocab_size,
-        unroll=a.unroll,
-        lr=a.lr,
-        ce_weight=a.ce_weight,
-        batch_size=a.batch_size,
-        seq_len=a.seq_len,
-        seed=a.seed,
-        eval_prompts=a.eval_prompts,
-        autocast_bf16=not a.no_autocast,
-        data=replace(
-            d.data,
-            text_tokens=a.text_tokens,
-            greedy_tokens=a.greedy_tokens,
-            sample_tokens=a.sample_tokens,
-            sample_continuations=a.sample_continuations,
-            function_prompts=a.function_prompts,
-            self_instruct=a.self_instruct,
-            self_instruct_rounds=a.self_instruct_rounds,
-            repeat_sequences=a.repeat_sequences,
-        ),
-    )
+    cfg = config_from_args(TrainConfig, a)
     train(
         cfg,
         out=a.out,

@@ -35,8 +35,9 @@ and combine_blocks_cpu, which combines per-expert output blocks (swiglu_blocks_o
 The environment variables SPECDEC_GROUPED_GEMM_BACKEND and SPECDEC_ROUTING_BACKEND, when set, override
 the choice for grouped_gemm and for the routing ops. SPECDEC_TRITON_TMA=0 switches the Triton grouped
 GEMM's TMA-descriptor loads off, SPECDEC_TRITON_AUTOTUNE=0 its autotuning (first fitting config is used).
-More backends register in GROUPED_GEMM_BACKENDS / ROUTING_BACKENDS. Triton is imported lazily, only when
-a Triton backend runs, so `import kernels` works without it. Plain-PyTorch references live in
+More backends register in GROUPED_GEMM_BACKENDS / ROUTING_BACKENDS. ``Registry`` (kernels/registry.py) is
+the project's one plugin registry class, which ``specdec`` and ``moe`` build their registries on.
+Triton is imported lazily, only when a Triton backend runs, so `import kernels` works without it. Plain-PyTorch references live in
 kernels/*/reference.py; docs/kernels.md has the design notes and measurements.
 """
 
@@ -52,6 +53,7 @@ from .grouped_gemm import (
     swiglu_blocks_onednn,
     triton_autotune_choices,
 )
+from .registry import Registry
 from .routing import (
     ROUTING_BACKENDS,
     ExpertSort,
@@ -71,6 +73,7 @@ __all__ = [
     "GROUPED_GEMM_BACKENDS",
     "ROUTING_BACKENDS",
     "BackendRegistry",
+    "Registry",
     "ExpertSort",
     "GroupedGemmBackend",
     "NativeRoute",

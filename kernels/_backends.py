@@ -22,6 +22,8 @@ from typing import Generic, TypeVar
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from kernels.registry import Registry
+
 B = TypeVar("B")
 
 
@@ -49,33 +51,20 @@ def triton_usable_on(device: torch.device) -> str | None:
     return None
 
 
-class BackendRegistry(Generic[B]):
-    """Name -> implementation for one op family, with the environment variable that overrides the choice."""
+class BackendRegistry(Registry, Generic[B]):
+    """Name -> implementation for one op family (a :class:`kernels.registry.Registry`), with the
+    environment variable that overrides the choice and the automatic pick per device."""
 
     def __init__(self, family: str, env_var: str) -> None:
+        super().__init__(f"{family} backend", f"kernels.{family.replace(' ', '_').lower()}_backends")
         self.family = family
         self.env_var = env_var
-        self._impls: dict[str, B] = {}
 
-    def register(self, name: str, impl: B) -> B:
+    def register(self, name: str, impl: B) -> B:  # type: ignore[override]
         """Add (or replace) the implementation called `name`; returns `impl`."""
         if not name or not name.isidentifier():
             raise ValueError(f"backend name must be a Python identifier, got {name!r}")
-        self._impls[name] = impl
-        return impl
-
-    def names(self) -> list[str]:
-        """Registered backend names, sorted."""
-        return sorted(self._impls)
-
-    def get(self, name: str) -> B:
-        """The implementation called `name` (ValueError listing the known names if unknown)."""
-        try:
-            return self._impls[name]
-        except KeyError:
-            raise ValueError(
-                f"unknown {self.family} backend {name!r}; known backends: {', '.join(self.names())}"
-            ) from None
+        return super().register(name, impl)
 
     def env_override(self) -> str:
         """The backend name set in the environment variable, or "" when unset."""
@@ -85,7 +74,7 @@ class BackendRegistry(Generic[B]):
         """Resolve the backend name for tensors on `device` (see the module docstring for the order)."""
         env = self.env_override()
         if env:
-            if env not in self._impls:
+            if env not in self:
                 raise ValueError(
                     f"environment variable {self.env_var}={env!r} names no {self.family} backend; "
                     f"known backends: {', '.join(self.names())}"
@@ -93,7 +82,7 @@ class BackendRegistry(Generic[B]):
             name = env
         elif backend is None:
             name = "triton" if device.type == "cuda" and triton_usable_on(device) is None else "torch"
-        elif backend not in self._impls:
+        elif backend not in self:
             raise ValueError(f"backend must be None or one of {', '.join(self.names())}, got {backend!r}")
         else:
             name = backend

@@ -30,8 +30,6 @@ __all__ = [
     "packed_gemm_available",
     "pack_weight",
     "packed_matmul",
-    "prefetch_distance",
-    "set_prefetch_distance",
 ]
 
 _SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.c"
@@ -63,26 +61,7 @@ def packed_gemm_library() -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.packed_gemm_block_width.restype = ctypes.c_int
     lib.packed_gemm_bf16_pairs.restype = ctypes.c_int
-    lib.packed_gemm_set_prefetch.argtypes = [ctypes.c_long]
-    lib.packed_gemm_set_prefetch.restype = None
-    lib.packed_gemm_prefetch.restype = ctypes.c_long
     return lib
-
-
-def prefetch_distance() -> int:
-    """How far ahead (bytes) a pass of 2..MR rows prefetches the weight stream now (0: off)."""
-    return int(packed_gemm_library().packed_gemm_prefetch())
-
-
-def set_prefetch_distance(num_bytes: int) -> int:
-    """Set how far ahead (bytes) a pass of 2..MR rows prefetches the weight stream (0: off, leaving
-    it to the hardware prefetchers; the default is 4096); returns the previous distance. Process-wide;
-    meant for benchmarks that compare the two side by side."""
-    if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0:
-        raise ValueError(f"num_bytes must be an int >= 0, got {num_bytes!r}")
-    previous = prefetch_distance()
-    packed_gemm_library().packed_gemm_set_prefetch(num_bytes)
-    return previous
 
 
 @functools.cache

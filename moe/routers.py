@@ -21,11 +21,9 @@ Third-party routers register with `register_router("name")` on a `Router` subcla
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import ClassVar
 
 import torch
@@ -33,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kernels
+from kernels import Registry
 
 from .config import MoEConfig
 
@@ -103,7 +102,8 @@ class Router(nn.Module):
 
 
 # --------------------------------------------------------------------------- registry
-ROUTERS: dict[str, type[Router]] = {}
+ROUTERS = Registry("router", ENTRY_POINT_GROUP)
+"""Router classes by name (:class:`kernels.registry.Registry`); ``moe.routers`` entry points too."""
 
 
 def register_router(name: str) -> Callable[[type[Router]], type[Router]]:
@@ -115,7 +115,7 @@ def register_router(name: str) -> Callable[[type[Router]], type[Router]]:
         if not (isinstance(cls, type) and issubclass(cls, Router)):
             raise ValueError(f"router {name!r} must be a subclass of moe.Router, got {cls!r}")
         cls.name = name
-        ROUTERS[name] = cls
+        ROUTERS.register(name, cls)
         return cls
 
     return add
@@ -123,19 +123,16 @@ def register_router(name: str) -> Callable[[type[Router]], type[Router]]:
 
 def router_names() -> list[str]:
     """Known router names: registered ones and the `moe.routers` entry points, sorted."""
-    return sorted({*ROUTERS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+    return ROUTERS.names()
 
 
 def get_router(name: str) -> type[Router]:
     """The Router class registered as `name` (ValueError listing the known names if there is none)."""
-    if name in ROUTERS:
-        return ROUTERS[name]
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name == name:
-            module, _, attr = ep.value.partition(":")
-            cls = getattr(importlib.import_module(module), attr)
-            return register_router(name)(cls)
-    raise ValueError(f"unknown router {name!r}; known routers: {', '.join(router_names())}")
+    cls = ROUTERS.get(name)
+    if not (isinstance(cls, type) and issubclass(cls, Router)):
+        raise ValueError(f"router {name!r} must be a subclass of moe.Router, got {cls!r}")
+    cls.name = name
+    return cls
 
 
 def build_router(

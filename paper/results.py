@@ -7,6 +7,7 @@ The format is written by ``python -m experiments run NAME --publish`` (see docs/
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,15 @@ _FIGURE = {"name": str, "caption": str, "xlabel": str, "ylabel": str, "series": 
 _SERIES = {"label": str, "x": list, "y": list, "style": str}
 
 
+_IDENTIFIER = re.compile(r"[a-z0-9][a-z0-9-]*")
+"""Names that become file names or LaTeX labels: ``experiment``, table and figure ``name``."""
+
+
+def _identifier(value: str, where: str) -> None:
+    if not _IDENTIFIER.fullmatch(value):
+        raise ValueError(f"{where} must be an identifier ([a-z0-9-]+; file names come from it), got {value!r}")
+
+
 def _require(obj: Any, fields: dict[str, type], where: str) -> None:
     if not isinstance(obj, dict):
         raise ValueError(f"{where} must be a JSON object, got {type(obj).__name__}")
@@ -53,14 +63,17 @@ def load_summary(path: Path) -> dict[str, Any]:
         found = data.get("schema") if isinstance(data, dict) else None
         raise ValueError(f"{path}: expected schema {SCHEMA!r}, got {found!r}")
     _require(data, _REQUIRED, str(path))
+    _identifier(data["experiment"], f"{path}: experiment")
     for i, table in enumerate(data["tables"]):
         where = f"{path}: tables[{i}]"
         _require(table, _TABLE, where)
+        _identifier(table["name"], f"{where}.name")
         for j, column in enumerate(table["columns"]):
             _require(column, _COLUMN, f"{where}.columns[{j}]")
     for i, figure in enumerate(data["figures"]):
         where = f"{path}: figures[{i}]"
         _require(figure, _FIGURE, where)
+        _identifier(figure["name"], f"{where}.name")
         for j, series in enumerate(figure["series"]):
             _require(series, _SERIES, f"{where}.series[{j}]")
             if len(series["x"]) != len(series["y"]):

@@ -13,91 +13,17 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "build_parser", "open_target", "parse_options", "IncrementalDetokenizer"]
+from specdec.cli_args import (
+    ArgumentParser,
+    check_text,
+    finite_float,
+    nonnegative_int,
+    parse_options,
+    positive_int,
+    stderr_line,
+)
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def parse_options(items: Sequence[str] | None, flag: str) -> dict[str, Any]:
-    """``["k=v", ...]`` → dict; values become int, float or bool when they look like one."""
-    out: dict[str, Any] = {}
-    for item in items or ():
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{flag} expects key=value, got {item!r}")
-        value: Any = raw
-        if raw.lower() in ("true", "false"):
-            value = raw.lower() == "true"
-        else:
-            for cast in (int, float):
-                try:
-                    value = cast(raw)
-                    break
-                except ValueError:
-                    pass
-        out[key] = value
-    return out
-
-
-def open_target(name: str, *, backend: str = "auto", dtype: str | None = None, device: str | None = None):
-    """Load a target with :func:`specdec.targets.load_target` (on ``device``: ``cpu``, ``cuda``, ...).
-
-    With ``backend="auto"`` it falls back to the ``transformers`` adapter while the native Llama
-    target (``specdec.targets.llama``) is not installed.
-    """
-    import torch
-
-    from specdec.targets import load_target
-
-    options: dict[str, Any] = {}
-    if dtype is not None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        options["dtype"] = getattr(torch, dtype)
-    if device is not None:
-        options["device"] = check_device(device)
-    try:
-        return load_target(name, backend=backend, **options)
-    except ModuleNotFoundError as e:
-        if backend != "auto" or e.name != "specdec.targets.llama":
-            raise
-        print("[specdec] native llama target not available; using the transformers adapter", file=sys.stderr)
-        return load_target(name, backend="hf", **options)
-
-
-def check_device(device: str) -> str:
-    """``device`` if torch can place tensors there, else a ``ValueError`` naming it."""
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from e
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device here")
-    return str(parsed)
-
-
-def target_tokenizer(target: Any, name: str):
-    """The target's tokenizer (``target.tokenizer``, else loaded from the checkpoint)."""
-    tokenizer = getattr(target, "tokenizer", None)
-    if tokenizer is None:
-        from specdec.targets.loading import load_tokenizer
-
-        tokenizer = load_tokenizer(name)
-    return tokenizer
-
-
-def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
-    """Token ids of a raw prompt, or of a user turn in the tokenizer's chat template."""
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("--chat needs a tokenizer with a chat template; this one has none")
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
-    return list(tokenizer(text).input_ids)
+__all__ = ["main", "build_parser", "IncrementalDetokenizer"]
 
 
 class IncrementalDetokenizer:
@@ -148,13 +74,18 @@ def _metrics_line(m: Any, drafter: str) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     import specdec
     from specdec.policies import make_policy
+    from specdec.prompt_sets import encode_prompt
     from specdec.registry import DRAFTERS, create_drafter
+    from specdec.targets import open_target
 
+    prompt = check_text(args.prompt, "--prompt")
     drafter_options = parse_options(args.drafter_option, "--drafter-option")
     policy = make_policy(args.gamma_policy, gamma=args.gamma)
     target = open_target(args.target, backend=args.backend, dtype=args.dtype, device=args.device)
-    tokenizer = target_tokenizer(target, args.target)
-    prompt_ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)
+    tokenizer = getattr(target, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(f"--target {args.target}: the checkpoint has no tokenizer to encode --prompt with")
+    prompt_ids = encode_prompt(tokenizer, prompt, chat=args.chat)
 
     on_commit = None
     detok = None
@@ -219,16 +150,28 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompt", required=True, help="prompt text (raw, or a user turn with --chat)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--gamma", type=int, default=4, help="draft length (fixed, or the policy's start)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=finite_float, default=1.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=positive_int, default=None)
+    p.add_argument("--top-p", type=finite_float, default=None)
+    p.add_argument(
+        "--gamma", type=nonnegative_int, default=4, help="draft length (fixed, or the policy's start)"
+    )
     p.add_argument("--gamma-policy", default="fixed", help="fixed | heuristic | cost (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="target dtype (default: the target's, fp32)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="target dtype (default: the target's, fp32)",
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        help="target weight format: fp32 | bf16 | gguf | int8 | int4 (default: auto)",
+    )
     p.add_argument(
         "--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)"
     )
@@ -247,10 +190,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``specdec`` argument parser (``generate`` and ``bench`` subcommands)."""
-    parser = argparse.ArgumentParser(
-        prog="specdec", description="Speculative decoding with exact verification."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = ArgumentParser(prog="specdec", description="Speculative decoding with exact verification.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     _add_generate(sub)
     from specdec.bench import add_arguments
 
@@ -260,14 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``specdec`` command."""
+    """Entry point of the ``specdec`` command: a user-caused error (``ValueError``: a bad argument,
+    file or field) is one line on stderr and exit status 2; an internal error keeps its traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ValueError as e:
-        print(f"specdec: error: {e}", file=sys.stderr)
+        stderr_line("specdec", e)
         return 2
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

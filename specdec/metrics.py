@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "StepStats",
     "SpecMetrics",
     "MetricsRecorder",
     "merge_metrics",
@@ -31,6 +32,33 @@ __all__ = [
     "predicted_speedup",
     "predicted_speedup_from_metrics",
 ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """What one decode step did; one record feeds both the metrics and the γ policy.
+
+    ``gamma``: the γ asked for. ``num_drafted``: draft tokens the target verified (a chain's K, a
+    tree's nodes below the root), so the block was ``num_drafted + 1`` tokens long. ``depth``: the
+    most tokens a row could accept (K for a chain, the tree's depth; default ``num_drafted``).
+    ``num_accepted``: accepted drafts per running row. ``draft_time_s``: drafter time (propose +
+    observe); ``target_time_s``: the target forward alone; ``verify_time_s``: forward, verification
+    and commit (the real price of a block, which γ policies weigh); ``check_time_s``: the loop's
+    checks of the proposal and the logits (:mod:`specdec.checks`), inside ``verify_time_s``.
+    """
+
+    gamma: int
+    num_drafted: int
+    num_accepted: Sequence[int]
+    draft_time_s: float
+    verify_time_s: float
+    target_time_s: float = 0.0
+    check_time_s: float = 0.0
+    depth: int | None = None
+
+    @property
+    def max_accept(self) -> int:
+        return self.num_drafted if self.depth is None else self.depth
 
 
 @dataclass
@@ -47,6 +75,8 @@ class SpecMetrics:
     latency_p99_s: float = 0.0
     target_time_s: float = 0.0
     draft_time_s: float = 0.0
+    check_time_s: float = 0.0
+    """Time the loop spent checking proposals and logits (:mod:`specdec.checks`)."""
     num_target_calls: int = 0
     num_generated_tokens: int = 0
     num_proposed: int = 0
@@ -99,6 +129,7 @@ class MetricsRecorder:
         self.ttft_s = 0.0
         self.target_time_s = 0.0
         self.draft_time_s = 0.0
+        self.check_time_s = 0.0
         self.step_draft_time_s = 0.0  # draft time inside verify steps (the drafter's prefill excluded)
         self.num_target_calls = 0
         self.num_generated = 0
@@ -125,37 +156,31 @@ class MetricsRecorder:
         self.ttft_s = ttft_s
         self.num_generated += num_first
 
-    def record_step(
-        self,
-        *,
-        gamma: int,
-        num_drafted: int,
-        num_accepted: Sequence[int],
-        draft_time_s: float,
-        target_time_s: float,
-    ) -> None:
-        """One verify step; ``num_accepted`` lists the rows still running (finished rows excluded)."""
-        self.gamma_history.append(gamma)
+    def record_step(self, stats: StepStats) -> None:
+        """One verify step; ``stats.num_accepted`` lists the rows still running."""
+        num_drafted, depth = stats.num_drafted, stats.max_accept
+        self.gamma_history.append(stats.gamma)
         self.draft_len_history.append(num_drafted)
-        self.target_time_s += target_time_s
-        self.draft_time_s += draft_time_s
-        self.step_draft_time_s += draft_time_s
+        self.target_time_s += stats.target_time_s
+        self.draft_time_s += stats.draft_time_s
+        self.check_time_s += stats.check_time_s
+        self.step_draft_time_s += stats.draft_time_s
         self.num_target_calls += 1
         T = num_drafted + 1
-        self.verify_time_sum[T] = self.verify_time_sum.get(T, 0.0) + target_time_s
+        self.verify_time_sum[T] = self.verify_time_sum.get(T, 0.0) + stats.target_time_s
         self.verify_count[T] = self.verify_count.get(T, 0) + 1
-        if len(self.proposed_at) < num_drafted:
-            grow = num_drafted - len(self.proposed_at)
+        if len(self.proposed_at) < depth:
+            grow = depth - len(self.proposed_at)
             self.proposed_at.extend([0] * grow)
             self.accepted_at.extend([0] * grow)
-        for a in num_accepted:
+        for a in stats.num_accepted:
             self.num_row_steps += 1
             self.accepted_tokens_total += a + 1
             self.num_accepted += a
             self.num_proposed += num_drafted
-            if a < num_drafted:
+            if a < depth:
                 self.num_rejections += 1
-            for k in range(num_drafted):
+            for k in range(depth):
                 self.proposed_at[k] += 1
             for k in range(a):
                 self.accepted_at[k] += 1
@@ -185,6 +210,7 @@ class MetricsRecorder:
             latency_p99_s=_percentile(lat, 99),
             target_time_s=self.target_time_s,
             draft_time_s=self.draft_time_s,
+            check_time_s=self.check_time_s,
             num_target_calls=self.num_target_calls,
             num_generated_tokens=self.num_generated,
             num_proposed=self.num_proposed,
@@ -247,6 +273,7 @@ def merge_metrics(runs: Sequence[SpecMetrics]) -> SpecMetrics:
         latency_p99_s=_percentile(lat, 99),
         target_time_s=sum(m.target_time_s for m in runs),
         draft_time_s=sum(m.draft_time_s for m in runs),
+        check_time_s=sum(m.check_time_s for m in runs),
         num_target_calls=sum(m.num_target_calls for m in runs),
         num_generated_tokens=gen,
         num_proposed=proposed,

@@ -11,11 +11,9 @@ exact for any proposal), only how fast.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from specdec.metrics import expected_tokens_per_step
+from specdec.metrics import StepStats, expected_tokens_per_step
 from specdec.protocols import DecodeState
 from specdec.registry import Registry
 
@@ -29,18 +27,6 @@ __all__ = [
     "make_policy",
     "as_policy",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepStats:
-    """What one decode step did: the γ asked for, the K drafted, the accepted count per running row,
-    and the measured drafter time (propose + observe) and target verify time (one block of K+1)."""
-
-    gamma: int
-    num_drafted: int
-    num_accepted: Sequence[int]
-    draft_time_s: float
-    verify_time_s: float
 
 
 @runtime_checkable
@@ -98,7 +84,7 @@ class HeuristicGamma:
     def update(self, stats: StepStats) -> None:
         if not stats.num_accepted:
             return
-        if stats.gamma > 0 and min(stats.num_accepted) >= stats.gamma:
+        if stats.gamma > 0 and min(stats.num_accepted) >= stats.max_accept >= stats.gamma:
             self.gamma = min(self.gamma + 2, self.max_gamma)
         else:
             self.gamma = max(1, self.gamma - 1)
@@ -215,7 +201,7 @@ class CostModelGamma:
                 per_token if self.t_draft is None else self.t_draft + self.ema * (per_token - self.t_draft)
             )
             accepted = sum(stats.num_accepted)
-            rejections = sum(1 for a in stats.num_accepted if a < stats.num_drafted)
+            rejections = sum(1 for a in stats.num_accepted if a < stats.max_accept)
             self.accepted = self.decay * self.accepted + accepted
             self.trials = self.decay * self.trials + accepted + rejections
 

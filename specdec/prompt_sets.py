@@ -18,6 +18,7 @@ import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "PROMPT_SETS",
@@ -27,6 +28,7 @@ __all__ = [
     "mtbench_prompts",
     "mtbench_questions",
     "load_prompts",
+    "encode_prompt",
 ]
 
 
@@ -86,3 +88,15 @@ def load_prompts(name: str, num_prompts: int) -> list[str]:
     if num_prompts >= len(prompts):
         return prompts
     return [prompts[(i * len(prompts)) // num_prompts] for i in range(num_prompts)]
+
+
+def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
+    """Token ids of a raw prompt, or of a user turn in the tokenizer's chat template."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat=True (--chat) needs a tokenizer with a chat template; this one has none")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+    return list(tokenizer(text).input_ids)

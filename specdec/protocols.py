@@ -1,6 +1,7 @@
-"""The two plugin interfaces of the engine: a ``Target`` model and a ``Drafter``.
+"""The plugin interfaces of the engine: a ``Target`` model, its optional capabilities, and a ``Drafter``.
 
-Legend: B batch, T block length, K draft length (γ), V vocabulary, D hidden size, L sequence capacity.
+Legend: B batch, T block length, K draft length (γ), N tree nodes, V vocabulary, D hidden size,
+L sequence capacity.
 
 The decode loop (``specdec.loop``) owns a :class:`DecodeState` with every row's committed tokens.
 Invariant between steps: the target's KV cache holds ``lengths_B - 1`` tokens per row: every
@@ -9,19 +10,41 @@ committed token except the last one, which is fed first in the next verify block
 A verify block for row b is ``[last committed token, d_1 .. d_K]`` at cache slots
 ``lengths_B[b] - 1 ...``; its K+1 logits give the target distribution for d_1..d_K and for the
 bonus token. Blocks are contiguous per row, so a causal mask over *slot index* is the only mask a
-chain needs, and rolling back is moving a row's length: nothing is copied.
+chain needs, and rolling back is moving a row's length: nothing is copied. A token tree is one
+block too (its nodes in topological order, each attending its ancestors); after verification the
+accepted path's keys/values are compacted into chain order (:meth:`TreeTarget.copy_slots`).
+
+What a target must offer, by capability (each checked with ``isinstance``):
+
+- every target: :class:`Target` (``vocab_size``, ``eos_token_ids``, ``reset``, ``forward``,
+  ``rollback``); optional attributes ``tokenizer``, ``device`` and ``max_context_length``;
+- tree drafters (``eagle-tree``): :class:`TreeTarget`, tree attention in ``forward`` and ``copy_slots``;
+- feature-level drafters (EAGLE): :class:`FeatureTarget`, ``forward`` returns ``hidden_BTD``,
+  ``parts()`` gives the embedding, final norm and LM head, ``capture_layers`` adds layer outputs;
+- self-speculation (``layerskip``): :class:`LayerTarget`, ``forward_layers`` runs a sub-network.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from specdec.sampling import SamplingParams
 
-__all__ = ["TargetOutput", "Target", "Proposal", "DecodeState", "Drafter"]
+__all__ = [
+    "TargetOutput",
+    "TargetParts",
+    "Target",
+    "TreeTarget",
+    "FeatureTarget",
+    "LayerTarget",
+    "Proposal",
+    "DecodeState",
+    "Drafter",
+]
 
 
 @dataclass
@@ -41,6 +64,20 @@ class TargetOutput:
     aux_hidden_BTD: dict[int, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class TargetParts:
+    """The target tensors a feature-level draft head reuses (shared, never copied or trained):
+    the token embedding ``[V, D]``, the final RMSNorm's weight and epsilon, the LM head ``[V, D]``,
+    and the architecture ``config`` (``hidden_size``, ``num_hidden_layers``, ``rope_parameters``
+    or ``rope_theta``, ...)."""
+
+    embed_VD: torch.Tensor
+    norm_D: torch.Tensor
+    norm_eps: float
+    lm_head_VD: torch.Tensor
+    config: Any
+
+
 @runtime_checkable
 class Target(Protocol):
     """A causal LM with a positional KV cache.
@@ -49,6 +86,10 @@ class Target(Protocol):
     attends to slots ``< start_B[b]`` plus the block's own causal prefix. Slots past a row's valid
     length may hold stale entries from rejected drafts; they are never attended because every
     block overwrites its slots before attending.
+
+    Optional attributes the loop reads when present: ``device`` (where token tensors live),
+    ``tokenizer`` (stop strings) and ``max_context_length`` (prompt + new tokens + γ + 1 must fit).
+    One target serves one generation at a time: :func:`specdec.generate` holds a lock on it.
     """
 
     vocab_size: int
@@ -80,6 +121,58 @@ class Target(Protocol):
         ...
 
 
+@runtime_checkable
+class TreeTarget(Target, Protocol):
+    """A target that verifies a token tree in one call (SpecInfer, arXiv 2305.09781)."""
+
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        start_B: torch.Tensor,
+        *,
+        logits_index_BN: torch.Tensor | None = None,
+        tree_mask_TT: torch.Tensor | None = None,
+        depth_T: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """As :meth:`Target.forward`; with ``tree_mask_TT[i, j]`` (block token i may attend block
+        token j, diagonal set) and ``depth_T`` (rope position offsets) the block is a tree."""
+        ...
+
+    def copy_slots(self, src_slots_BN: torch.Tensor, dst_start_B: torch.Tensor) -> None:
+        """Move the keys/values at slots ``src_slots_BN[b]`` to ``dst_start_B[b] + arange(N)``."""
+        ...
+
+
+@runtime_checkable
+class FeatureTarget(Target, Protocol):
+    """A target whose features a draft head reads (EAGLE): ``forward`` sets ``hidden_BTD``."""
+
+    def parts(self) -> TargetParts:
+        """The embedding, final norm and LM head (the head shares them) and the config."""
+        ...
+
+    def capture_layers(self, layers: Sequence[int]) -> None:
+        """Also return these decoder layers' outputs from ``forward`` (``aux_hidden_BTD``)."""
+        ...
+
+
+@runtime_checkable
+class LayerTarget(Target, Protocol):
+    """A target that runs a sub-network of itself (self-speculation, LayerSkip arXiv 2404.16710)."""
+
+    def forward_layers(
+        self,
+        tokens_BT: torch.Tensor,
+        start_B: torch.Tensor,
+        *,
+        num_layers: int | None = None,
+        layers: Sequence[int] | None = None,
+        logits_index_BN: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """Some of its layers, then the final norm and LM head; leaves the cache's lengths alone."""
+        ...
+
+
 @dataclass
 class Proposal:
     """A drafter's guess: ``tokens_BK`` long, and ``probs_BKV`` (float32, full target vocab,
@@ -87,12 +180,14 @@ class Proposal:
     proposal. K may be smaller than the γ asked for, and may be 0.
 
     ``tree`` (optional): a :class:`specdec.tree.TreeProposal`; the loop then verifies the whole
-    tree in one call (:func:`specdec.tree.verify_tree_proposal`), and ``tokens_BK`` / ``probs_BKV``
-    are its first-candidate path (a valid chain proposal for loops that ignore trees)."""
+    tree in one target call (the target must be a :class:`TreeTarget`), and ``tokens_BK`` /
+    ``probs_BKV`` are its first-candidate path (a valid chain proposal for loops that ignore
+    trees). The loop checks every proposal (shapes, dtypes, id range, finite normalised
+    probabilities) before the target sees it."""
 
     tokens_BK: torch.Tensor
     probs_BKV: torch.Tensor | None = None
-    tree: object | None = None
+    tree: Any | None = None
 
 
 @dataclass
@@ -119,6 +214,16 @@ class DecodeState:
         rows = torch.arange(self.batch_size, device=self.tokens_BL.device)
         return self.tokens_BL[rows, self.lengths_B - 1]
 
+    def row(self, b: int) -> DecodeState:
+        """Row ``b`` alone, as a batch of one (views of this state's tensors)."""
+        return DecodeState(
+            tokens_BL=self.tokens_BL[b : b + 1],
+            prompt_lengths_B=self.prompt_lengths_B[b : b + 1],
+            lengths_B=self.lengths_B[b : b + 1],
+            finished_B=self.finished_B[b : b + 1],
+            sampling=self.sampling,
+        )
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -140,5 +245,6 @@ class Drafter(Protocol):
 
     def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
         """After verification: ``state`` already holds the newly committed tokens; ``target_out``
-        is the verify block's output (for drafters that read target features)."""
+        is the verify block's output along the committed path (for drafters that read target
+        features): for a tree, the root and the accepted nodes in path order."""
         ...

@@ -69,13 +69,19 @@ def logits_to_probs(
         raise ValueError(f"logits must be a floating-point tensor, got dtype {logits.dtype}")
     logits = logits.float()
     V = logits.shape[-1]
+    # amax propagates NaN: one reduction finds NaN, +inf and rows with no finite logit at all.
+    row_max = logits.amax(dim=-1, keepdim=True)
+    if not bool(torch.isfinite(row_max).all()):
+        raise ValueError(f"logits must be finite (-inf allowed, not in a whole row): {_first_bad(row_max)}")
 
     if temperature == 0.0:
         # torch.argmax returns the first maximal index: ties go to the lowest id.
         idx = logits.argmax(dim=-1, keepdim=True)
         return torch.zeros_like(logits).scatter_(-1, idx, 1.0)
 
-    logits = logits / temperature
+    # Shift before dividing: (logits - max) / T is <= 0 and never NaN, so a tiny temperature gives
+    # the limit distribution (uniform over the maximal logits) instead of overflowing to inf / inf.
+    logits = (logits - row_max) / temperature
     use_k = top_k is not None and top_k < V
     use_p = top_p is not None and top_p < 1.0
     if not use_k and not use_p:
@@ -98,10 +104,17 @@ def logits_to_probs(
     return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
 
 
+def _first_bad(row_stat_N1: torch.Tensor) -> str:
+    """Where the first non-finite entry of a keep-dim per-row statistic is, as text."""
+    index = tuple((~torch.isfinite(row_stat_N1)).nonzero()[0].tolist()[:-1])
+    return f"the first bad row is at index {index}" if index else "the row is bad"
+
+
 def sample_from_probs(probs_NV: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token id per row of ``probs [..., V]``; returns ``[...]`` long.
 
-    Rows need not be normalised (they are treated as weights), but must have positive mass.
+    Rows need not be normalised (they are treated as weights), but must be finite, non-negative
+    and have positive mass (``ValueError`` otherwise: a NaN row would otherwise draw id V).
     Inverse-CDF sampling on a float64 cumulative sum: one uniform per row, and a token with zero
     weight owns an empty interval, so it is never drawn. (About 3x faster than ``torch.multinomial``
     over a 50k vocabulary on CPU.)
@@ -112,6 +125,13 @@ def sample_from_probs(probs_NV: torch.Tensor, generator: torch.Generator | None 
         return torch.empty(lead, dtype=torch.long, device=probs_NV.device)
     cdf_NV = flat.double().cumsum(dim=-1)
     total_N1 = cdf_NV[:, -1:].contiguous()
+    ok_N = (flat.amin(dim=-1) >= 0) & (total_N1.squeeze(-1) > 0) & torch.isfinite(total_N1.squeeze(-1))
+    if not bool(ok_N.all()):
+        row = int((~ok_N).nonzero()[0, 0])
+        raise ValueError(
+            f"probs must be finite and non-negative with positive mass in every row; row {row} is not "
+            f"(sum {float(total_N1[row, 0]):.4g}, min {float(flat[row].min()):.4g})"
+        )
     u_N1 = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device)
     # Token i owns [cdf[i-1], cdf[i]); u * total < total, so the draw is always a valid index.
     out = torch.searchsorted(cdf_NV, u_N1 * total_N1, right=True).squeeze(-1)

@@ -46,8 +46,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specdec.protocols import DecodeState, TargetOutput
-from specdec.sampling import logits_to_probs, sample_from_probs
+from specdec.sampling import sample_from_probs
 
 __all__ = [
     "TokenTree",
@@ -55,8 +54,6 @@ __all__ = [
     "TreeVerifyResult",
     "tree_rejection_sample",
     "tree_greedy_verify",
-    "verify_tree_proposal",
-    "supports_tree",
     "PRESET_TREES",
 ]
 
@@ -397,71 +394,3 @@ def tree_greedy_verify(
             out_nodes[b, depth] = nxt
             node, depth = nxt, depth + 1
     return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
-
-
-def supports_tree(target: Any) -> bool:
-    """Whether ``target`` can verify a token tree in one call: tree attention in its forward and
-    ``copy_slots`` to compact the accepted path's KV (the native Llama target; not ``HFTarget``)."""
-    return hasattr(target, "copy_slots")
-
-
-def verify_tree_proposal(
-    target: Any, state: DecodeState, proposal: TreeProposal, generator: torch.Generator | None = None
-) -> tuple[TreeVerifyResult, TargetOutput]:
-    """Verify a tree in one target call and compact the accepted path's KV cache.
-
-    The tree is written at slots ``lengths_B − 1 + node`` with ``tree_mask_TT`` / ``depth_T``; the
-    accepted nodes' keys/values are then moved to the chain slots right after the root
-    (``target.copy_slots``), so the cache reads like a chain. The caller commits the tokens and
-    rolls the target back to the new ``lengths_B − 1`` as for a chain.
-
-    Returns the verification and a :class:`TargetOutput` whose ``hidden_BTD`` (and
-    ``aux_hidden_BTD``) hold the root's and the accepted nodes' features in path order
-    (``[B, A, D]``), as a chain block would.
-    """
-    if not supports_tree(target):
-        raise ValueError(
-            f"tree verification needs a target with tree attention and copy_slots "
-            f"(the native Llama target); got {type(target).__name__}"
-        )
-    tree = proposal.tree
-    B = state.batch_size
-    device = state.tokens_BL.device
-    tokens_BN = proposal.tokens_BN.to(device).clone()
-    tokens_BN[:, 0] = state.last_tokens_B()
-    start_B = state.lengths_B - 1
-    out = target.forward(
-        tokens_BN, start_B, tree_mask_TT=tree.ancestor_mask(device), depth_T=tree.depth_tensor(device)
-    )
-    s = state.sampling
-    if s.greedy:
-        result = tree_greedy_verify(out.logits_BTV.argmax(dim=-1).cpu(), tree, tokens_BN.cpu())
-    else:
-        target_probs = logits_to_probs(out.logits_BTV, s.temperature, s.top_k, s.top_p)
-        result = tree_rejection_sample(
-            target_probs,
-            tree,
-            tokens_BN,
-            proposal.draft_probs_BNV,
-            replacement=proposal.replacement,
-            generator=generator,
-            validate=False,
-        )
-    # The root and the accepted nodes, in path order; past a row's acceptance, repeat its last
-    # accepted node (those copies land beyond the row's new length: stale slots, never read).
-    path_BA = torch.cat([torch.zeros(B, 1, dtype=torch.long), result.path_nodes[:, :-1].cpu()], dim=1)
-    last_B1 = path_BA.gather(1, result.num_accepted.cpu().unsqueeze(1))
-    path_BA = torch.where(
-        torch.arange(path_BA.shape[1]) <= result.num_accepted.cpu().unsqueeze(1), path_BA, last_B1
-    )
-    start_cpu_B = start_B.cpu()
-    target.copy_slots(start_cpu_B.unsqueeze(1) + path_BA[:, 1:], start_cpu_B + 1)
-
-    def on_path(h_BND: torch.Tensor) -> torch.Tensor:
-        return h_BND.gather(1, path_BA.to(h_BND.device).unsqueeze(-1).expand(-1, -1, h_BND.shape[-1]))
-
-    path_hidden = None if out.hidden_BTD is None else on_path(out.hidden_BTD)
-    path_aux = None if not out.aux_hidden_BTD else {i: on_path(h) for i, h in out.aux_hidden_BTD.items()}
-    return result, TargetOutput(
-        logits_BTV=out.logits_BTV[:, :0], hidden_BTD=path_hidden, aux_hidden_BTD=path_aux
-    )

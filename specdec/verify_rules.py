@@ -8,6 +8,10 @@ trade that guarantee for speed (``lenient``, :mod:`specdec.verify_lossy`). A rul
 name in :data:`VERIFY_RULES` (third-party rules register there or through the
 ``specdec.verify_rules`` entry-point group) and passed to the loop as
 ``specdec.generate(..., verify=NAME, verify_options={...})`` or ``specdec generate --verify NAME``.
+
+A rule verifies chains (``__call__``, the signature of ``rejection_sample``); a rule that can also
+verify token trees implements :class:`TreeVerifyRule` (``verify_tree``). The loop hands every
+proposal to its rule through :mod:`specdec.blocks`, chain or tree alike.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from specdec.registry import Registry
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.tree import TreeProposal, TreeVerifyResult, tree_greedy_verify, tree_rejection_sample
 from specdec.verify import VerifyResult, rejection_sample
 
-__all__ = ["VerifyRule", "ExactVerify", "VERIFY_RULES", "make_verify_rule"]
+__all__ = ["VerifyRule", "TreeVerifyRule", "ExactVerify", "VERIFY_RULES", "make_verify_rule"]
 
 
 @runtime_checkable
@@ -49,8 +54,26 @@ class VerifyRule(Protocol):
     ) -> VerifyResult: ...
 
 
+@runtime_checkable
+class TreeVerifyRule(VerifyRule, Protocol):
+    """A rule that also verifies a token tree (lossless rules only: the tree's extra candidates
+    are exact only under recursive rejection sampling, :mod:`specdec.tree`)."""
+
+    def verify_tree(
+        self,
+        target_logits_BNV: torch.Tensor,
+        proposal: TreeProposal,
+        *,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> TreeVerifyResult:
+        """The committed path of a tree whose node i's target logits are ``target_logits_BNV[:, i]``."""
+        ...
+
+
 class ExactVerify:
-    """Exact speculative sampling: :func:`specdec.verify.rejection_sample` (the default)."""
+    """Exact speculative sampling: :func:`specdec.verify.rejection_sample` for chains (the
+    default), SpecInfer's multi-candidate rejection sampling for trees (:mod:`specdec.tree`)."""
 
     lossless = True
 
@@ -71,6 +94,31 @@ class ExactVerify:
     ) -> VerifyResult:
         return rejection_sample(
             target_probs_BKV, draft_tokens_BK, draft_probs_BKV, generator=generator, validate=validate
+        )
+
+    def verify_tree(
+        self,
+        target_logits_BNV: torch.Tensor,
+        proposal: TreeProposal,
+        *,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> TreeVerifyResult:
+        """Greedy: the longest path of argmax matches (host walk); else recursive rejection sampling."""
+        if sampling.greedy:
+            argmax_BN = target_logits_BNV.argmax(dim=-1).cpu()
+            return tree_greedy_verify(argmax_BN, proposal.tree, proposal.tokens_BN.cpu())
+        target_probs_BNV = logits_to_probs(
+            target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p
+        )
+        return tree_rejection_sample(
+            target_probs_BNV,
+            proposal.tree,
+            proposal.tokens_BN,
+            proposal.draft_probs_BNV,
+            replacement=proposal.replacement,
+            generator=generator,
+            validate=False,
         )
 
     def __repr__(self) -> str:

@@ -81,18 +81,25 @@ def test_bench_compares_everything_in_one_run(ckpts, tiny_sets, tmp_path):
 
 
 def _third_ours_call_raises(monkeypatch, error: BaseException) -> None:
-    """Make the third `_run_ours` call raise `error` (in the two-prompt plan below: ours/ngram on
-    prompt 0, after ours/none and hf/plain)."""
+    """Make the third generation of our decode loop raise `error` (in the two-prompt plan below:
+    ours/ngram on prompt 1, after ours/none and ours/ngram on prompt 0)."""
+    from specdec.bench import speculative
+
     calls = {"n": 0}
-    real = bench._run_ours
+    real = speculative.generate_method
 
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise error
-        return real(*args, **kwargs)
+    def flaky_method(*args, **kwargs):
+        run = real(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "_run_ours", flaky)
+        def flaky(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise error
+            return run(*a, **k)
+
+        return flaky
+
+    monkeypatch.setattr(speculative, "generate_method", flaky_method)
 
 
 def _two_prompt_config(target, tmp_path) -> BenchConfig:
@@ -137,7 +144,7 @@ def test_a_failing_method_is_dropped_with_a_note_and_the_others_finish(
 def test_device_option_is_checked_at_the_boundary(tmp_path):
     import argparse
 
-    from specdec.cli import check_device
+    from specdec.targets import check_device
 
     assert check_device("cpu") == "cpu"
     with pytest.raises(ValueError, match="device"):
@@ -148,7 +155,7 @@ def test_device_option_is_checked_at_the_boundary(tmp_path):
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     args = p.parse_args(["--device", "cpu", "--out", str(tmp_path)])
-    assert bench.config_from_args(args).device == "cpu"
+    assert bench.speculative.config_from_args(args).device == "cpu"
 
 
 def test_config_validation_and_cli_parsing(tmp_path):
@@ -179,7 +186,7 @@ def test_config_validation_and_cli_parsing(tmp_path):
         ]
     )
     args.command = None
-    cfg = bench.config_from_args(args)
+    cfg = bench.speculative.config_from_args(args)
     assert cfg.prompt_sets == ("mtbench",) and cfg.temperatures == (0.0, 0.7)
     assert cfg.hf_baselines == () and cfg.drafter_options == {"layerskip": {"num_layers": 8}}
 
@@ -247,24 +254,26 @@ def test_drafter_gammas_give_labels_their_own_draft_length(ckpts, tiny_sets, tmp
     args = p.parse_args(
         ["--drafters", "none,ngram,g6=ngram", "--drafter-gamma", "g6=6", "--out", str(tmp_path)]
     )
-    assert bench.config_from_args(args).drafter_gammas == {"g6": 6}
+    assert bench.speculative.config_from_args(args).drafter_gammas == {"g6": 6}
     with pytest.raises(ValueError, match="--drafter-gamma expects LABEL=N"):
-        bench.config_from_args(p.parse_args(["--drafters", "none,ngram", "--drafter-gamma", "ngram=x"]))
+        bench.speculative.config_from_args(
+            p.parse_args(["--drafters", "none,ngram", "--drafter-gamma", "ngram=x"])
+        )
 
 
 def test_chat_prompt_sets_are_sent_through_the_chat_template(ckpts, tiny_sets, tmp_path, monkeypatch):
-    import specdec.cli
+    from specdec.bench import speculative
 
-    assert "mtbench-chat" in bench.CHAT_PROMPT_SETS and "mtbench" not in bench.CHAT_PROMPT_SETS
+    assert "mtbench-chat" in speculative.CHAT_PROMPT_SETS and "mtbench" not in speculative.CHAT_PROMPT_SETS
     assert load_prompts("mtbench-chat", 3) == load_prompts("mtbench", 3)  # same questions (held out alike)
     monkeypatch.setitem(bench.PROMPT_SETS, "mtbench-chat", lambda: ["Say hi."])
-    encode, calls = specdec.cli.encode_prompt, []
+    encode, calls = speculative.encode_prompt, []
 
     def recording(tokenizer, text, *, chat):
         calls.append((text, chat))
         return encode(tokenizer, text, chat=chat)
 
-    monkeypatch.setattr(specdec.cli, "encode_prompt", recording)
+    monkeypatch.setattr(speculative, "encode_prompt", recording)
     cfg = BenchConfig(
         target=ckpts[0],
         prompt_sets=("code", "mtbench-chat"),

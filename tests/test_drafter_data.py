@@ -111,26 +111,6 @@ def test_self_instruct_requests_are_complete_distinct_user_turns(target):
     )
 
 
-def test_self_instruct_rounds_draw_new_requests_and_skip_earlier_ones(target):
-    def sample(round_index, exclude=frozenset()):
-        return drafter_data.self_instruct_requests(
-            target,
-            12,
-            max_tokens=400,
-            seed=0,
-            batch_size=5,
-            round_index=round_index,
-            exclude=exclude,
-            log=lambda s: None,
-        )
-
-    first, second = sample(0), sample(1)
-    assert first and second and first != second  # a round is its own draw
-    assert sample(1) == second  # seeded
-    # A request kept in an earlier round is never kept again.
-    assert set(sample(0, exclude=frozenset(first[:2]))) == set(first[2:])
-
-
 def test_self_instruct_prompts_are_raw_and_chat_forms():
     tok = byte_tokenizer()
     prompts = drafter_data.self_instruct_prompts(tok, ["Plan a garden for me.", "Explain tides."])
@@ -142,8 +122,6 @@ def test_self_instruct_prompts_are_raw_and_chat_forms():
     ]
     assert tok.decode(prompts[2].ids) == "Explain tides."
     assert tok.decode(prompts[3].ids) == "<|im_start|>user\nExplain tides.<|im_end|>\n<|im_start|>assistant\n"
-    later = drafter_data.self_instruct_prompts(tok, ["Explain tides."], round_index=2)
-    assert [p.pid for p in later] == ["self-r2/0", "self-r2/0/chat"]
 
 
 def test_self_instruct_needs_a_chat_template(tmp_path):
@@ -222,11 +200,15 @@ def test_repeat_sequences_reject_bad_arguments():
     assert drafter_data.repeat_sequences(tok, [], 0) == []
 
 
-def test_data_config_key_is_unchanged_without_copy_lessons():
-    base = drafter_data.DataConfig(repeat_sequences=0, text_tokens=30_000)
-    unused = drafter_data.DataConfig(repeat_sequences=0, text_tokens=30_000, repeat_length=100)
-    assert base.key() == unused.key()
-    assert base.key() != drafter_data.DataConfig(repeat_sequences=10, text_tokens=30_000).key()
-    assert base.key() == "07643697dc"  # the recipe's cache from before the field existed
-    assert drafter_data.DataConfig(text_tokens=30_000).key() == "5fadf898ac"  # the previous head's data
-    assert drafter_data.DataConfig().key() == "ef4a7f5259"  # the shipped head's data (400 k text tokens)
+def test_data_config_key_hashes_every_field():
+    """The cache directory is a hash of every field: any change is a new cache; the recipe's stays put."""
+    from dataclasses import fields, replace
+
+    base = drafter_data.DataConfig()
+    for f in fields(base):
+        value = getattr(base, f.name)
+        other = (
+            (not value) if isinstance(value, bool) else (value + "x" if isinstance(value, str) else value + 1)
+        )
+        assert replace(base, **{f.name: other}).key() != base.key(), f.name
+    assert base.key() == "ef4a7f5259"  # the shipped head's data

@@ -17,12 +17,12 @@ from specdec.drafters.eagle import (
     EagleConfig,
     EagleDrafter,
     EagleHead,
+    EagleTreeDrafter,
+    PackedEagleHead,
     draft_distribution,
     load_eagle_head,
     save_eagle_head,
-    target_parts,
 )
-from specdec.drafters.eagle_tree import EagleTreeDrafter
 from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.targets.hf import HFTarget
@@ -38,7 +38,6 @@ def _train_tiny_head(
     weights,
     prev_token_input: bool = False,
     seed: int | None = None,
-    num_layers: int = 1,
 ) -> list[float]:
     """Train a tiny head on the target's greedy continuations (the recipe's loss), save it to
     ``weights``; returns its top-1 agreement with the target per step (teacher-forced step).
@@ -50,7 +49,6 @@ def _train_tiny_head(
         feature_scale=1 / float(out.hidden_BTD.std()),
         embed_scale=1 / float(parts.embed_VD.std()),
         prev_token_input=prev_token_input,
-        num_layers=num_layers,
     )
     counts = torch.bincount(seqs.flatten(), minlength=259)
     vocab = torch.argsort(counts, descending=True, stable=True)[:200]
@@ -90,7 +88,7 @@ def tiny(tmp_path_factory):
     path = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3)
     target = LlamaTarget.from_pretrained(path)
     hf = tiny_llama(seed=3)
-    parts = target_parts(target)
+    parts = target.parts()
     seqs, out = greedy_training_block(hf, target)
     weights = tmp_path_factory.mktemp("head") / "head.safetensors"
     accuracy = _train_tiny_head(target, hf, parts, seqs, out, weights)
@@ -106,14 +104,13 @@ def tiny(tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1-layer", "2-layer"])
-def tiny_prev(tiny, tmp_path_factory, request):
-    """``tiny`` with a head that also takes the previous token (``prev_token_input``), with one
-    decoder layer and with two (``num_layers``: every test of this fixture runs for both)."""
+@pytest.fixture(scope="module")
+def tiny_prev(tiny, tmp_path_factory):
+    """``tiny`` with a head that also takes the previous token (``prev_token_input``)."""
     weights = tmp_path_factory.mktemp("head-prev") / "head.safetensors"
     args = (tiny["target"], tiny["hf"], tiny["parts"], tiny["seqs"], tiny["out"], weights)
-    accuracy = _train_tiny_head(*args, prev_token_input=True, seed=0, num_layers=request.param)
-    return {**tiny, "weights": weights, "accuracy": accuracy, "num_layers": request.param}
+    accuracy = _train_tiny_head(*args, prev_token_input=True, seed=0)
+    return {**tiny, "weights": weights, "accuracy": accuracy}
 
 
 def _prompts():
@@ -137,7 +134,7 @@ def test_prev_token_training_learns_the_targets_next_tokens(tiny_prev):
     accuracy = tiny_prev["accuracy"]
     assert accuracy[0] < 0.1 and min(accuracy[-10:]) > 0.3
     head, _ = load_eagle_head(tiny_prev["weights"], tiny_prev["parts"])
-    assert head.config.num_layers == tiny_prev["num_layers"] == len(head.extra_layers) + 1
+    assert head.config.prev_token_input and head.fc.weight.shape[1] == 3 * 64
 
 
 # --- a head that also takes the previous token (prev_token_input) ---------------------------------
@@ -231,9 +228,7 @@ def test_prev_token_head_cache_and_packed_paths_equal_the_reference(tiny_prev):
     reference forward; a head with prev_token_input refuses to run without x_t."""
     parts = tiny_prev["parts"]
     head, _ = load_eagle_head(tiny_prev["weights"], parts)
-    packed, _ = load_eagle_head(
-        tiny_prev["weights"], parts, linear_backend="auto", weight_dtype=torch.float32
-    )
+    packed = PackedEagleHead(head, backend="auto", weight_dtype=torch.float32)
     assert head.fc.weight.shape[1] == 3 * 64
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(2, 11, 64, generator=g) * 0.05
@@ -313,11 +308,11 @@ def test_cache_steps_equal_the_reference_forward(tiny):
 @pytest.mark.parametrize("B", [1, 2])
 @pytest.mark.parametrize("backend", ["reference", "auto"])
 def test_packed_fused_head_equals_the_module_path(tiny, backend, B):
-    """pack(): scales, residuals, norms and SwiGLU fused into the linear kernels and rope done with
-    fewer ops compute the same function as the nn.Linear path (a block, then chain steps)."""
+    """PackedEagleHead: scales, residuals, norms and SwiGLU fused into the linear kernels and rope
+    done with fewer ops compute the same function as the EagleHead module (a block, then chain
+    steps)."""
     plain, _ = load_eagle_head(tiny["weights"], tiny["parts"])
-    packed, _ = load_eagle_head(tiny["weights"], tiny["parts"], linear_backend=backend)
-    assert packed._packed is not None and plain._packed is None
+    packed = PackedEagleHead(plain, backend=backend)
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(B, 5, 64, generator=g) * 3
     tokens = torch.randint(0, 259, (B, 7), generator=g)
@@ -345,11 +340,9 @@ def test_packed_fused_head_equals_the_module_path(tiny, backend, B):
 
 
 def _packed_products(head):
-    """Every packed product of a head: fc, fc_aux, the LM head and each layer's four."""
-    pk = head._packed
-    return [v for k, v in pk.items() if k != "layers"] + [
-        lin for layer in pk["layers"] for lin in layer.values()
-    ]
+    """Every packed product of a head: fc, fc_aux, the layer's four and the LM head."""
+    names = ("fc", "fc_aux", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+    return [getattr(head, n) for n in names if getattr(head, n) is not None]
 
 
 def test_bf16_packed_weights_are_the_default_on_the_packed_kernel_and_stay_close(tiny):
@@ -557,7 +550,7 @@ def test_bad_input_raises_valueerror(tiny, tmp_path):
         EagleDrafter(target, weights=tmp_path / "missing.safetensors")
     with pytest.raises(ValueError, match="draft_vocab_size"):
         EagleDrafter(target, weights=tiny["weights"], draft_vocab_size=10_000)
-    with pytest.raises(ValueError, match="embed_tokens"):
+    with pytest.raises(ValueError, match="FeatureTarget"):
         EagleDrafter(object(), weights=tiny["weights"])
     other = LlamaTarget.from_pretrained(save_tiny_checkpoint(tmp_path / "other", seed=9))
     with pytest.raises(ValueError, match="trained for target"):
@@ -595,7 +588,7 @@ def test_smaller_draft_vocab_keeps_the_most_frequent(tiny):
     with safe_open(str(tiny["weights"]), framework="pt") as f:
         stored = f.get_tensor("draft_vocab_N")
     assert d.head.draft_vocab_N.tolist() == sorted(stored[:50].tolist())
-    assert d.head.head_ND.shape == (50, 64)
+    assert d.head.lm_head.out_features == 50
 
 
 @pytest.mark.model
@@ -637,130 +630,111 @@ def test_smollm2_greedy_equals_transformers(drafter):
 
 @pytest.mark.model
 def test_default_drafter_is_lookup_then_the_shipped_eagle_head_for_smollm2():
-    from specdec.drafters.by_mode import ModeDrafter
-    from specdec.drafters.default import default_drafter, default_drafter_name
-    from specdec.drafters.fallback import FallbackDrafter
+    """``default`` is one NGramEagleDrafter: the head loaded and packed once, and only the EAGLE
+    drafter of the generation's mode built (the tree for a greedy single row, else the chain)."""
     from specdec.drafters.ngram import NGramDrafter
+    from specdec.drafters.ngram_eagle import NGramEagleDrafter, default_drafter
     from specdec.targets import load_target
 
     target = load_target("smollm2-135m")
-    assert default_drafter_name(target) == "ngram-eagle-auto"
     drafter = default_drafter(target)
-    assert isinstance(drafter, ModeDrafter) and drafter.registry_name == "ngram-eagle-auto"
-    chain, tree = drafter.drafters["chain"], drafter.drafters["tree"]
-    assert isinstance(chain, FallbackDrafter) and isinstance(tree, FallbackDrafter)
-    assert isinstance(chain.primary, NGramDrafter) and type(chain.fallback) is EagleDrafter
-    assert isinstance(tree.primary, NGramDrafter) and isinstance(tree.fallback, EagleTreeDrafter)
-    assert chain.fallback.min_prob == 0.2  # the tuned confidence stop (docs/eagle.md)
-    assert tree.fallback.tree_min_prob == 0.05 and tree.fallback.dynamic  # the tuned node floor
-    assert create_drafter("ngram-eagle-tree", target).fallback.tree_min_prob == 0.05
-    assert create_drafter("eagle", target).min_prob == 0.0
+    assert isinstance(drafter, NGramEagleDrafter) and drafter.registry_name == "ngram-eagle-auto"
+    assert isinstance(drafter.lookup, NGramDrafter) and drafter._drafters == {}  # nothing built yet
+    ids = target.tokenizer("def add(a, b):").input_ids
+    specdec.generate(target, [ids], drafter=drafter, max_new_tokens=8, temperature=0.0)
+    assert drafter.last_mode == "tree" and list(drafter._drafters) == ["tree"]
+    tree = drafter.eagle
+    assert isinstance(tree, EagleTreeDrafter) and tree.tree_min_prob == 0.05 and tree.dynamic
+    specdec.generate(target, [ids], drafter=drafter, max_new_tokens=8, temperature=0.7, seed=0)
+    chain = drafter.eagle
+    assert drafter.last_mode == "chain" and type(chain) is EagleDrafter and chain.min_prob == 0.2
+    assert chain.head is tree.head is drafter.head  # one head for both modes
 
 
 def test_default_drafter_falls_back_for_other_targets(tiny, capsys):
-    from specdec.drafters.default import default_drafter
     from specdec.drafters.ngram import NGramDrafter
+    from specdec.drafters.ngram_eagle import default_drafter
 
     drafter = default_drafter(tiny["target"])
     assert isinstance(drafter, NGramDrafter) and drafter.registry_name == "ngram"
-    assert "not this target" in capsys.readouterr().err
+    assert "drafter 'default' -> 'ngram'" in capsys.readouterr().err
 
 
-class _Checking:
-    """Runs a fallback drafter; whenever it falls back to EAGLE, a separately fed EAGLE agrees."""
+class _CheckingEagle:
+    """Runs a lookup-first drafter; whenever it drafts with the head, a separately fed EAGLE agrees."""
 
-    def __init__(self, hybrid, shadow):
-        self.hybrid, self.shadow, self.checked = hybrid, shadow, 0
+    def __init__(self, hybrid, reference):
+        self.hybrid, self.reference, self.checked = hybrid, reference, 0
 
     def begin(self, state, out):
         self.hybrid.begin(state, out)
-        self.shadow.begin(state, out)
+        self.reference.begin(state, out)
 
-    def observe(self, state, n, out):
-        self.hybrid.observe(state, n, out)
-        self.shadow.observe(state, n, out)
+    def observe(self, state, num_accepted, out):
+        self.hybrid.observe(state, num_accepted, out)
+        self.reference.observe(state, num_accepted, out)
 
     def propose(self, state, gamma, generator=None):
         p = self.hybrid.propose(state, gamma, generator)
-        s = self.shadow.propose(state, gamma, generator)
-        if self.hybrid.last_choice == "fallback":
-            assert p.tokens_BK.tolist() == s.tokens_BK.tolist()
+        if self.hybrid.last_choice == "head":
+            assert p.tokens_BK.tolist() == self.reference.propose(state, gamma, generator).tokens_BK.tolist()
             self.checked += 1
+        else:
+            self.reference.catch_up(state)
         return p
 
 
-def _motif_prompt_and_plain_decode(target):
-    """A prompt that repeats a 6-token motif (so prompt lookup proposes) and its plain greedy decode."""
-    g = torch.Generator().manual_seed(9)
-    motif = torch.randint(0, 256, (6,), generator=g).tolist()
-    prompt = motif * 4 + torch.randint(0, 256, (5,), generator=g).tolist()
-    ref = specdec.generate(
-        target, [prompt], drafter="none", max_new_tokens=40, temperature=0.0, ignore_eos=True
-    )
-    return prompt, ref
-
-
 def test_ngram_eagle_uses_both_drafters_and_keeps_eagle_in_step(tiny):
-    """A repetitive prompt makes prompt lookup propose; elsewhere EAGLE drafts. EAGLE's cache must
-    take in the committed tokens either way: after lookup steps its drafts still equal those of an
-    EAGLE drafter that drafted at every step."""
-    from specdec.drafters.fallback import FallbackDrafter
-    from specdec.drafters.ngram import NGramDrafter
+    """Lookup steps still feed the head's cache: every head step drafts exactly what an EAGLE
+    drafter fed every committed token would."""
+    from specdec.drafters.ngram_eagle import NGramEagleDrafter
 
     target = tiny["target"]
-    prompt, ref = _motif_prompt_and_plain_decode(target)
-    hybrid = FallbackDrafter(NGramDrafter(target, min_ngram=2), EagleDrafter(target, weights=tiny["weights"]))
-    checking = _Checking(hybrid, EagleDrafter(target, weights=tiny["weights"]))
-    out = specdec.generate(
-        target, [prompt], drafter=checking, max_new_tokens=40, temperature=0.0, gamma=4, ignore_eos=True
+    hybrid = NGramEagleDrafter(target, mode="chain", weights=tiny["weights"], min_prob=0.0, min_ngram=2)
+    checking = _CheckingEagle(hybrid, EagleDrafter(target, weights=tiny["weights"]))
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # repeats: the lookup fires
+    out = specdec.generate(target, [prompt], drafter=checking, max_new_tokens=40, temperature=0.0, gamma=3)
+    assert (
+        out.token_ids
+        == specdec.generate(target, [prompt], drafter="none", max_new_tokens=40, temperature=0.0).token_ids
     )
-    assert out.token_ids == ref.token_ids
-    assert hybrid.counts["primary"] > 0 and hybrid.counts["fallback"] > 0
-    assert checking.checked == hybrid.counts["fallback"]
+    assert hybrid.counts["lookup"] > 0 and hybrid.counts["head"] > 0
+    assert checking.checked == hybrid.counts["head"]
     with pytest.raises(ValueError, match="min_tokens"):
-        FallbackDrafter(hybrid.primary, hybrid.fallback, min_tokens=0)
+        NGramEagleDrafter(target, weights=tiny["weights"], min_tokens=0)
+    with pytest.raises(ValueError, match="mode"):
+        NGramEagleDrafter(target, weights=tiny["weights"], mode="both")
 
 
 def test_ngram_eagle_tree_mixes_lookup_chains_and_eagle_trees(tiny):
-    """ngram-eagle-tree: lookup chains on the repeated motif, EAGLE trees elsewhere, greedy = plain."""
     target = tiny["target"]
-    prompt, ref = _motif_prompt_and_plain_decode(target)
     drafter = create_drafter("ngram-eagle-tree", target, **_options(tiny, "ngram-eagle-tree"))
-    out = specdec.generate(
-        target, [prompt], drafter=drafter, max_new_tokens=40, temperature=0.0, gamma=4, ignore_eos=True
-    )
-    assert out.token_ids == ref.token_ids
-    assert drafter.counts["primary"] > 0 and drafter.counts["fallback"] > 0
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    kw = {"max_new_tokens": 40, "temperature": 0.0, "gamma": 3}
+    out = specdec.generate(target, [prompt], drafter=drafter, **kw)
+    assert out.token_ids == specdec.generate(target, [prompt], drafter="none", **kw).token_ids
+    assert drafter.counts["lookup"] > 0 and drafter.counts["head"] > 0
 
 
 def test_ngram_eagle_auto_takes_the_tree_for_greedy_single_rows_only(tiny):
-    """ngram-eagle-auto: the tree for greedy single-row runs, the chain for sampled and batched runs
-    and on targets without tree attention; greedy output equals plain decoding in every mode, and
-    the mode's options reach the right drafter."""
-    from specdec.drafters.by_mode import ModeDrafter
-    from specdec.drafters.fallback import FallbackDrafter
-
     target, prompts = tiny["target"], _prompts()
-    opts = {"weights": str(tiny["weights"]), "min_prob": 0.0, "tree_min_prob": 0.0, "tree_width": 3}
-    drafter = create_drafter("ngram-eagle-auto", target, **opts)
-    assert isinstance(drafter, ModeDrafter)
-    chain, tree = drafter.drafters["chain"], drafter.drafters["tree"]
-    assert isinstance(chain.fallback, EagleDrafter) and not isinstance(chain.fallback, EagleTreeDrafter)
-    assert isinstance(tree.fallback, EagleTreeDrafter) and tree.fallback.tree_width == 3
-    kw = {"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True}
-    for batch, mode in ((prompts[:1], "tree"), (prompts, "chain")):
-        ref = specdec.generate(target, batch, drafter="none", **kw)
-        before = {m: sum(d.counts.values()) for m, d in drafter.drafters.items()}
-        out = specdec.generate(target, batch, drafter=drafter, gamma=4, **kw)
-        assert drafter.last_mode == mode and out.token_ids == ref.token_ids
-        used = {m: sum(d.counts.values()) - before[m] for m, d in drafter.drafters.items()}
-        assert used[mode] > 0 and used["tree" if mode == "chain" else "chain"] == 0
-    specdec.generate(target, prompts[:1], drafter=drafter, max_new_tokens=8, temperature=0.7, seed=0)
-    assert drafter.last_mode == "chain"
-    hf_target = HFTarget(tiny["hf"])
-    on_hf = create_drafter("ngram-eagle-auto", hf_target, weights=str(tiny["weights"]))
-    assert on_hf.drafters["tree"] is None and isinstance(on_hf.drafters["chain"], FallbackDrafter)
-    specdec.generate(hf_target, prompts[:1], drafter=on_hf, **kw)
-    assert on_hf.last_mode == "chain"
+    drafter = create_drafter("ngram-eagle-auto", target, weights=str(tiny["weights"]), tree_width=3)
+    kw = {"max_new_tokens": 20, "ignore_eos": True}
+    for rows, temperature, mode in (
+        (prompts[:1], 0.0, "tree"),
+        (prompts, 0.0, "chain"),
+        (prompts[:1], 0.8, "chain"),
+    ):
+        out = specdec.generate(target, rows, drafter=drafter, temperature=temperature, seed=1, **kw)
+        ref = specdec.generate(target, rows, drafter="none", temperature=temperature, seed=1, **kw)
+        assert drafter.last_mode == mode
+        if temperature == 0.0:
+            assert out.token_ids == ref.token_ids
+    assert (
+        isinstance(drafter._drafters["tree"], EagleTreeDrafter) and drafter._drafters["tree"].tree_width == 3
+    )
+    on_hf = create_drafter("ngram-eagle-auto", HFTarget(tiny["hf"]), weights=str(tiny["weights"]))
+    specdec.generate(HFTarget(tiny["hf"]), prompts[:1], drafter=on_hf, temperature=0.0, max_new_tokens=4)
+    assert on_hf.last_mode == "chain"  # no tree attention in the HF target
     with pytest.raises(ValueError, match="before begin"):
-        ModeDrafter(chain).propose(None, 2)
+        create_drafter("ngram-eagle-auto", target, weights=str(tiny["weights"])).propose(None, 2)

@@ -25,9 +25,9 @@ from specdec.drafters.eagle import (
     EagleConfig,
     EagleDrafter,
     EagleHead,
+    PackedEagleHead,
     load_eagle_head,
     save_eagle_head,
-    target_parts,
 )
 from specdec.protocols import TargetOutput
 from specdec.targets.hf import HFTarget
@@ -42,7 +42,7 @@ def tiny3(tmp_path_factory):
     path = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny3"), seed=4, num_layers=3)
     target = LlamaTarget.from_pretrained(path)
     hf = tiny_llama(seed=4, num_layers=3)
-    parts = target_parts(target)
+    parts = target.parts()
     target.capture_layers(AUX)
     seqs, out = greedy_training_block(hf, target)
     aux_BTAD = torch.stack([out.aux_hidden_BTD[i] for i in AUX], dim=2)
@@ -125,7 +125,7 @@ def test_token_loss_training_learns_and_skips_the_regression(tiny3):
 
 def test_packed_projection_equals_the_module(tiny3):
     ref, _ = load_eagle_head(tiny3["weights"], tiny3["parts"])
-    fast, _ = load_eagle_head(tiny3["weights"], tiny3["parts"], linear_backend="reference")
+    fast = PackedEagleHead(ref, backend="reference")
     g = torch.Generator().manual_seed(0)
     f = torch.randn(2, 5, 64, generator=g) * 3
     aux = torch.randn(2, 5, 2, 64, generator=g)
@@ -182,10 +182,9 @@ def test_fused_head_runs_on_the_hf_target(tiny3):
 
 def test_missing_layer_features_are_a_clear_error(tiny3):
     class NoCapture:  # exposes the head's target tensors but cannot capture layers
-        embed_tokens = tiny3["target"].embed_tokens
-        norm = tiny3["target"].norm
-        lm_head = tiny3["target"].lm_head
-        config = tiny3["target"].config
+        vocab_size, eos_token_ids = 259, ()
+        parts = tiny3["target"].parts
+        reset = forward = rollback = tiny3["target"].reset
 
     with pytest.raises(ValueError, match="capture_layers"):
         EagleDrafter(NoCapture(), weights=tiny3["weights"])
@@ -202,7 +201,7 @@ def test_config_checks_aux_scales():
         num_kv_heads=1,
         head_dim=4,
         rms_norm_eps=1e-5,
-        rope_theta=1e4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
         vocab_size=10,
         draft_vocab_size=5,
     )

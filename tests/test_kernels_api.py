@@ -122,7 +122,7 @@ def test_environment_variable_overrides_the_argument(monkeypatch):
         assert torch.equal(y, kernels.grouped_gemm(*_gg_inputs(), backend="spy"))
         assert calls == ["fwd"]
     finally:
-        kernels.GROUPED_GEMM_BACKENDS._impls.pop("spy")
+        kernels.GROUPED_GEMM_BACKENDS.unregister("spy")
 
 
 def test_environment_variable_selects_triton_under_the_interpreter(monkeypatch):

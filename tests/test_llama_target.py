@@ -422,11 +422,19 @@ def test_smollm2_greedy_equals_transformers_generate(smollm2):
         assert ours_batch[b] == ref, f"prompt {b} in the ragged batch"
 
 
-def test_native_families_match_load_target_dispatch():
-    from specdec.targets import NATIVE_MODEL_TYPES
-    from specdec.targets.llama_config import NATIVE_FAMILIES
+def test_load_target_dispatches_on_the_one_list_of_native_families(tmp_path):
+    """``auto`` picks the native target for every family in NATIVE_FAMILIES (the only list)."""
+    from _tiny import save_tiny_checkpoint
 
-    assert set(NATIVE_FAMILIES) == set(NATIVE_MODEL_TYPES)
+    from specdec.targets import load_target
+    from specdec.targets.hf import HFTarget
+
+    path = save_tiny_checkpoint(tmp_path / "tiny")
+    assert isinstance(load_target(path), LlamaTarget)
+    assert isinstance(load_target(path, backend="hf"), HFTarget)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable checkpoint config.json"):
+        load_target(path)
 
 
 def test_flipped_rope_is_the_same_floats_as_rotate_half():

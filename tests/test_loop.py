@@ -407,7 +407,7 @@ def test_a_drafter_proposing_unknown_token_ids_is_a_value_error(tiny, tok, tempe
         def observe(self, state, num_accepted_B, verify_out):
             pass
 
-    with pytest.raises(ValueError, match=r"OutOfVocab proposed token ids outside \[0, V="):
+    with pytest.raises(ValueError, match=r"step 1: drafter OutOfVocab: tokens_BK must hold token ids in \["):
         specdec.generate(target, [tok("hi").input_ids], drafter=OutOfVocab(), temperature=temperature)
 
 

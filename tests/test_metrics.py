@@ -8,6 +8,7 @@ import pytest
 
 from specdec.metrics import (
     MetricsRecorder,
+    StepStats,
     expected_tokens_per_step,
     merge_metrics,
     predicted_speedup,
@@ -41,7 +42,14 @@ def test_predicted_speedup_closed_form():
 
 def record(rec: MetricsRecorder, K: int, accepted: list[int], draft_s: float, verify_s: float, wall: float):
     rec.record_step(
-        gamma=K, num_drafted=K, num_accepted=accepted, draft_time_s=draft_s, target_time_s=verify_s
+        StepStats(
+            gamma=K,
+            num_drafted=K,
+            num_accepted=accepted,
+            draft_time_s=draft_s,
+            target_time_s=verify_s,
+            verify_time_s=verify_s,
+        )
     )
     for a in accepted:
         rec.record_commit(wall, a + 1)

@@ -62,28 +62,3 @@ def test_importing_moe_does_not_import_triton():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-
-
-def test_bench_moe_prefetch_ab_adds_the_layer_without_the_prefetch(tmp_path):
-    import kernels.packed_gemm as pg
-
-    if not pg.packed_gemm_available():
-        assert bench_moe.main(["--tokens", "1", "--prefetch-ab"]) == 2
-        return
-    before = pg.set_prefetch_distance(4096)
-    argv = "--tokens 1,6 --experts 4 --top-k 2 --dim 32 --hidden 48 --seconds 0.05 --min-reps 2 --max-reps 3"
-    assert bench_moe.main([*argv.split(), "--threads", "1", "--prefetch-ab", "--out", str(tmp_path)]) == 0
-    assert pg.set_prefetch_distance(before) == 4096  # restored after the run
-    record = json.loads((tmp_path / "bench_moe.json").read_text())
-    assert record["config"]["prefetch_ab"] is True
-    for row in record["results"]:
-        assert row["gflops"]["ours_nopf"] > 0
-        assert row["ours_vs_ours_nopf"] == row["gflops"]["ours"] / row["gflops"]["ours_nopf"]
-        assert "ours_nopf" in row["median_ms"]
-    assert "ours, no sw prefetch" in (tmp_path / "bench_moe.md").read_text()
-    plain = tmp_path / "plain"
-    assert bench_moe.main([*argv.split(), "--threads", "1", "--out", str(plain)]) == 0
-    record = json.loads((plain / "bench_moe.json").read_text())
-    assert record["config"]["prefetch_ab"] is False
-    assert all("ours_nopf" not in row["gflops"] for row in record["results"])
-    assert "no sw prefetch" not in (plain / "bench_moe.md").read_text()

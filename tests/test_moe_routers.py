@@ -41,7 +41,7 @@ def test_register_router_adds_a_plugin():
         torch.testing.assert_close(layer(x), layer.experts.expert(0, x))
         assert layer.last_tokens_per_expert.tolist() == [5, 0, 0]
     finally:
-        del moe.ROUTERS["test_first_expert"]
+        moe.ROUTERS.unregister("test_first_expert")
     with pytest.raises(ValueError, match="subclass"):
         moe.register_router("bad")(object)
 

@@ -133,6 +133,9 @@ def test_rebuild_is_byte_identical_and_removes_stale_outputs(tmp_path):
         ),
         (lambda d: d["figures"][0]["series"][0].update(y=[1]), "x and y differ in length"),
         (lambda d: d.update(smoke="no"), "smoke must be bool"),
+        (lambda d: d.update(experiment="../../X"), r"experiment must be an identifier \(\[a-z0-9-\]\+"),
+        (lambda d: d["figures"][0].update(name="a/b"), r"figures\[0\]\.name must be an identifier"),
+        (lambda d: d["tables"][0].update(name="T 1"), r"tables\[0\]\.name must be an identifier"),
     ],
 )
 def test_malformed_summaries_are_rejected_with_the_field_named(tmp_path, mutate, match):
@@ -142,6 +145,18 @@ def test_malformed_summaries_are_rejected_with_the_field_named(tmp_path, mutate,
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=match):
         load_summary(path)
+
+
+def test_paths_come_from_the_user_never_from_file_contents(tmp_path):
+    """A summary whose experiment field climbs out of --out is refused before anything is written."""
+    results, out = tmp_path / "results", tmp_path / "deep" / "out"
+    results.mkdir()
+    data = summary()
+    data["experiment"] = "../../escaped"
+    (results / "x.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="must be an identifier"):
+        build(results, out, compile_pdf=False)
+    assert not list(tmp_path.rglob("escaped*"))
 
 
 def test_format_cell():

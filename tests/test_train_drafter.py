@@ -15,17 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from experiments.drafter_data import DataConfig, FeatureData, _cache_root, aux_shard_name, load_dataset
+from experiments.drafter_data import DataConfig, FeatureData, _cache_root, aux_shard_name
 from experiments.train_drafter import (
     TrainConfig,
     _key_fields,
     build_draft_vocab,
-    grow_draft_vocab,
     main,
     train,
 )
-from specdec.drafters.eagle import load_eagle_head, target_parts
-from specdec.targets.loading import load_hf_model
 
 pytestmark = pytest.mark.model  # the recipe loads the real SmolLM2-135M for its embedding and LM head
 
@@ -143,36 +140,6 @@ def test_init_from_starts_at_the_given_weights(runs):
     assert len(tuned["heldout_curve"]) == 1  # evaluated at its last step
 
 
-def test_init_from_grows_the_draft_vocabulary(runs):
-    """A larger draft_vocab_size keeps the file's tokens first (in stored order) and its weights, and
-    adds the data's most frequent tokens the file lacks; the grown head trains and saves."""
-    tmp, cfg = runs["tmp"], runs["cfg"]
-    start = str(tmp / "straight.safetensors")
-    _run(tmp, "grown", replace(cfg, init_from=start, steps=2, lr=0.0, draft_vocab_size=96))
-    w0, w = runs["weights"]["straight"], load_file(str(tmp / "grown.safetensors"))
-    vocab = w["draft_vocab_N"]
-    assert vocab.shape == (96,) and vocab.unique().numel() == 96
-    assert torch.equal(vocab[:64], w0["draft_vocab_N"])
-    assert all(torch.equal(w[k], w0[k]) for k in w0 if k != "draft_vocab_N")
-    # the added tokens are the next most frequent top-1 predictions of the training split
-    data = load_dataset(_cache_root(cfg.data, tmp / "data"), cfg.aux_layers)
-    order, _ = build_draft_vocab(data, data.sequences(False), 300)
-    expected = [t for t in order.tolist() if t not in set(w0["draft_vocab_N"].tolist())][:32]
-    assert vocab[64:].tolist() == expected
-    _run(tmp, "grown_tuned", replace(cfg, init_from=start, steps=3, draft_vocab_size=96))
-    assert not torch.equal(load_file(str(tmp / "grown_tuned.safetensors"))["fc.weight"], w["fc.weight"])
-
-
-def test_grow_draft_vocab_checks_its_arguments():
-    stored, frequent = torch.tensor([5, 2, 9]), torch.tensor([2, 7, 5, 1, 9, 3])
-    assert grow_draft_vocab(stored, frequent, 5).tolist() == [5, 2, 9, 7, 1]
-    assert grow_draft_vocab(stored, frequent, 3).tolist() == [5, 2, 9]
-    with pytest.raises(ValueError, match="n must be >= the stored vocabulary's 3"):
-        grow_draft_vocab(stored, frequent, 2)
-    with pytest.raises(ValueError, match="draft_vocab_size 7: the data rank only 6"):
-        grow_draft_vocab(stored, frequent, 7)
-
-
 def test_draft_vocab_ranks_top1_then_topk_frequency():
     """Top-1 predictions first by frequency (ties by id, as the shipped head's vocabulary was built);
     then tokens that are never top-1, by how often they appear in the top-k; held-out rows ignored."""
@@ -205,90 +172,54 @@ def test_init_from_keys_checkpoints_by_content(runs, tmp_path):
     key = _key_fields(replace(cfg, init_from=str(a)))
     assert key == _key_fields(replace(cfg, init_from=str(copy)))  # same contents, other path
     assert key != _key_fields(replace(cfg, init_from=str(b)))
-    assert "init_from" not in _key_fields(cfg)  # fresh runs keep their directories
+    assert _key_fields(cfg)["init_from"] is None
 
 
 def test_init_from_rejects_weights_that_do_not_fit(runs):
     cfg, start = runs["cfg"], str(runs["tmp"] / "straight.safetensors")
-    with pytest.raises(ValueError, match="fuses target layers \\[1, 14\\].*--aux-layers '1,14'"):
+    with pytest.raises(ValueError, match=r"\(\(1, 14\), 64, True\), this run asks for \(\(\), 64, True\)"):
         _run(runs["tmp"], "no_aux", replace(cfg, init_from=start, aux_layers=()))
-    with pytest.raises(ValueError, match="vocabulary of 64.*not shrink.*--draft-vocab-size 64"):
+    with pytest.raises(ValueError, match="fine-tuning keeps the head's shape"):
         _run(runs["tmp"], "vocab", replace(cfg, init_from=start, draft_vocab_size=32))
+    with pytest.raises(ValueError, match="fine-tuning keeps the head's shape"):
+        _run(runs["tmp"], "no_prev", replace(cfg, init_from=start, prev_token_input=False))
     with pytest.raises(ValueError, match="no such file"):
         _run(runs["tmp"], "missing", replace(cfg, init_from=str(runs["tmp"] / "nope.safetensors")))
     with pytest.raises(ValueError, match="no such file"):  # the CLI flag reaches the config
         main(["--init-from", str(runs["tmp"] / "nope.safetensors"), "--data-root", str(runs["tmp"] / "data")])
 
 
-def test_prev_token_input_trains_and_init_from_adds_the_block_at_zero(runs):
-    """--prev-token-input: a fresh head's fc takes [embed(x_{t+1}); f_t; embed(x_t)] and trains; from
-    a file without the block, the block starts at zero (at lr 0 the file's weights come back with
-    zero columns appended, so the head computes what the file's did) and then learns; a file with
-    the block refuses a run without it. The flag keys the checkpoint only when on."""
+def test_prev_token_input_trains_the_third_fc_block(runs):
+    """--prev-token-input (the recipe's default): fc takes [embed(x_{t+1}); f_t; embed(x_t)] and
+    trains; --no-prev-token-input gives the EAGLE-1 pair; the flag keys the checkpoint."""
     tmp = runs["tmp"]
-    assert runs["cfg"].prev_token_input  # the recipe's default since the copy lessons
+    assert runs["cfg"].prev_token_input
     assert load_file(str(tmp / "straight.safetensors"))["fc.weight"].shape == (DIM, 3 * DIM)
     cfg = replace(runs["cfg"], prev_token_input=False, steps=3)
     _run(tmp, "no_prev", cfg)
-    w0 = load_file(str(tmp / "no_prev.safetensors"))
-    assert w0["fc.weight"].shape == (DIM, 2 * DIM)
-    fresh = replace(cfg, prev_token_input=True)
-    _run(tmp, "prev_fresh", fresh)
-    w_fresh = load_file(str(tmp / "prev_fresh.safetensors"))
-    assert w_fresh["fc.weight"].shape == (DIM, 3 * DIM)
-    start = str(tmp / "no_prev.safetensors")
-    _run(tmp, "prev_still", replace(fresh, init_from=start, steps=2, lr=0.0))
-    w = load_file(str(tmp / "prev_still.safetensors"))
-    assert torch.equal(w["fc.weight"][:, : 2 * DIM], w0["fc.weight"])
-    assert not w["fc.weight"][:, 2 * DIM :].any()
-    assert all(torch.equal(w[k], w0[k]) for k in w0 if k != "fc.weight")
-    _run(tmp, "prev_tuned", replace(fresh, init_from=start, steps=3))
-    assert load_file(str(tmp / "prev_tuned.safetensors"))["fc.weight"][:, 2 * DIM :].abs().max() > 0
-    with pytest.raises(ValueError, match="prev_token_input.*--prev-token-input"):
-        _run(tmp, "prev_dropped", replace(cfg, init_from=str(tmp / "prev_fresh.safetensors")))
-    assert "prev_token_input" not in _key_fields(cfg)
-    assert _key_fields(fresh)["prev_token_input"] is True
+    assert load_file(str(tmp / "no_prev.safetensors"))["fc.weight"].shape == (DIM, 2 * DIM)
+    assert _key_fields(cfg) != _key_fields(runs["cfg"])
 
 
-def test_num_layers_trains_and_init_from_adds_layers_at_zero_output(runs):
-    """--num-layers 2: a fresh head gets a second, pre-norm layer and trains it; from a one-layer
-    file the added layer starts with zero output projections (at lr 0 the file's weights come back
-    unchanged beside it, and the head's predictions equal the file's), then learns; a file with more
-    layers than the run refuses. The field keys the checkpoint only when it is not 1."""
-    tmp, cfg = runs["tmp"], runs["cfg"]
-    start = str(tmp / "straight.safetensors")
-    w0 = runs["weights"]["straight"]
-    _run(tmp, "deep_still", replace(cfg, init_from=start, steps=2, lr=0.0, num_layers=2))
-    w = load_file(str(tmp / "deep_still.safetensors"))
-    assert all(torch.equal(w[k], w0[k]) for k in w0)
-    added = {k for k in w if k not in w0}
-    assert {k.split(".", 2)[2] for k in added} == {
-        "input_norm",
-        "qkv_proj.weight",
-        "o_proj.weight",
-        "post_norm",
-        "gate_up_proj.weight",
-        "down_proj.weight",
-    }
-    assert not w["extra_layers.0.o_proj.weight"].any() and not w["extra_layers.0.down_proj.weight"].any()
-    assert w["extra_layers.0.qkv_proj.weight"].abs().max() > 0  # a fresh init, so it can learn
-    # the grown head computes what the file's does
-    data = load_dataset(_cache_root(cfg.data, tmp / "data"), cfg.aux_layers)
-    parts = target_parts(load_hf_model(cfg.data.target))
-    one, _ = load_eagle_head(start, parts)
-    two, _ = load_eagle_head(tmp / "deep_still.safetensors", parts)
-    assert two.config.num_layers == 2 and one.config.num_layers == 1
-    feats = data.features[:12].float().unsqueeze(0)
-    tokens = data.tokens[:13].unsqueeze(0)
-    with torch.no_grad():
-        f1 = one(one.project(feats, data.aux[:12].float().unsqueeze(0)), tokens[:, 1:], tokens[:, :-1])
-        f2 = two(two.project(feats, data.aux[:12].float().unsqueeze(0)), tokens[:, 1:], tokens[:, :-1])
-    torch.testing.assert_close(f2, f1)
-    _run(tmp, "deep_tuned", replace(cfg, init_from=start, steps=3, num_layers=2))
-    assert load_file(str(tmp / "deep_tuned.safetensors"))["extra_layers.0.o_proj.weight"].abs().max() > 0
-    fresh = _run(tmp, "deep_fresh", replace(cfg, steps=3, num_layers=2))
-    assert fresh["config"]["num_layers"] == 2
-    with pytest.raises(ValueError, match="2 decoder layers.*--num-layers 2"):
-        _run(tmp, "deep_dropped", replace(cfg, init_from=str(tmp / "deep_fresh.safetensors")))
-    assert "num_layers" not in _key_fields(cfg)
-    assert _key_fields(replace(cfg, num_layers=2))["num_layers"] == 2
+def test_cli_is_generated_from_the_config(runs, capsys):
+    """Every TrainConfig field has its flag with the dataclass's default; bad values are ValueErrors."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for flag in (
+        "--steps",
+        "--text-tokens",
+        "--aux-layers",
+        "--prev-token-input",
+        "--no-prev-token-input",
+        "--init-from",
+        "--draft-vocab-size",
+        "--data-seed",
+        "--target",
+    ):
+        assert flag in text
+    assert "(default: 4000)" in text and "(default: 1,14)" in text
+    with pytest.raises(ValueError, match="TrainConfig.steps must be an int >= 1"):
+        main(["--steps", "0", "--data-root", str(runs["tmp"] / "data")])
+    with pytest.raises(SystemExit):  # NaN is refused by the flag's type
+        main(["--lr", "nan"])

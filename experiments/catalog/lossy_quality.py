@@ -113,7 +113,7 @@ def _label(drafter: str, lenience: float) -> str:
 def run_lossy(config: LossyQualityConfig, ctx: RunContext) -> dict:
     """Generate every problem with each method, then score: log-likelihood under the target, pass@1."""
     from experiments.humaneval import PROMPT_STYLES, check_completion, load_problems, pass_at_1
-    from specdec.cli import encode_prompt
+    from specdec.prompt_sets import encode_prompt
 
     target = open_target(config.target)
     style = PROMPT_STYLES[config.prompt_style]

@@ -6,8 +6,9 @@ Not an experiment itself. ``leviathan-table3-analog``, ``speedup-table``, ``gamm
 ``batch-sweep`` and ``lossy-quality`` call :func:`run_interleaved` to run several *methods* (a
 drafter, γ and verification rule) on the same prompts, prompt by prompt in turn (so drifting load
 on a shared machine hits every method alike), and summarise them with
-:func:`specdec.bench_report.summarize` (speedup over our plain decode measured in the same run, α, τ,
-predicted speedup, exact-match rate of greedy outputs). Targets are ``smollm2-135m`` (or any
+:func:`specdec.bench.report.summarize` (speedup over our plain decode measured in the same run, α, τ,
+predicted speedup, exact-match rate of greedy outputs). The runner is ``specdec bench``'s own
+(:func:`specdec.bench.interleave.run_interleaved`). Targets are ``smollm2-135m`` (or any
 checkpoint) and ``tiny-random``, a random-init two-layer Llama with a byte tokenizer that the CI
 smoke runs use (built once into the specdec cache; nothing is downloaded).
 """
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from specdec.bench.interleave import Prompt
 
 __all__ = [
     "TINY_TARGET",
@@ -119,12 +122,12 @@ def tiny_checkpoint() -> Path:
 
 
 def open_target(name: str):
-    """The target ``name`` (built-in name, checkpoint folder or ``tiny-random``), loaded once per process."""
+    """The target ``name`` (built-in name, checkpoint folder or ``tiny-random``), loaded once per process
+    (:func:`specdec.targets.open_target`)."""
     if name not in _TARGETS:
-        from specdec.targets import load_target
+        from specdec.targets import open_target as load
 
-        path = str(tiny_checkpoint()) if name == TINY_TARGET else name
-        _TARGETS[name] = load_target(path)
+        _TARGETS[name] = load(str(tiny_checkpoint()) if name == TINY_TARGET else name)
     return _TARGETS[name]
 
 
@@ -176,7 +179,7 @@ def category_prompts(category: str, num_prompts: int) -> list[str]:
 
 def encode(target: Any, category: str, text: str, *, chat: bool) -> list[int]:
     """Token ids of a prompt: HumanEval raw (code completion); MT-Bench in the chat template if ``chat``."""
-    from specdec.cli import encode_prompt
+    from specdec.prompt_sets import encode_prompt
 
     return encode_prompt(target.tokenizer, text, chat=chat and category.startswith("mtbench"))
 
@@ -198,13 +201,8 @@ class Method:
     verify_options: Mapping[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class PromptRun:
-    """One prompt of a category (``set``), its index there, and its token ids."""
-
-    set: str
-    index: int
-    ids: list[int]
+PromptRun = Prompt
+"""One prompt of a category (``set``), its index there, and its token ids."""
 
 
 def run_interleaved(
@@ -219,60 +217,57 @@ def run_interleaved(
     warmup: bool = True,
     **generate_options: Any,
 ) -> dict[str, list]:
-    """Run every method on every prompt (prompt-major order); return ``{label: [PromptResult, ...]}``.
+    """Every method on every prompt through :func:`specdec.bench.interleave.run_interleaved`;
+    returns ``{label: [PromptResult, ...]}``.
 
-    Each method's drafter is built once. With ``warmup`` every method first decodes a few untimed
-    tokens (one-time costs: weight packing, allocator growth). Prompt i uses seed ``seed + i`` for
-    every method. Each generation is logged to ``ctx`` as one step. ``generate_options`` go to
+    Each method's drafter is built once. The i-th prompt uses seed ``seed + i`` for every method.
+    Each generation is logged to ``ctx`` as one step. ``generate_options`` go to
     :func:`specdec.generate` (``stop_strings``, ``ignore_eos``, ...).
     """
-    import specdec
-    from specdec.bench_report import PromptResult
+    from specdec.bench.interleave import generate_method
+    from specdec.bench.interleave import run_interleaved as run
     from specdec.registry import create_drafter
 
-    drafters = {m.label: create_drafter(m.drafter, target, **dict(m.drafter_options)) for m in methods}
-
-    def generate(method: Method, ids: list[list[int]], n: int, s: int):
-        return specdec.generate(
+    fns = {
+        m.label: generate_method(
             target,
-            ids,
-            drafter=drafters[method.label],
-            gamma=method.gamma,
+            create_drafter(m.drafter, target, **dict(m.drafter_options)),
             temperature=temperature,
-            max_new_tokens=n,
-            seed=s,
-            verify=method.verify,
-            verify_options=dict(method.verify_options) or None,
+            gamma=m.gamma,
+            verify=m.verify,
+            verify_options=dict(m.verify_options) or None,
             **generate_options,
         )
+        for m in methods
+    }
 
-    if warmup:
-        for method in methods:
-            generate(method, [prompts[0].ids], min(8, max_new_tokens), seed)
-    results: dict[str, list] = {m.label: [] for m in methods}
-    for i, prompt in enumerate(prompts):
-        for method in methods:
-            out = generate(method, [prompt.ids], max_new_tokens, seed + i)
-            m = out.metrics
-            results[method.label].append(
-                PromptResult(prompt.set, prompt.index, out.token_ids[0], m.total_time_s, m)
-            )
-            ctx.log(
-                {
-                    "method": method.label,
-                    "prompt_set": prompt.set,
-                    "prompt": prompt.index,
-                    "num_tokens": len(out.token_ids[0]),
-                    "time_s": m.total_time_s,
-                    "tokens_per_second": m.tokens_per_second,
-                    "acceptance_rate": m.acceptance_rate,
-                    "alpha_iid": m.alpha_iid,
-                    "mean_accepted_tokens": m.mean_accepted_tokens,
-                    "num_proposed": m.num_proposed,
-                    "num_accepted": m.num_accepted,
-                }
-            )
-    return results
+    def log(label: str, prompt: Prompt, result: Any) -> None:
+        m = result.metrics
+        ctx.log(
+            {
+                "method": label,
+                "prompt_set": prompt.set,
+                "prompt": prompt.index,
+                "num_tokens": len(result.token_ids),
+                "time_s": m.total_time_s,
+                "tokens_per_second": m.tokens_per_second,
+                "acceptance_rate": m.acceptance_rate,
+                "alpha_iid": m.alpha_iid,
+                "mean_accepted_tokens": m.mean_accepted_tokens,
+                "num_proposed": m.num_proposed,
+                "num_accepted": m.num_accepted,
+            }
+        )
+
+    return run(
+        fns,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        seed_by_position=True,
+        warmup=warmup,
+        on_result=log,
+    )
 
 
 def run_methods(
@@ -301,9 +296,9 @@ def run_methods(
 
 
 def method_rows(results: Mapping[str, list], temperature: float, prompt_sets: Sequence[str]) -> list[dict]:
-    """Per (prompt set and ``all``, method): :func:`specdec.bench_report.summarize`'s row (speedup against
+    """Per (prompt set and ``all``, method): :func:`specdec.bench.report.summarize`'s row (speedup against
     ``ours/none`` when it ran, α, τ, predicted speedup, exact-match rate when greedy)."""
-    from specdec.bench_report import summarize
+    from specdec.bench.report import summarize
 
     runs = [{"method": label, "temperature": temperature, "results": rs} for label, rs in results.items()]
     rows = summarize(runs, list(prompt_sets))

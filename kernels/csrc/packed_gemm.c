@@ -45,13 +45,10 @@
 /* Software prefetch distance (bytes) for passes of 2 or more rows (a verify block, a tree, a few
  * tokens per expert): a tile does 2..MR FMAs per weight vector, which slows its loads enough that the
  * hardware prefetchers fall behind the stream. The first row tile of each block prefetches this far
- * ahead in the stream. Measured on the dev machine (2 Zen 5 cores), a pass over SmolLM2-135M's
- * 538 MB of fp32 weights, relative to one row without it: 7 rows 1.14x -> 1.01x, 12 rows 1.26x ->
- * 1.07x, 13 rows (two tiles) 1.38x -> 1.16x; bf16 weights, 7 rows 1.60x -> 0.98x. One row is left to
- * the hardware (4-5 % slower with it in a fast phase). packed_gemm_set_prefetch(0) turns it off. */
-static long prefetch_bytes = 4096;
-void packed_gemm_set_prefetch(long bytes) { prefetch_bytes = bytes > 0 ? bytes : 0; }
-long packed_gemm_prefetch(void) { return prefetch_bytes; }
+ * ahead in the stream. Measured on a 2-core Zen 5, a pass over SmolLM2-135M's 538 MB of fp32 weights,
+ * relative to one row without it: 7 rows 1.14x -> 1.01x, 12 rows 1.26x -> 1.07x; bf16 weights,
+ * 7 rows 1.60x -> 0.98x. One row is left to the hardware (4-5 % slower with it). */
+static const long prefetch_bytes = 4096;
 #define NV (BW / VL)
 #define INLINE static inline __attribute__((always_inline))
 

@@ -5,7 +5,7 @@ Legend: M rows in expert order, K input features, N output features, E experts (
 Why: PyTorch's CPU `torch.mm` goes to MKL, which on non-Intel x86 CPUs (the AMD EPYC machines we
 develop on) runs a slower code path; oneDNN (which PyTorch ships as `mkldnn`) JIT-compiles for the
 CPU it finds. Measured on the 2-core AMD EPYC development VM, fp32, per expert GEMM (GFLOP/s,
-`python -m kernels.grouped_gemm.bench_cpu`): MKL ~205 at M = 128, oneDNN on weights packed once
+`python -m experiments.bench_grouped_gemm`): MKL ~205 at M = 128, oneDNN on weights packed once
 ~500 (and ~65 vs ~38 at M = 1). Results agree with `torch.mm` to fp32 rounding (both accumulate
 in fp32; different summation order).
 

@@ -4,7 +4,7 @@ Legend: M rows in expert order, K input features, N output features, E experts (
 
 This is the CPU fast path (and the fallback on GPUs without Triton). A loop of BLAS calls on contiguous
 row slices was measured faster on CPU than torch._grouped_mm for the MoE shapes we care about (see
-docs/kernels.md and `python -m kernels.grouped_gemm.bench_cpu`). Writing each product straight into its
+docs/kernels.md and `python -m experiments.bench_grouped_gemm`). Writing each product straight into its
 slice of the output (`out=`) avoids the torch.cat copy of the reference.
 """
 

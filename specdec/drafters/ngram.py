@@ -68,12 +68,15 @@ class NGramDrafter:
         pass
 
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
-        B = state.batch_size
+        return self.pack(state, self.lookups(state, gamma))
+
+    def lookups(self, state: DecodeState, gamma: int) -> list[torch.Tensor]:
+        """Each row's lookup result (up to ``gamma`` tokens; empty for finished rows and misses)."""
         if gamma <= 0:
-            return Proposal(tokens_BK=state.tokens_BL.new_empty((B, 0)))
+            return [state.tokens_BL[b, :0] for b in range(state.batch_size)]
         lengths = state.lengths_B.tolist()
         finished = state.finished_B.tolist()
-        found = [
+        return [
             state.tokens_BL[b, :0]
             if finished[b]
             else lookup(
@@ -83,8 +86,13 @@ class NGramDrafter:
                 min_ngram=self.min_ngram,
                 search=self.search,
             )
-            for b in range(B)
+            for b in range(state.batch_size)
         ]
+
+    @staticmethod
+    def pack(state: DecodeState, found: list[torch.Tensor]) -> Proposal:
+        """The proposal of per-row lookups: rows share K; a shorter row is padded."""
+        B = state.batch_size
         K = max(len(f) for f in found)
         if K == 0:
             return Proposal(tokens_BK=state.tokens_BL.new_empty((B, 0)))

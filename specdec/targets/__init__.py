@@ -7,21 +7,55 @@ import os
 from typing import Any
 
 from specdec.registry import TARGETS
+from specdec.targets.llama_config import NATIVE_FAMILIES
 from specdec.targets.loading import resolve_checkpoint
 
-__all__ = ["load_target", "NATIVE_MODEL_TYPES"]
+__all__ = ["load_target", "open_target", "check_device", "DTYPES"]
 
-# Model families the native implementation (specdec.targets.llama) covers.
-NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+DTYPES = ("float32", "bfloat16", "float16")
+"""Target dtypes by name (``--dtype``)."""
 
 
 def load_target(name_or_path: str | os.PathLike, *, backend: str = "auto", **options: Any):
     """Load a target by built-in name or local checkpoint.
 
-    ``backend``: ``"auto"`` (native ``llama`` for the Llama family, ``hf`` otherwise) or any name in
+    ``backend``: ``"auto"`` (native ``llama`` for the families in
+    :data:`specdec.targets.llama_config.NATIVE_FAMILIES`, ``hf`` otherwise) or any name in
     :data:`specdec.registry.TARGETS` (``hf``, ``llama``, or a plugin's).
     """
     if backend == "auto":
-        config = json.loads((resolve_checkpoint(name_or_path) / "config.json").read_text())
-        backend = "llama" if config.get("model_type") in NATIVE_MODEL_TYPES else "hf"
+        path = resolve_checkpoint(name_or_path) / "config.json"
+        try:
+            model_type = json.loads(path.read_text()).get("model_type")
+        except (OSError, json.JSONDecodeError, AttributeError) as err:
+            raise ValueError(f"{path}: not a readable checkpoint config.json ({err})") from None
+        backend = "llama" if model_type in NATIVE_FAMILIES else "hf"
     return TARGETS.get(backend)(name_or_path, **options)
+
+
+def open_target(name: str, *, backend: str = "auto", dtype: str | None = None, device: str | None = None):
+    """:func:`load_target` with the command line's string options: ``dtype`` a name in
+    :data:`DTYPES`, ``device`` a torch device (``cpu``, ``cuda:0``); ``ValueError`` naming a bad one."""
+    import torch
+
+    options: dict[str, Any] = {}
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        options["dtype"] = getattr(torch, dtype)
+    if device is not None:
+        options["device"] = check_device(device)
+    return load_target(name, backend=backend, **options)
+
+
+def check_device(device: str) -> str:
+    """``device`` if torch can place tensors there, else a ``ValueError`` naming it."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from e
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device here")
+    return str(parsed)

@@ -15,10 +15,31 @@ from typing import Any
 
 import torch
 
-from specdec.protocols import TargetOutput
+from specdec.protocols import TargetOutput, TargetParts
 from specdec.targets.capture import check_layer_indices, layer_output
 
-__all__ = ["HFTarget"]
+__all__ = ["HFTarget", "hf_parts"]
+
+
+def hf_parts(model: Any) -> TargetParts:
+    """The embedding, final norm and LM head of a ``transformers`` Llama-family causal LM."""
+    base = getattr(model, "model", None)
+    norm = getattr(base, "norm", None)
+    if norm is None or model.get_output_embeddings() is None or model.get_input_embeddings() is None:
+        raise ValueError(
+            f"{type(model).__name__} must have input and output embeddings and model.norm (a Llama-family "
+            "causal LM) for a feature-level draft head"
+        )
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None)
+    if eps is None:
+        eps = getattr(model.config, "rms_norm_eps", 1e-5)
+    return TargetParts(
+        model.get_input_embeddings().weight.detach(),
+        norm.weight.detach(),
+        float(eps),
+        model.get_output_embeddings().weight.detach(),
+        model.config,
+    )
 
 
 class HFTarget:
@@ -39,6 +60,7 @@ class HFTarget:
             tuple(eos) if isinstance(eos, (list, tuple)) else ((int(eos),) if eos is not None else ())
         )
         self.device = next(model.parameters()).device
+        self.max_context_length = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         # transformers renamed forward's `past_key_values` to `cache` (the old name warns that it goes
         # away in 5.40); pass the cache under whichever name this version's forward declares.
         params = inspect.signature(model.forward).parameters
@@ -55,6 +77,10 @@ class HFTarget:
 
     def _grab_hidden(self, module, args) -> None:
         self._hidden = args[0]
+
+    def parts(self) -> TargetParts:
+        """The wrapped model's embedding, final norm and LM head (see :func:`hf_parts`)."""
+        return hf_parts(self.model)
 
     def capture_layers(self, layers) -> None:
         """Also return the outputs of decoder ``layers`` from :meth:`forward` (``aux_hidden_BTD``);

@@ -32,14 +32,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdec.protocols import TargetOutput
+from specdec.protocols import TargetOutput, TargetParts
 from specdec.targets.capture import check_layer_indices
 from specdec.targets.kv_cache import StaticKVCache, block_attention_mask
 from specdec.targets.linear import PackedLinear, pack_linear, resolve_backend
 from specdec.targets.llama_config import LlamaConfig, load_safetensors_state
+from specdec.targets.rmsnorm import RMSNorm
 from specdec.targets.rope import apply_rope_flipped, flip_sin, rope_cos_sin_table, rope_inv_freq
 
-__all__ = ["LlamaConfig", "LlamaTarget", "load_safetensors_state"]
+__all__ = ["LlamaConfig", "LlamaTarget", "load_safetensors_state", "PREFILL_CHUNK"]
+
+PREFILL_CHUNK = 512
+"""Longest block run in one pass: a longer (chain) block, a long prompt's prefill, runs in chunks of
+this many tokens, so attention's mask and scores grow with the prompt, not with its square."""
 
 
 @dataclass
@@ -51,18 +56,6 @@ class _Layer:
     o: PackedLinear  # H·E -> D, + residual
     gate_up: PackedLinear  # RMSNorm(post_attention_layernorm), then D -> 2F
     down: PackedLinear  # silu(gate)·up, then F -> D, + residual
-
-
-class RMSNorm(torch.nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich 2019, arXiv 1910.07467), as in Llama."""
-
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class LlamaTarget:
@@ -99,6 +92,7 @@ class LlamaTarget:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = config.vocab_size
+        self.max_context_length = config.max_position_embeddings or None
         self.cache: StaticKVCache | None = None
         self.aux_layers: frozenset[int] = frozenset()  # see capture_layers
         self._load(dict(state))
@@ -178,13 +172,13 @@ class LlamaTarget:
         ``opts``: ``device``, ``linear_backend`` (see ``specdec.targets.linear``), ``load_tokenizer``
         (default True).
         """
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import GenerationConfig
 
-        from specdec.targets.loading import load_tokenizer, resolve_checkpoint
+        from specdec.targets.loading import load_hf_config, load_tokenizer, resolve_checkpoint
 
         with_tokenizer = opts.pop("load_tokenizer", True)
         path = resolve_checkpoint(name_or_path)
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        hf_config = load_hf_config(path)
         config = LlamaConfig.from_hf(hf_config)
         eos: Any = None
         if (path / "generation_config.json").is_file():
@@ -207,6 +201,16 @@ class LlamaTarget:
         )
 
     # ------------------------------------------------------------------ Target protocol
+    def parts(self) -> TargetParts:
+        """The embedding, final norm and LM head (float32) that feature-level draft heads share."""
+        return TargetParts(
+            self.embed_tokens.weight.detach(),
+            self.norm.weight.detach(),
+            self.norm.eps,
+            self.lm_head.weight.detach(),
+            self.config,
+        )
+
     def capture_layers(self, layers: Sequence[int]) -> None:
         """Also return the outputs of decoder ``layers`` from :meth:`forward` (``aux_hidden_BTD``);
         requests add up, so drafters that share the target each get theirs."""
@@ -218,6 +222,12 @@ class LlamaTarget:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
+        limit = self.max_context_length
+        if limit is not None and max_len > limit:
+            raise ValueError(
+                f"max_len={max_len} exceeds the model's context length max_context_length={limit} "
+                "(max_position_embeddings)"
+            )
         window = self.config.sliding_window
         if window is not None and max_len > window:
             raise ValueError(
@@ -256,8 +266,25 @@ class LlamaTarget:
         """
         tokens_BT, start_B = self._check_block(tokens_BT, start_B, tree_mask_TT, depth_T)
         aux: dict[int, torch.Tensor] = {}
-        hidden_BTD = self._run(tokens_BT, start_B, range(self.config.num_layers), tree_mask_TT, depth_T, aux)
-        self.cache.lengths_B = start_B + tokens_BT.shape[1]
+        layers = range(self.config.num_layers)
+        T = tokens_BT.shape[1]
+        if tree_mask_TT is None and T > PREFILL_CHUNK:  # a chain in chunks: causal attention is the same
+            chunks, parts = range(0, T, PREFILL_CHUNK), []
+            for c in chunks:
+                piece: dict[int, torch.Tensor] = {}
+                parts.append(
+                    (
+                        self._run(
+                            tokens_BT[:, c : c + PREFILL_CHUNK], start_B + c, layers, None, None, piece
+                        ),
+                        piece,
+                    )
+                )
+            hidden_BTD = torch.cat([h for h, _ in parts], dim=1)
+            aux = {i: torch.cat([p[i] for _, p in parts], dim=1) for i in parts[0][1]}
+        else:
+            hidden_BTD = self._run(tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux)
+        self.cache.lengths_B = start_B + T
         return TargetOutput(
             logits_BTV=self._logits(hidden_BTD, logits_index_BN),
             hidden_BTD=hidden_BTD,

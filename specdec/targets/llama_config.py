@@ -133,7 +133,10 @@ def load_safetensors_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index}: not a valid safetensors index ({err})") from None
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -141,7 +144,12 @@ def load_safetensors_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"no safetensors weights in {path} (model.safetensors or model.safetensors.index.json); "
             "the native target never unpickles .bin checkpoints: re-save with safe_serialization=True"
         )
+    from safetensors import SafetensorError
+
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        state.update(load_file(str(path / name)))
+        try:
+            state.update(load_file(str(path / name)))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{path / name}: not a readable safetensors file ({err})") from None
     return state

@@ -25,7 +25,14 @@ import torch
 
 from kernels.native import cache_root
 
-__all__ = ["BUILTIN_MODELS", "cache_dir", "resolve_checkpoint", "load_hf_model", "load_tokenizer"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "cache_dir",
+    "resolve_checkpoint",
+    "load_hf_config",
+    "load_hf_model",
+    "load_tokenizer",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,17 +121,46 @@ def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
     )
 
 
+def load_hf_config(name_or_path: str | os.PathLike):
+    """The ``transformers`` config of a checkpoint; ``ValueError`` naming its ``config.json`` when that
+    is missing or not a valid config."""
+    from transformers import AutoConfig
+
+    path = resolve_checkpoint(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"{path / 'config.json'}: missing or not a valid model config ({_first_line(err)})"
+        ) from None
+
+
 def load_tokenizer(name_or_path: str | os.PathLike):
-    """The tokenizer of a built-in name or local checkpoint."""
+    """The tokenizer of a built-in name or local checkpoint (``ValueError`` naming the folder when it
+    has none that loads)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_checkpoint(name_or_path), local_files_only=True)
+    path = resolve_checkpoint(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: no tokenizer that loads ({_first_line(err)})") from None
 
 
 def load_hf_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32):
     """A ``transformers`` causal LM (eval mode) for a built-in name or local checkpoint."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     path = resolve_checkpoint(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    load_hf_config(path)  # a bad config.json is named before transformers reads the weights
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, SafetensorError) as err:
+        raise ValueError(f"{path}: the weights do not load ({_first_line(err)})") from None
     return model.eval()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__

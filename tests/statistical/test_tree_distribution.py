@@ -9,7 +9,7 @@ peaked Markov drafter, a 6-node tree of depth 2 with 3 candidates at the root):
    equals the target's joint to 1e-12, for each way of drawing children with its residual rule;
    a mismatched rule is far off (the enumeration can tell).
 2. Monte-Carlo through the real engine: ``specdec.generate`` with a tree-attention toy target and a
-   toy tree drafter, so the real loop, ``verify_tree_proposal``, ``tree_rejection_sample`` and the
+   toy tree drafter, so the real loop, ``specdec.blocks.TreeBlock``, ``tree_rejection_sample`` and the
    KV compaction all run. G-test at false-alarm rate 1e-6 per test. A planted bug (children drawn
    without replacement, verified with the i.i.d. residual) is caught at the same sample size.
 """

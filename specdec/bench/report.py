@@ -83,6 +83,8 @@ def summarize(runs: list[dict], prompt_sets: Sequence[str]) -> list[dict]:
                         if predicted and row["speedup"]
                         else None,
                         draft_ms_per_token=m.draft_time_per_token_s * 1e3,
+                        check_us_per_step=m.check_time_s / max(1, m.num_steps) * 1e6,
+                        check_share=m.check_time_s / m.total_time_s if m.total_time_s > 0 else 0.0,
                         verify_ms_by_block={str(k): v * 1e3 for k, v in m.verify_time_by_block.items()},
                         target_time_s=m.target_time_s,
                         draft_time_s=m.draft_time_s,
@@ -113,8 +115,8 @@ def _fmt(v: Any, spec: str) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """The summary rows as a Markdown table."""
     head = (
-        "| prompts | T | method | tok/s | speedup | α | τ | predicted | measured/predicted | exact match |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| prompts | T | method | tok/s | speedup | α | τ | predicted | measured/predicted | exact match "
+        "| checks µs/step |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -122,7 +124,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['prompt_set']} | {r['temperature']:g} | {r['method']} | {r['tokens_per_second']:.1f} | "
             f"{_fmt(r.get('speedup'), '.2f')}× | {_fmt(r.get('acceptance_rate'), '.2f')} | "
             f"{_fmt(r.get('mean_accepted_tokens'), '.2f')} | {_fmt(r.get('predicted_speedup'), '.2f')} | "
-            f"{_fmt(r.get('measured_over_predicted'), '.2f')} | {_fmt(r.get('exact_match_rate'), '.0%')} |"
+            f"{_fmt(r.get('measured_over_predicted'), '.2f')} | {_fmt(r.get('exact_match_rate'), '.0%')} | "
+            f"{_fmt(r.get('check_us_per_step'), '.0f')} |"
         )
     return head + "\n".join(lines) + "\n"
 

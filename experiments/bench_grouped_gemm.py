@@ -1,6 +1,6 @@
 """CPU benchmark of the grouped-GEMM torch backend against the alternatives, measured side by side.
 
-    python -m kernels.grouped_gemm.bench_cpu [--tokens 1 8 512 2048] [--backward] [--rounds 7] [--threads N]
+    python -m experiments.bench_grouped_gemm [--tokens 1 8 512 2048] [--backward] [--rounds 7] [--threads N]
 
 Legend: T tokens, E experts, K input features, N output features, M = T * top_k rows.
 For each T and each of the two matrix products of a SwiGLU expert (D=576 -> 2F=3072 for the fused
@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from .op import grouped_gemm
-from .reference import grouped_gemm_reference
+from kernels.grouped_gemm import grouped_gemm
+from kernels.grouped_gemm.reference import grouped_gemm_reference
 
 SHAPES = {"gate_up": (576, 3072), "down": (1536, 576)}
 

@@ -3,7 +3,7 @@
 Legend: B batch, N tree nodes (node 0 = root), P expanded nodes at one depth, D hidden size,
 V target vocabulary, K main-path length.
 
-The draft head (``specdec.drafters.eagle``) expands a fixed-shape token tree depth by depth
+The draft head (:mod:`specdec.drafters.eagle.model`) expands a fixed-shape token tree depth by depth
 (EAGLE, arXiv 2401.15077, §4.2): at each depth, every node that has children scores its draft
 distribution from its predicted feature, picks its children, and all new nodes that have children
 of their own run through the head in one call with *tree attention* in the head's cache (a node
@@ -34,10 +34,11 @@ from typing import Any
 import torch
 
 from specdec.drafters.confidence import check_min_prob
-from specdec.drafters.eagle import EagleDrafter
-from specdec.protocols import DecodeState, Proposal
+from specdec.drafters.eagle.chain import EagleDrafter
+from specdec.drafters.eagle.packed import PackedEagleHead
+from specdec.protocols import DecodeState, Proposal, TreeTarget
 from specdec.sampling import logits_to_probs
-from specdec.tree import PRESET_TREES, TokenTree, TreeProposal, supports_tree
+from specdec.tree import PRESET_TREES, TokenTree, TreeProposal
 
 __all__ = ["EagleTreeDrafter", "resolve_tree"]
 
@@ -57,7 +58,8 @@ class EagleTreeDrafter(EagleDrafter):
     """EAGLE with tree drafts (registered as ``eagle-tree``).
 
     Args:
-        target: a target with tree attention and ``copy_slots`` (the native Llama target).
+        target: a :class:`~specdec.protocols.TreeTarget` that is also a
+            :class:`~specdec.protocols.FeatureTarget` (the native Llama target).
         tree: ``"dynamic"`` (default: EAGLE-2's dynamic tree for greedy single-row runs, the static
             ``"small"`` preset otherwise), a preset name (``specdec.tree.PRESET_TREES``), a
             :class:`specdec.tree.TokenTree` or rank paths.
@@ -66,7 +68,7 @@ class EagleTreeDrafter(EagleDrafter):
             head's estimate that the target accepts the node) is at least this, and stops expanding
             once no frontier node reaches it: a node costs verify time whether accepted or not, so
             unlikely ones are dropped (0 keeps ``tree_nodes`` nodes, as EAGLE-2 does).
-        weights, draft_vocab_size, dtype, linear_backend, weight_dtype: as for
+        weights, draft_vocab_size, dtype, linear_backend, weight_dtype, head: as for
             :class:`specdec.drafters.eagle.EagleDrafter`.
     """
 
@@ -83,8 +85,9 @@ class EagleTreeDrafter(EagleDrafter):
         dtype: torch.dtype = torch.float32,
         linear_backend: str = "auto",
         weight_dtype: torch.dtype | str | None = None,
+        head: PackedEagleHead | None = None,
     ) -> None:
-        if not supports_tree(target):
+        if not isinstance(target, TreeTarget):
             raise ValueError(
                 f"eagle-tree needs a target with tree attention and copy_slots (the native Llama target, "
                 f"backend 'llama'); got {type(target).__name__}. Use the chain drafter 'eagle' instead."
@@ -96,6 +99,7 @@ class EagleTreeDrafter(EagleDrafter):
             dtype=dtype,
             linear_backend=linear_backend,
             weight_dtype=weight_dtype,
+            head=head,
         )
         self.dynamic = tree == "dynamic"
         self.tree = resolve_tree("small" if self.dynamic else tree)
@@ -131,7 +135,7 @@ class EagleTreeDrafter(EagleDrafter):
         ancestors_NN = tree.ancestor_mask(device)
         for d in range(tree.max_depth):
             parents = [m for m in tree.nodes_at_depth(d) if tree.children[m]]
-            logits_BPN = head.logits(feat_BND[:, parents])
+            logits_BPN = self.logits(feat_BND[:, parents], d + 1)
             for j, m in enumerate(parents):
                 kids = list(tree.children[m])
                 tokens_BN[:, kids] = self._pick(
@@ -196,7 +200,7 @@ class EagleTreeDrafter(EagleDrafter):
         feats = {0: feat_BD[0]}
         frontier = [0]
         for d in range(depth):
-            logp_PN = torch.log_softmax(head.logits(torch.stack([feats[n] for n in frontier])), dim=-1)
+            logp_PN = torch.log_softmax(self.logits(torch.stack([feats[n] for n in frontier]), d + 1), dim=-1)
             top = logp_PN.topk(W, dim=-1)
             new = []
             for i, n in enumerate(frontier):

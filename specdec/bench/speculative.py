@@ -14,7 +14,7 @@ Per prompt set and temperature it reports tok/s, speedup over our plain decode, 
 the cost model predicts from the run's own α and measured draft / verify costs
 (:func:`specdec.metrics.predicted_speedup_from_metrics`), the measured / predicted ratio, and for
 greedy runs the exact-match rate against our plain decode (token for token). Results go to
-``<out>/bench.json`` and ``<out>/bench.md`` (:mod:`specdec.bench_report`), rewritten after every
+``<out>/bench.json`` and ``<out>/bench.md`` (:mod:`specdec.bench.report`), rewritten after every
 prompt: methods run interleaved, each prompt through every method before the next, so an
 interrupted benchmark keeps every finished prompt and machine drift hits all methods alike. A method
 that raises is dropped from that temperature's results with a note (the error, the prompt), and the
@@ -30,14 +30,16 @@ read as data files; ``--num-prompts`` takes that many per set, evenly spaced.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdec.bench_report import (
+from specdec.bench.hf_baselines import HF_BASELINES, hf_method
+from specdec.bench.interleave import Prompt, generate_method, run_interleaved
+from specdec.bench.report import (
     PromptResult,
     environment,
     markdown_table,
@@ -46,9 +48,11 @@ from specdec.bench_report import (
     summarize,
     write_results,
 )
+from specdec.cli_args import ArgumentParser, csv, finite_float, nonnegative_int, positive_int, stderr_line
 from specdec.prompt_sets import (
     CHAT_PROMPT_SETS,
     PROMPT_SETS,
+    encode_prompt,
     humaneval_prompts,
     load_prompts,
     mtbench_prompts,
@@ -116,7 +120,9 @@ class BenchConfig:
                 )
             if isinstance(g, bool) or not isinstance(g, int) or g < 0:
                 raise ValueError(f"drafter_gammas[{label!r}] must be an int >= 0, got {g!r}")
-        if not self.temperatures or any(t < 0 for t in self.temperatures):
+        if not self.temperatures or any(
+            not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0) for t in self.temperatures
+        ):
             raise ValueError(
                 f"temperatures must be a non-empty list of numbers >= 0, got {self.temperatures}"
             )
@@ -134,153 +140,23 @@ def _label_and_drafter(entry: str) -> tuple[str, str]:
     return label or name, name
 
 
-@dataclass
-class Prompt:
-    set: str
-    index: int
-    ids: list[int]
-
-
-# --- runners ------------------------------------------------------------------------------------------
-
-
-def _run_ours(
-    target,
-    prompts: list[Prompt],
-    drafter,
-    temperature: float,
-    cfg: BenchConfig,
-    tick,
-    warmup: bool = True,
-    gamma: int | None = None,
-) -> list[PromptResult]:
-    import specdec
-    from specdec.policies import make_policy
-
-    gamma = cfg.gamma if gamma is None else gamma
-    policy = make_policy(cfg.gamma_policy, gamma=gamma)
-    if cfg.warmup and warmup:
-        specdec.generate(
-            target,
-            [prompts[0].ids],
-            drafter=drafter,
-            max_new_tokens=min(8, cfg.max_new_tokens),
-            temperature=temperature,
-            gamma=make_policy(cfg.gamma_policy, gamma=gamma),
-            seed=cfg.seed,
-        )
-    results = []
-    for p in prompts:
-        out = specdec.generate(
-            target,
-            [p.ids],
-            drafter=drafter,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=temperature,
-            gamma=policy,
-            seed=cfg.seed + p.index,
-        )
-        m = out.metrics
-        results.append(PromptResult(p.set, p.index, out.token_ids[0], m.total_time_s, m))
-        tick()
-    return results
-
-
-def _hf_generate_kwargs(mode: str, temperature: float, cfg: BenchConfig, assistant) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "do_sample": temperature > 0}
-    if temperature > 0:
-        # transformers would otherwise add its default top_k=50; ours samples the full distribution.
-        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
-    if mode == "prompt_lookup":
-        kwargs["prompt_lookup_num_tokens"] = cfg.gamma
-    elif mode == "assistant":
-        assistant.generation_config.num_assistant_tokens = cfg.gamma
-        assistant.generation_config.num_assistant_tokens_schedule = "constant"
-        kwargs["assistant_model"] = assistant
-    return kwargs
-
-
-HF_BASELINES = ("plain", "prompt_lookup", "assistant")
-
-
-def _run_hf(
-    model,
-    prompts: list[Prompt],
-    mode: str,
-    temperature: float,
-    cfg: BenchConfig,
-    assistant,
-    tick,
-    warmup: bool = True,
-):
-    import torch
-
-    kwargs = _hf_generate_kwargs(mode, temperature, cfg, assistant)
-    pad = model.generation_config.pad_token_id
-    if pad is None:
-        eos = model.generation_config.eos_token_id
-        pad = eos[0] if isinstance(eos, list) else eos
-    kwargs["pad_token_id"] = pad
-
-    def one(ids: list[int], max_new: int, seed: int) -> tuple[list[int], float]:
-        x = torch.tensor([ids], device=model.device)
-        torch.manual_seed(seed)
-        sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            y = model.generate(x, attention_mask=torch.ones_like(x), **{**kwargs, "max_new_tokens": max_new})
-        sync()
-        return y[0, len(ids) :].tolist(), time.perf_counter() - t0
-
-    if cfg.warmup and warmup:
-        one(prompts[0].ids, min(8, cfg.max_new_tokens), cfg.seed)
-    results = []
-    for p in prompts:
-        ids, dt = one(p.ids, cfg.max_new_tokens, cfg.seed + p.index)
-        results.append(PromptResult(p.set, p.index, ids, dt))
-        tick()
-    return results
-
-
 # --- the benchmark ------------------------------------------------------------------------------------
 
 
-def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
-    """Run every method on the same prompts; write and return the results."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from specdec.cli import encode_prompt, open_target, target_tokenizer
-    from specdec.registry import DRAFTERS, create_drafter
-
-    console = console or Console(stderr=True)
-    notes: list[str] = []
-    target = open_target(cfg.target, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device)
-    tokenizer = target_tokenizer(target, cfg.target)
-    prompts = [
+def _prompts(cfg: BenchConfig, tokenizer: Any) -> list[Prompt]:
+    return [
         Prompt(set_name, i, encode_prompt(tokenizer, text, chat=cfg.chat or set_name in CHAT_PROMPT_SETS))
         for set_name in cfg.prompt_sets
         for i, text in enumerate(load_prompts(set_name, cfg.num_prompts))
     ]
 
-    hf_model = assistant = None
-    if cfg.hf_baselines:
-        import torch
 
-        from specdec.targets.loading import load_hf_model
+def _drafters(cfg: BenchConfig, target: Any, notes: list[str]) -> dict[str, Any]:
+    """Our drafters by label (``none`` first); unavailable ones are skipped with a note."""
+    from specdec.registry import DRAFTERS, create_drafter
+    from specdec.targets import open_target
 
-        dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
-        hf_model = getattr(target, "model", None)
-        if hf_model is None or not hasattr(hf_model, "generate"):
-            hf_model = load_hf_model(cfg.target, dtype=dtype).to(cfg.device)
-        if "assistant" in cfg.hf_baselines:
-            if cfg.draft_model:
-                assistant = load_hf_model(cfg.draft_model, dtype=dtype).to(cfg.device)
-            else:
-                notes.append("hf/assistant skipped: no --draft-model given")
-
-    drafters: dict[str, Any] = {}
+    drafters: dict[str, Any] = {"none": create_drafter("none", target)}
     for entry in cfg.drafters:
         # "LABEL=DRAFTER" runs a registered drafter under its own label, with the options given for
         # that label, so one run can compare settings of one drafter (eagle,eagle-stop=eagle).
@@ -289,119 +165,134 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
             notes.append(f"ours/{label} skipped: not registered (known: {', '.join(DRAFTERS.names())})")
             continue
         options = dict(cfg.drafter_options.get(label, {}))
-        if DRAFTERS.resolve(name) == "model":
-            if not cfg.draft_model and "model" not in options:
+        if DRAFTERS.resolve(name) == "model" and "model" not in options:
+            if not cfg.draft_model:
                 notes.append("ours/model skipped: no --draft-model given")
                 continue
-            if "model" not in options:
-                options["model"] = open_target(
-                    cfg.draft_model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device
-                )
+            options["model"] = open_target(
+                cfg.draft_model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device
+            )
+        if label == "none":
+            continue
         try:
             drafters[label] = create_drafter(name, target, **options)
         except (ImportError, ValueError, NotImplementedError) as e:
             notes.append(f"ours/{label} skipped: {type(e).__name__}: {e}")
-    if "none" not in drafters:
-        drafters = {"none": create_drafter("none", target), **drafters}
+    return drafters
 
-    plan: list[tuple[str, float, Callable]] = []
-    for temperature in cfg.temperatures:
-        plan.append(
-            (
-                "ours/none",
-                temperature,
-                lambda T, tick, ps, w: _run_ours(target, ps, drafters["none"], T, cfg, tick, w),
-            )
-        )
-        for mode in cfg.hf_baselines:
-            if mode == "assistant" and assistant is None:
-                continue
-            plan.append(
-                (
-                    f"hf/{mode}",
-                    temperature,
-                    lambda T, tick, ps, w, mode=mode: _run_hf(hf_model, ps, mode, T, cfg, assistant, tick, w),
-                )
-            )
-        for name, drafter in drafters.items():
-            if name != "none":
-                plan.append(
-                    (
-                        f"ours/{name}",
-                        temperature,
-                        lambda T, tick, ps, w, d=drafter, name=name: _run_ours(
-                            target, ps, d, T, cfg, tick, w, cfg.drafter_gammas.get(name)
-                        ),
-                    )
-                )
 
+def _methods(cfg: BenchConfig, target: Any, drafters: dict, hf: tuple, temperature: float) -> dict:
+    """Every method of one temperature: ours/none first (the baseline), transformers', ours/<drafter>."""
+    from specdec.policies import make_policy
+
+    def ours(label: str) -> Callable:
+        gamma = cfg.drafter_gammas.get(label, cfg.gamma)
+        policy = lambda: make_policy(cfg.gamma_policy, gamma=gamma)  # noqa: E731 - fresh per generation
+        return generate_method(target, drafters[label], temperature=temperature, gamma=policy)
+
+    hf_model, assistant = hf
+    methods = {"ours/none": ours("none")}
+    for mode in cfg.hf_baselines:
+        if mode != "assistant" or assistant is not None:
+            methods[f"hf/{mode}"] = hf_method(hf_model, mode, temperature, cfg.gamma, assistant)
+    methods.update({f"ours/{label}": ours(label) for label in drafters if label != "none"})
+    return methods
+
+
+class _Recorder:
+    """The results so far, written to ``bench.json`` / ``bench.md`` after every prompt."""
+
+    def __init__(
+        self, cfg: BenchConfig, command: str, notes: list[str], console: Any, num_prompts: int
+    ) -> None:
+        self.cfg, self.command, self.notes, self.console = cfg, command, notes, console
+        self.num_prompts, self.runs, self.done = num_prompts, [], 0
+        self.payload: dict[str, Any] = {
+            "config": asdict(cfg),
+            "command": command,
+            "environment": environment(),
+            "notes": notes,
+            "summary": [],
+            "runs": [],
+        }
+
+    def temperature_runs(self, temperature: float, results: dict[str, list]) -> list[dict]:
+        return [{"method": m, "temperature": temperature, "results": r} for m, r in results.items()]
+
+    def prompt_done(self, temperature: float, results: dict[str, list]) -> None:
+        self.done += 1
+        self.console.print(f"T={temperature:g}: {self.done}/{self.num_prompts} prompts through every method")
+        current = self.runs + self.temperature_runs(temperature, results)
+        self.payload["summary"] = summarize(current, self.cfg.prompt_sets)
+        self.payload["runs"] = [serialise_run(r) for r in current]
+        write_results(Path(self.cfg.out), self.payload, self.command)
+
+    def failed(self, temperature: float, method: str, prompt: Prompt, err: Exception) -> None:
+        where = f"{method} T={temperature:g} failed at prompt {prompt.set}/{prompt.index}"
+        note = f"{where}: {type(err).__name__}: {err}"
+        self.notes.append(note[:1000])
+        self.console.print(f"[red]error:[/] {note[:300]}")
+
+    def finish(self, temperature: float, results: dict[str, list]) -> None:
+        self.done = 0
+        self.runs += self.temperature_runs(temperature, results)
+        for m, r in results.items():
+            self.console.print(f"{m} T={temperature:g}: {pooled_tokens_per_second(r):.1f} tok/s")
+
+
+def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
+    """Run every method on the same prompts, interleaved; write the results after every prompt (an
+    interrupted run keeps every finished prompt) and return them."""
+    from rich.console import Console
+
+    from specdec.targets import open_target
+
+    console = console or Console(stderr=True)
+    notes: list[str] = []
+    target = open_target(cfg.target, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device)
+    prompts = _prompts(cfg, target.tokenizer)
+    hf = _hf_models(cfg, target, notes)
+    drafters = _drafters(cfg, target, notes)
     for n in notes:
         console.print(f"[yellow]note:[/] {n}")
-    runs: list[dict] = []
-    payload: dict[str, Any] = {
-        "config": asdict(cfg),
-        "command": command,
-        "environment": environment(),
-        "notes": notes,
-        "summary": [],
-        "runs": [],
-    }
-    out_dir = Path(cfg.out)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    # Interleaved: per temperature, every method warms up once, then each prompt runs through every
-    # method before the next prompt starts (the order rotates per prompt), so slow drifts of a
-    # shared machine hit all methods alike and the ratios stay side by side.
-    with Progress(*columns, console=console) as progress:
-        overall = progress.add_task("all runs", total=len(plan) * len(prompts))
-        for temperature in cfg.temperatures:
-            group = [(m, fn) for m, t, fn in plan if t == temperature]
-            results: dict[str, list] = {m: [] for m, _ in group}
-            for m, _ in group:
-                runs.append({"method": m, "temperature": temperature, "results": results[m]})
-            task = progress.add_task(f"T={temperature:g}", total=len(group) * len(prompts))
+    recorder = _Recorder(cfg, command, notes, console, len(prompts))
+    for t in cfg.temperatures:
+        results = run_interleaved(
+            _methods(cfg, target, drafters, hf, t),
+            prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            seed=cfg.seed,
+            warmup=cfg.warmup,
+            baseline="ours/none",
+            on_error=lambda m, p, e, t=t: recorder.failed(t, m, p, e),
+            on_prompt_done=lambda r, t=t: recorder.prompt_done(t, r),
+        )
+        recorder.finish(t, results)
+    return recorder.payload
 
-            def tick(task=task) -> None:
-                progress.advance(task)
-                progress.advance(overall)
 
-            failed: set[str] = set()
-            for i, p in enumerate(prompts):
-                shift = i % len(group)
-                for m, fn in group[shift:] + group[:shift]:
-                    if m in failed:
-                        tick()
-                        continue
-                    try:
-                        results[m].extend(fn(temperature, tick, [p], i == 0))
-                    except Exception as e:  # one broken method must not cost the others' results
-                        if m == "ours/none":
-                            raise  # the baseline of every speedup
-                        failed.add(m)  # its partial results would compare unlike prompt sets: dropped
-                        runs[:] = [
-                            r for r in runs if not (r["method"] == m and r["temperature"] == temperature)
-                        ]
-                        where = f"{m} T={temperature:g} failed at prompt {p.set}/{p.index}"
-                        note = f"{where}: {type(e).__name__}: {e}"
-                        notes.append(note[:1000])
-                        console.print(f"[red]error:[/] {note[:300]}")
-                        tick()
-                payload["summary"] = summarize(runs, cfg.prompt_sets)
-                payload["runs"] = [serialise_run(r) for r in runs]
-                write_results(out_dir, payload, command)
-            progress.remove_task(task)
-            for m, _ in group:
-                console.print(f"{m} T={temperature:g}: {pooled_tokens_per_second(results[m]):.1f} tok/s")
-    return payload
+def _hf_models(cfg: BenchConfig, target: Any, notes: list[str]) -> tuple[Any, Any]:
+    """transformers' model of the target (and the assistant model) when a baseline needs them."""
+    if not cfg.hf_baselines:
+        return None, None
+    import torch
+
+    from specdec.targets.loading import load_hf_model
+
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
+    hf_model = getattr(target, "model", None)
+    if hf_model is None or not hasattr(hf_model, "generate"):
+        hf_model = load_hf_model(cfg.target, dtype=dtype).to(cfg.device)
+    assistant = None
+    if "assistant" in cfg.hf_baselines:
+        if cfg.draft_model:
+            assistant = load_hf_model(cfg.draft_model, dtype=dtype).to(cfg.device)
+        else:
+            notes.append("hf/assistant skipped: no --draft-model given")
+    return hf_model, assistant
 
 
 # --- command line -------------------------------------------------------------------------------------
-
-
-def _csv(cast: Callable[[str], Any]) -> Callable[[str], tuple]:
-    def parse(text: str) -> tuple:
-        return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
-
-    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -409,25 +300,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     p.add_argument("--target", default=d.target)
     p.add_argument(
-        "--prompt-set", type=_csv(str), default=d.prompt_sets, help="humaneval,mtbench,mtbench-chat"
+        "--prompt-set", type=csv(str), default=d.prompt_sets, help="humaneval,mtbench,mtbench-chat"
     )
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts per set (evenly spaced)")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--temperatures", type=_csv(float), default=d.temperatures, help="e.g. 0,0.7")
+    p.add_argument(
+        "--num-prompts", type=positive_int, default=d.num_prompts, help="prompts per set (evenly spaced)"
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=d.max_new_tokens)
+    p.add_argument("--temperatures", type=csv(finite_float), default=d.temperatures, help="e.g. 0,0.7")
     p.add_argument(
         "--drafters",
-        type=_csv(str),
+        type=csv(str),
         default=d.drafters,
         help="ours: none,ngram,layerskip,model,eagle,... (LABEL=DRAFTER runs a drafter under a label "
         "that takes its own --drafter-option LABEL.KEY=VALUE)",
     )
     p.add_argument(
         "--hf-baselines",
-        type=_csv(str),
+        type=csv(str),
         default=d.hf_baselines,
         help="transformers generate: plain,prompt_lookup,assistant (empty string: none)",
     )
-    p.add_argument("--gamma", type=int, default=d.gamma)
+    p.add_argument("--gamma", type=nonnegative_int, default=d.gamma)
     p.add_argument(
         "--drafter-gamma",
         action="append",
@@ -454,7 +347,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A :class:`BenchConfig` from parsed arguments."""
-    from specdec.cli import parse_options
+    from specdec.cli_args import parse_options
 
     per_drafter: dict[str, dict[str, Any]] = {}
     for item in args.drafter_option or ():
@@ -508,16 +401,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m specdec.bench``."""
-    parser = argparse.ArgumentParser(prog="python -m specdec.bench", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m specdec.bench", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     parser.set_defaults(command=None)
     args = parser.parse_args(argv)
     try:
         return cmd_bench(args)
     except ValueError as e:
-        print(f"specdec bench: error: {e}", file=sys.stderr)
+        stderr_line("specdec bench", e)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The one interleaved runner: every method on the same prompts, side by side, in one process.
+
+``specdec bench`` and the decoding experiments (``experiments/catalog``) both run several methods
+(our decode loop with a drafter, ``transformers``' ``generate``, a peer such as llama.cpp) on the
+same prompts and report ratios. :func:`run_interleaved` runs each prompt through every method
+before the next prompt starts, rotating the order per prompt, so slow drifts of a shared machine
+hit all methods alike. :func:`time_interleaved` does the same for micro-benchmarks (one call per
+repetition). A method is a callable ``(prompt, seed, max_new_tokens) -> PromptResult``;
+:func:`generate_method` makes one from a drafter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.bench.report import PromptResult
+
+__all__ = ["Prompt", "MethodFn", "run_interleaved", "time_interleaved", "generate_method"]
+
+
+@dataclass
+class Prompt:
+    """One prompt of a prompt set (``set``), its index there, and its token ids."""
+
+    set: str
+    index: int
+    ids: list[int]
+
+
+MethodFn = Callable[[Prompt, int, int], PromptResult]
+"""``(prompt, seed, max_new_tokens) -> PromptResult``."""
+
+
+def run_interleaved(
+    methods: Mapping[str, MethodFn],
+    prompts: Sequence[Prompt],
+    *,
+    max_new_tokens: int,
+    seed: int = 0,
+    seed_by_position: bool = False,
+    warmup: bool = True,
+    baseline: str | None = None,
+    on_result: Callable[[str, Prompt, PromptResult], None] | None = None,
+    on_error: Callable[[str, Prompt, Exception], None] | None = None,
+    on_prompt_done: Callable[[dict[str, list[PromptResult]]], None] | None = None,
+) -> dict[str, list[PromptResult]]:
+    """Run every method on every prompt, prompt-major, the order rotating per prompt.
+
+    A prompt runs with seed ``seed + prompt.index`` for every method (``seed + i`` for the i-th
+    prompt of ``prompts`` with ``seed_by_position``). ``warmup``: each method first
+    decodes 8 untimed tokens of the first prompt (one-time costs: weight packing, allocator growth).
+    A method that raises is dropped with all its results (partial results would compare unlike
+    prompt sets) and ``on_error`` is told, unless it is ``baseline`` (the denominator of every
+    ratio) or no ``on_error`` is given: then the error propagates. ``on_result`` sees every
+    result; ``on_prompt_done`` sees the results so far after each prompt (to write them out, so an
+    interrupted run keeps every finished prompt).
+    """
+    names = list(methods)
+    results: dict[str, list[PromptResult]] = {name: [] for name in names}
+    failed: set[str] = set()
+
+    def attempt(name: str, i: int, prompt: Prompt, max_new: int) -> PromptResult | None:
+        try:
+            return methods[name](prompt, seed + (i if seed_by_position else prompt.index), max_new)
+        except Exception as err:  # one broken method must not cost the others' results
+            if on_error is None or name == baseline:
+                raise
+            failed.add(name)
+            results.pop(name, None)
+            on_error(name, prompt, err)
+            return None
+
+    if warmup and prompts:
+        for name in names:
+            attempt(name, 0, prompts[0], min(8, max_new_tokens))
+    for i, prompt in enumerate(prompts):
+        shift = i % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            if name in failed:
+                continue
+            result = attempt(name, i, prompt, max_new_tokens)
+            if result is not None:
+                results[name].append(result)
+                if on_result is not None:
+                    on_result(name, prompt, result)
+        if on_prompt_done is not None:
+            on_prompt_done(results)
+    return results
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], object]], *, seconds: float, min_reps: int = 5, max_reps: int = 300
+) -> dict[str, list[float]]:
+    """Wall times (s) of each callable, interleaved with a rotating order, after two warm-up calls
+    each: at least ``min_reps`` and at most ``max_reps`` repetitions, stopping after ``seconds``."""
+    names = list(fns)
+    for name in names:  # warm-up (allocator, thread pool, lazy init)
+        fns[name]()
+        fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    start, rep = time.perf_counter(), 0
+    while rep < max_reps and (rep < min_reps or time.perf_counter() - start < seconds):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+        rep += 1
+    return times
+
+
+def generate_method(
+    target: Any, drafter: Any, *, temperature: float, gamma: Any, **generate_options: Any
+) -> MethodFn:
+    """A method that runs :func:`specdec.generate` on one prompt with this (prebuilt) drafter.
+
+    ``gamma``: an int, a policy name, or a zero-argument callable returning a fresh
+    :class:`~specdec.policies.GammaPolicy` per generation (policies learn within one generation).
+    """
+    import specdec
+
+    def run(prompt: Prompt, seed: int, max_new_tokens: int) -> PromptResult:
+        out = specdec.generate(
+            target,
+            [prompt.ids],
+            drafter=drafter,
+            temperature=temperature,
+            gamma=gamma() if callable(gamma) else gamma,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            **generate_options,
+        )
+        m = out.metrics
+        return PromptResult(prompt.set, prompt.index, out.token_ids[0], m.total_time_s, m)
+
+    return run

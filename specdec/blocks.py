@@ -1,0 +1,175 @@
+"""Verify blocks: one interface for what the target runs for a proposal, chain or tree.
+
+Legend: B batch, K draft length, N tree nodes (node 0 is the root), T block length, A committed
+path length (accepted tokens + 1), V vocabulary, D hidden size.
+
+Every step of the loop (``specdec.loop``) goes the same way through a block:
+
+1. ``tokens_BT(root_B)`` and ``forward_kwargs``: the block the target runs at slots
+   ``lengths_B - 1 ...`` (a chain ``[root, d_1..d_K]``, or a tree's nodes with its ancestor mask
+   and depths);
+2. ``verify(rule, logits_BTV, ...)``: the verification rule's :class:`Verdict`, the committed
+   tokens per row;
+3. ``settle(target, out, verdict, start_B, lengths_B)``: the cache made to read like the committed
+   text (a chain needs nothing; a tree's accepted path is compacted into chain order) and rolled
+   back to ``lengths_B - 1``; returns the verify output along the committed path, which the
+   drafter observes.
+
+``num_drafted`` counts the draft tokens the target verified (K, or the tree's N − 1 nodes): the
+block costs ``num_drafted + 1`` target positions either way. ``depth`` is the most tokens a row can
+accept (K, or the tree's depth).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from specdec.protocols import Proposal, TargetOutput, TreeTarget
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.tree import TreeProposal
+from specdec.verify import greedy_verify
+from specdec.verify_rules import ExactVerify, TreeVerifyRule, VerifyRule
+
+__all__ = ["Verdict", "ChainBlock", "TreeBlock", "make_block"]
+
+
+class Verdict(NamedTuple):
+    """``tokens_BA``: per row the accepted drafts, then one recovered or bonus token, then −1;
+    ``num_accepted_B``; ``path_BA``: the block position of each committed token's *input* (the
+    root, then the accepted nodes), or None for a chain (positions 0..A−1)."""
+
+    tokens_BA: torch.Tensor
+    num_accepted_B: torch.Tensor
+    path_BA: torch.Tensor | None = None
+
+
+@dataclass
+class ChainBlock:
+    """A chain proposal ``[root, d_1 .. d_K]``, verified by the rule's ``__call__``."""
+
+    draft_tokens_BK: torch.Tensor
+    draft_probs_BKV: torch.Tensor | None
+
+    @property
+    def num_drafted(self) -> int:
+        return self.draft_tokens_BK.shape[1]
+
+    @property
+    def depth(self) -> int:
+        return self.num_drafted
+
+    def tokens_BT(self, root_B: torch.Tensor) -> torch.Tensor:
+        return torch.cat([root_B.unsqueeze(1), self.draft_tokens_BK.to(root_B)], dim=1)
+
+    def forward_kwargs(self, device: Any) -> dict[str, torch.Tensor]:
+        return {}
+
+    def verify(
+        self,
+        rule: VerifyRule,
+        logits_BTV: torch.Tensor,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Verdict:
+        tokens_BK = self.draft_tokens_BK.to(logits_BTV.device)
+        if sampling.greedy and self.draft_probs_BKV is None and isinstance(rule, ExactVerify):
+            # The exact rule's result for a one-hot target and a point-mass proposal, from the argmax.
+            return Verdict(*greedy_verify(logits_BTV, tokens_BK))
+        target_probs_BTV = logits_to_probs(logits_BTV, sampling.temperature, sampling.top_k, sampling.top_p)
+        result = rule(
+            target_probs_BTV,
+            tokens_BK,
+            self.draft_probs_BKV,
+            target_logits_BKV=logits_BTV,
+            sampling=sampling,
+            generator=generator,
+            validate=False,  # the loop checked the proposal (specdec.checks) and the logits
+        )
+        return Verdict(result.tokens, result.num_accepted)
+
+    def settle(
+        self, target: Any, out: TargetOutput, verdict: Verdict, start_B: torch.Tensor, lengths_B: torch.Tensor
+    ) -> TargetOutput:
+        target.rollback(lengths_B - 1)
+        return out
+
+
+@dataclass
+class TreeBlock:
+    """A token tree (SpecInfer, arXiv 2305.09781), verified by the rule's ``verify_tree``."""
+
+    proposal: TreeProposal
+
+    @property
+    def num_drafted(self) -> int:
+        return self.proposal.tree.num_nodes - 1
+
+    @property
+    def depth(self) -> int:
+        return self.proposal.tree.max_depth
+
+    def tokens_BT(self, root_B: torch.Tensor) -> torch.Tensor:
+        tokens_BN = self.proposal.tokens_BN.to(root_B).clone()
+        tokens_BN[:, 0] = root_B
+        return tokens_BN
+
+    def forward_kwargs(self, device: Any) -> dict[str, torch.Tensor]:
+        tree = self.proposal.tree
+        return {"tree_mask_TT": tree.ancestor_mask(device), "depth_T": tree.depth_tensor(device)}
+
+    def verify(
+        self,
+        rule: VerifyRule,
+        logits_BTV: torch.Tensor,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Verdict:
+        if not isinstance(rule, TreeVerifyRule) or not rule.lossless:
+            raise ValueError(
+                f"tree proposals need a lossless verification rule with verify_tree, got verify={rule!r}"
+            )
+        result = rule.verify_tree(logits_BTV, self.proposal, sampling=sampling, generator=generator)
+        device = logits_BTV.device
+        num_accepted_B = result.num_accepted.to(device)
+        # The root and the accepted nodes, in path order; past a row's acceptance, repeat its last
+        # accepted node (what lands there is beyond the row's new length: stale, never read).
+        path_BA = torch.cat(
+            [torch.zeros_like(result.path_nodes[:, :1]), result.path_nodes[:, :-1]], dim=1
+        ).to(device)
+        last_B1 = path_BA.gather(1, num_accepted_B.unsqueeze(1))
+        keep_BA = torch.arange(path_BA.shape[1], device=device) <= num_accepted_B.unsqueeze(1)
+        return Verdict(result.tokens.to(device), num_accepted_B, torch.where(keep_BA, path_BA, last_B1))
+
+    def settle(
+        self, target: Any, out: TargetOutput, verdict: Verdict, start_B: torch.Tensor, lengths_B: torch.Tensor
+    ) -> TargetOutput:
+        path_BA = verdict.path_BA
+        target.copy_slots(start_B.unsqueeze(1) + path_BA[:, 1:], start_B + 1)
+        target.rollback(lengths_B - 1)
+
+        def on_path(h_BND: torch.Tensor) -> torch.Tensor:
+            index = path_BA.to(h_BND.device).unsqueeze(-1).expand(-1, -1, h_BND.shape[-1])
+            return h_BND.gather(1, index)
+
+        return TargetOutput(
+            logits_BTV=on_path(out.logits_BTV),
+            hidden_BTD=None if out.hidden_BTD is None else on_path(out.hidden_BTD),
+            aux_hidden_BTD=None
+            if not out.aux_hidden_BTD
+            else {i: on_path(h) for i, h in out.aux_hidden_BTD.items()},
+        )
+
+
+def make_block(proposal: Proposal, target: Any) -> ChainBlock | TreeBlock:
+    """The block for a (checked) proposal: its tree if it has one, else its chain."""
+    if proposal.tree is None:
+        return ChainBlock(proposal.tokens_BK, proposal.probs_BKV)
+    if not isinstance(target, TreeTarget):
+        raise ValueError(
+            f"the drafter proposed a token tree, but the target {type(target).__name__} cannot verify "
+            "trees (a TreeTarget needs tree attention in forward and copy_slots: the native Llama target)"
+        )
+    return TreeBlock(proposal.tree)

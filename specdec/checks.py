@@ -1,0 +1,134 @@
+"""Boundary checks of what plugins hand the decode loop: every proposal, every block of target logits.
+
+Legend: B batch, K draft length, N tree nodes, T block length, V vocabulary.
+
+Exactness holds for *any* proposal drawn from the distribution the drafter reports, but only if
+that report is a distribution: a drafter that returns negative, infinite or unnormalised
+probabilities, float token ids, or tensors of the wrong shape would bias the output silently. So
+the loop runs :func:`check_proposal` on every proposal of every step (third-party drafters and our
+own alike) and :func:`check_logits` on every target output, and stops with a ``ValueError`` that
+names the step, the row and the source. Both cost one or two reductions over tensors the loop
+reads anyway (``specdec bench`` reports the time per step as ``check_time_s``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.protocols import Proposal
+
+__all__ = ["check_proposal", "check_logits", "PROB_SUM_ATOL"]
+
+PROB_SUM_ATOL = 1e-3
+"""Tolerance on Σ probs = 1 (float32 sums over a 50k vocabulary are off by ~1e-5)."""
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def check_logits(logits_BTV: torch.Tensor, *, step: int | str, source: str) -> None:
+    """``ValueError`` unless every row of ``logits [..., V]`` is finite (``-inf`` entries are allowed,
+    a row of only ``-inf`` is not): NaN or ``+inf`` from a target or a draft head stops the run."""
+    row_max = logits_BTV.amax(dim=-1)  # propagates NaN; +inf, and -inf for an all -inf row
+    bad = ~torch.isfinite(row_max)
+    if bool(bad.any()):
+        where = tuple(bad.nonzero()[0].tolist())
+        when = step if isinstance(step, str) else f"step {step}"
+        raise ValueError(
+            f"{when}: {source} returned non-finite logits (NaN, +inf, or a row of only -inf) at "
+            f"(row, position) {where}; value {float(row_max[where]):.4g}"
+        )
+
+
+def _check_ids(name: str, ids: torch.Tensor, shape: tuple[int, ...], vocab_size: int, where: str) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in _INT_DTYPES:
+        got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{where}: {name} must be an integer tensor, got {got}")
+    if tuple(ids.shape) != shape:
+        raise ValueError(f"{where}: {name} must have shape {list(shape)}, got {list(ids.shape)}")
+    if ids.numel():
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= vocab_size:
+            bad = ((ids < 0) | (ids >= vocab_size)).nonzero()[0].tolist()
+            raise ValueError(
+                f"{where}: {name} must hold token ids in [0, V={vocab_size}); row {bad[0]} holds "
+                f"{int(ids[tuple(bad)])}"
+            )
+
+
+def _check_probs(
+    name: str, probs: torch.Tensor, shape: tuple[int, ...], where: str, rows: slice | list
+) -> None:
+    """Finite, non-negative everywhere; normalised (to ``PROB_SUM_ATOL``) at positions ``rows``."""
+    if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
+        got = probs.dtype if isinstance(probs, torch.Tensor) else type(probs).__name__
+        raise ValueError(f"{where}: {name} must be a floating-point tensor or None, got {got}")
+    if tuple(probs.shape) != shape:
+        raise ValueError(f"{where}: {name} must have shape {list(shape)}, got {list(probs.shape)}")
+    if probs.numel() == 0:
+        return
+    low, high = torch.aminmax(probs)  # NaN propagates into both
+    if not (float(low) >= 0.0 and float(high) < float("inf")):
+        bad = (~torch.isfinite(probs) | (probs < 0)).nonzero()[0].tolist()
+        raise ValueError(
+            f"{where}: {name} must be finite and non-negative; row {bad[0]}, position {bad[1]} holds "
+            f"{float(probs[tuple(bad)]):.4g}"
+        )
+    sums = probs[:, rows].double().sum(dim=-1)
+    off = (sums - 1.0).abs() > PROB_SUM_ATOL
+    if bool(off.any()):
+        b, k = off.nonzero()[0].tolist()
+        raise ValueError(
+            f"{where}: {name} must be normalised over the vocabulary; row {b}, position {k} sums to "
+            f"{float(sums[b, k]):.6g} (tolerance {PROB_SUM_ATOL})"
+        )
+
+
+def check_proposal(
+    proposal: Proposal, *, batch_size: int, gamma: int, vocab_size: int, step: int, source: str
+) -> None:
+    """``ValueError`` naming the step, the drafter and the row unless ``proposal`` is well formed:
+
+    - ``tokens_BK``: an integer ``[B, K]`` tensor, ``K <= gamma``, ids in ``[0, V)``;
+    - ``probs_BKV``: None or a float ``[B, K, V]`` tensor, finite, non-negative, rows summing to 1;
+    - ``tree`` (a :class:`specdec.tree.TreeProposal`): depth ``<= gamma``, ``tokens_BN`` integer
+      ``[B, N]`` with ids in ``[0, V)`` below the root, ``draft_probs_BNV`` None or float
+      ``[B, N, V]``, finite and non-negative, normalised at every node that has children.
+    """
+    where = f"step {step}: drafter {source}"
+    if not isinstance(proposal, Proposal):
+        raise ValueError(f"{where}: propose() must return a specdec.Proposal, got {type(proposal).__name__}")
+    tokens = proposal.tokens_BK
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
+        got = list(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"{where}: tokens_BK must be a [B={batch_size}, K<={gamma}] tensor, got {got}")
+    K = tokens.shape[1]
+    if K > gamma:
+        raise ValueError(f"{where}: proposed K={K} tokens, more than the gamma={gamma} asked for")
+    _check_ids("tokens_BK", tokens, (batch_size, K), vocab_size, where)
+    if proposal.probs_BKV is not None:
+        _check_probs("probs_BKV", proposal.probs_BKV, (batch_size, K, vocab_size), where, slice(None))
+    if proposal.tree is not None:
+        _check_tree(proposal.tree, batch_size, gamma, vocab_size, where)
+
+
+def _check_tree(tree_proposal, batch_size: int, gamma: int, vocab_size: int, where: str) -> None:
+    from specdec.tree import TreeProposal
+
+    if not isinstance(tree_proposal, TreeProposal):
+        raise ValueError(
+            f"{where}: Proposal.tree must be a specdec.tree.TreeProposal, got {type(tree_proposal)}"
+        )
+    tree = tree_proposal.tree
+    if tree.max_depth > gamma:
+        raise ValueError(f"{where}: proposed a tree of depth {tree.max_depth}, deeper than gamma={gamma}")
+    N = tree.num_nodes
+    tokens_BN = tree_proposal.tokens_BN
+    if not isinstance(tokens_BN, torch.Tensor) or tuple(tokens_BN.shape) != (batch_size, N):
+        got = list(tokens_BN.shape) if isinstance(tokens_BN, torch.Tensor) else type(tokens_BN).__name__
+        raise ValueError(f"{where}: tree tokens_BN must be a [B={batch_size}, N={N}] tensor, got {got}")
+    _check_ids("tree tokens_BN", tokens_BN[:, 1:], (batch_size, N - 1), vocab_size, where)
+    if tree_proposal.draft_probs_BNV is not None:
+        parents = [i for i in range(N) if tree.children[i]]
+        _check_probs(
+            "tree draft_probs_BNV", tree_proposal.draft_probs_BNV, (batch_size, N, vocab_size), where, parents
+        )

@@ -1,0 +1,51 @@
+"""EAGLE draft heads (Li et al. 2024, arXiv 2401.15077; EAGLE-3, arXiv 2503.01840): one file each.
+
+- :mod:`~specdec.drafters.eagle.config`: :class:`EagleConfig`, the head's shape;
+- :mod:`~specdec.drafters.eagle.model`: :class:`EagleHead`, the plain PyTorch head (training, oracle);
+- :mod:`~specdec.drafters.eagle.packed`: :class:`PackedEagleHead`, the same function in fused kernels;
+- :mod:`~specdec.drafters.eagle.cache`: :class:`EagleCache`, the head's KV cache and one head step;
+- :mod:`~specdec.drafters.eagle.weights`: head files (load, save, target fingerprint);
+- :mod:`~specdec.drafters.eagle.chain`: :class:`EagleDrafter`, chain drafts (``eagle``);
+- :mod:`~specdec.drafters.eagle.tree`: :class:`EagleTreeDrafter`, token trees (``eagle-tree``).
+"""
+
+from specdec.drafters.eagle.cache import EagleCache
+from specdec.drafters.eagle.chain import EagleDrafter, draft_distribution
+from specdec.drafters.eagle.config import EagleConfig
+from specdec.drafters.eagle.model import EagleHead, describe
+from specdec.drafters.eagle.packed import PackedEagleHead
+from specdec.drafters.eagle.tree import EagleTreeDrafter, resolve_tree
+from specdec.drafters.eagle.weights import (
+    DEFAULT_WEIGHTS,
+    fingerprint,
+    load_eagle_head,
+    load_packed_head,
+    read_head_file,
+    resolve_weights,
+    save_eagle_head,
+    stored_draft_vocab,
+    target_mismatch,
+    weight_dtype_of,
+)
+
+__all__ = [
+    "EagleConfig",
+    "EagleHead",
+    "PackedEagleHead",
+    "EagleCache",
+    "EagleDrafter",
+    "EagleTreeDrafter",
+    "draft_distribution",
+    "describe",
+    "resolve_tree",
+    "DEFAULT_WEIGHTS",
+    "fingerprint",
+    "load_eagle_head",
+    "load_packed_head",
+    "read_head_file",
+    "resolve_weights",
+    "save_eagle_head",
+    "stored_draft_vocab",
+    "target_mismatch",
+    "weight_dtype_of",
+]

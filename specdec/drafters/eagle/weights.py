@@ -1,0 +1,201 @@
+"""Head files: safetensors with the trainable weights (bf16), the draft vocabulary and metadata.
+
+A head file holds ``fc.*``, ``fc_aux.*`` (EAGLE-3), the layer (``qkv_proj``, ``o_proj``,
+``post_norm``, ``gate_up_proj``, ``down_proj``) and ``draft_vocab_N`` (int64, most frequent first);
+its metadata holds ``config`` (:class:`EagleConfig` as JSON), ``target`` (a name) and
+``target_fingerprint`` (so weights never run silently against another target), and ``extra`` (the
+training summary). Files are read with ``safetensors`` only: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.drafters.eagle.config import EagleConfig
+from specdec.drafters.eagle.model import EagleHead
+from specdec.drafters.eagle.packed import PackedEagleHead
+from specdec.protocols import TargetParts
+
+__all__ = [
+    "DEFAULT_WEIGHTS",
+    "fingerprint",
+    "target_mismatch",
+    "read_head_file",
+    "resolve_weights",
+    "load_eagle_head",
+    "save_eagle_head",
+    "stored_draft_vocab",
+    "weight_dtype_of",
+    "load_packed_head",
+]
+
+DEFAULT_WEIGHTS = "eagle-smollm2-135m.safetensors"
+"""The shipped head for ``smollm2-135m`` (in ``specdec/weights/``)."""
+
+
+def fingerprint(embed_VD: torch.Tensor) -> str:
+    """A cheap check that weights meet the target they were trained for."""
+    return f"{float(embed_VD[:256].double().abs().sum()):.4f}"
+
+
+def target_mismatch(meta: dict, embed_VD: torch.Tensor, path: Path) -> str | None:
+    """Why head weights with metadata ``meta`` (read from ``path``) do not fit the target whose
+    embedding is ``embed_VD``; None when they do (or carry no fingerprint)."""
+    if meta.get("target_fingerprint") and meta["target_fingerprint"] != fingerprint(embed_VD):
+        return (
+            f"weights {path.name} were trained for target {meta.get('target')!r}, not this target "
+            "(its embedding differs)"
+        )
+    return None
+
+
+def resolve_weights(weights: str | Path | None) -> Path:
+    """A head-weights path: a file, or the name of a file shipped in ``specdec/weights/``
+    (None: the default head)."""
+    if weights is None:
+        weights = DEFAULT_WEIGHTS
+    path = Path(weights)
+    if path.is_file():
+        return path
+    shipped = resources.files("specdec") / "weights" / str(weights)
+    if shipped.is_file():
+        return Path(str(shipped))
+    raise ValueError(
+        f"weights {str(weights)!r}: no such file, and not a shipped file in specdec/weights/ "
+        "(train one with: python -m experiments train-drafter)"
+    )
+
+
+def read_head_file(path: Path, *, tensors: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A head file's tensors (unless ``tensors=False``) and metadata; ``ValueError`` naming the file
+    when it is not a readable safetensors file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            state = {k: f.get_tensor(k) for k in f.keys()} if tensors else {}
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise ValueError(f"head file {path}: not a readable safetensors file ({err})") from None
+    return state, meta
+
+
+def stored_draft_vocab(weights: str | Path | None) -> torch.Tensor:
+    """The draft vocabulary ``[N]`` of head weights in stored order (most frequent first)."""
+    state, _ = read_head_file(resolve_weights(weights))
+    if "draft_vocab_N" not in state:
+        raise ValueError(f"head file {resolve_weights(weights)} has no draft_vocab_N tensor")
+    return state["draft_vocab_N"].to(torch.long)
+
+
+def load_eagle_head(
+    weights: str | Path | None,
+    parts: TargetParts,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: Any = None,
+    draft_vocab_size: int | None = None,
+) -> tuple[EagleHead, dict]:
+    """Load a head for the target whose tensors are ``parts``; returns (head attached to the target,
+    metadata). ``draft_vocab_size``: score only the n most frequent tokens of the stored draft
+    vocabulary (faster, lower acceptance; default all). ``ValueError`` naming the file for a file
+    that is not a head file, a head of the wrong shape, or a head trained for another target."""
+    path = resolve_weights(weights)
+    state, meta = read_head_file(path)
+    if "config" not in meta:
+        raise ValueError(f"head file {path} carries no EAGLE config metadata (not a draft head file?)")
+    try:
+        config = EagleConfig.from_json(json.loads(meta["config"]))
+    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        raise ValueError(
+            f"head file {path}: its config metadata is not a valid EagleConfig ({err})"
+        ) from None
+    reason = target_mismatch(meta, parts.embed_VD, path)
+    if reason is not None:
+        raise ValueError(reason)
+    head = EagleHead(config)
+    if "draft_vocab_N" not in state:
+        raise ValueError(f"head file {path} has no draft_vocab_N tensor")
+    vocab = state.pop("draft_vocab_N").to(torch.long)
+    try:
+        head.load_state_dict({**state, "draft_vocab_N": vocab}, strict=True)
+    except RuntimeError as err:  # missing / unexpected keys, or shapes that do not fit the config
+        detail = " ".join(line.strip() for line in str(err).splitlines()[1:])[:500]
+        raise ValueError(f"head file {path} does not fit its own config: {detail}") from None
+    head = head.to(device=device or parts.embed_VD.device, dtype=dtype).eval()
+    head.requires_grad_(False)
+    if draft_vocab_size is not None:
+        if isinstance(draft_vocab_size, bool) or not 1 <= draft_vocab_size <= vocab.numel():
+            raise ValueError(f"draft_vocab_size must be in [1, {vocab.numel()}], got {draft_vocab_size!r}")
+        vocab = vocab[:draft_vocab_size]  # stored most frequent first
+    return head.attach(parts, vocab), meta
+
+
+def save_eagle_head(
+    head: EagleHead, path: str | Path, *, target_name: str, embed_VD: torch.Tensor, extra: dict | None = None
+) -> None:
+    """Write the trainable weights (bf16) and the draft vocabulary (int64) as safetensors."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
+    state["draft_vocab_N"] = head.draft_vocab_N.detach().to(torch.int64).cpu().contiguous()
+    meta = {
+        "config": json.dumps(asdict(head.config)),
+        "target": target_name,
+        "target_fingerprint": fingerprint(embed_VD),
+        "extra": json.dumps(extra or {}),
+    }
+    save_file({k: v.cpu() for k, v in state.items()}, str(path), metadata=meta)
+
+
+_WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def weight_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
+    """``weight_dtype`` as a torch dtype (None stays None); ``ValueError`` for anything else."""
+    if value is None or value in _WEIGHT_DTYPES.values():
+        return value
+    if isinstance(value, str) and value in _WEIGHT_DTYPES:
+        return _WEIGHT_DTYPES[value]
+    raise ValueError(f"weight_dtype must be one of {sorted(_WEIGHT_DTYPES)} (or None), got {value!r}")
+
+
+def load_packed_head(
+    target: Any,
+    weights: str | Path | None = None,
+    *,
+    draft_vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    linear_backend: str = "auto",
+    weight_dtype: torch.dtype | str | None = None,
+) -> tuple[PackedEagleHead, dict]:
+    """Load, attach and pack a head for ``target`` (a :class:`~specdec.protocols.FeatureTarget`),
+    and ask the target to capture the head's aux layers; returns (packed head, metadata).
+
+    ``weight_dtype`` (default: bfloat16 where the packed CPU kernel runs, else ``dtype``): how the
+    packed weights are stored (see :class:`PackedEagleHead`).
+    """
+    from specdec.protocols import FeatureTarget
+    from specdec.targets.linear import resolve_backend
+
+    if not isinstance(target, FeatureTarget):
+        raise ValueError(
+            f"EAGLE heads read the target's features: the target must be a FeatureTarget (parts(), "
+            f"capture_layers(), hidden_BTD from forward: the native Llama target or HFTarget), got "
+            f"{type(target).__name__}"
+        )
+    parts = target.parts()
+    head, meta = load_eagle_head(weights, parts, dtype=dtype, draft_vocab_size=draft_vocab_size)
+    storage = weight_dtype_of(weight_dtype)
+    if storage is None:
+        packed = resolve_backend(linear_backend, parts.embed_VD.device) == "packed"
+        storage = torch.bfloat16 if packed else dtype
+    if head.config.aux_layers:  # an EAGLE-3 head reads low and middle layers too
+        target.capture_layers(head.config.aux_layers)
+    return PackedEagleHead(head, backend=linear_backend, weight_dtype=storage), meta
