@@ -37,8 +37,8 @@ the choice for grouped_gemm and for the routing ops. SPECDEC_TRITON_TMA=0 switch
 GEMM's TMA-descriptor loads off, SPECDEC_TRITON_AUTOTUNE=0 its autotuning (first fitting config is used).
 More backends register in GROUPED_GEMM_BACKENDS / ROUTING_BACKENDS. ``Registry`` (kernels/registry.py) is
 the project's one plugin registry class, which ``specdec`` and ``moe`` build their registries on.
-Triton is imported lazily, only when a Triton backend runs, so `import kernels` works without it. Plain-PyTorch references live in
-kernels/*/reference.py; docs/kernels.md has the design notes and measurements.
+Triton is imported lazily, only when a Triton backend runs, so `import kernels` works without it.
+Plain-PyTorch references live in kernels/*/reference.py; docs/kernels.md has the design notes.
 """
 
 from ._backends import BackendRegistry, eager_direct_call, triton_available

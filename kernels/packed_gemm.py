@@ -1,142 +1,272 @@
-"""CPU matrix products on pre-packed weights (``csrc/packed_gemm.c``), compiled once per machine.
+"""CPU matrix products on weights packed once (``csrc/packed_gemm.c``), fp32, bf16 or quantized.
 
-Legend: M rows of x, I input features, O output features, BW outputs per packed block.
+Legend: M rows of x, I input features, O output features, G inputs per quantisation group,
+BW outputs per packed block (per ISA path: 32 for AVX-512, 16 for AVX2, 8 generic), nG = I / G.
 
-``y[m, o] = residual[m, o] + bias[o] + sum_i W[o, i] * x'[m, i]`` with ``W`` packed as
-``[ceil(O / BW), I, BW]`` (zero-padded to whole blocks). ``x'`` is ``x``, or ``silu(gate) * up`` of
-``x = [gate | up]`` (``act=1``), or ``x / rms(x)`` (``norm_eps >= 0``; the RMSNorm weight is folded
-into ``W`` by the caller). Weights are float32 or bfloat16; arithmetic is float32.
+``y[m, o] = residual[m, o] + bias[o] + s[m] * sum_i W[o, i] * x'[m, i]`` where ``x'`` is ``x``, or
+``silu(gate) * up`` of ``x = [gate | up]`` (``swiglu``), times an RMSNorm weight (``norm_weight``), and
+``s`` the RMSNorm's ``1 / rms`` (``norm_eps``). Weight formats (:data:`FORMATS`), dequantised in
+registers, float32 arithmetic:
 
-Users: the decode linears of ``specdec/targets/linear.py`` (M = 1..16 rows, bandwidth-bound, where
-BLAS libraries tuned for large M leave bandwidth unused) and the CPU expert loop of
-``kernels/grouped_gemm/onednn_backend.py`` (the experts' down projection at any M, and every product
-for small M). The plain-PyTorch reference is ``F.linear`` on the unpacked weight;
-``tests/test_packed_gemm.py`` and ``tests/test_llama_target.py`` compare against it.
+- ``f32``, ``bf16``;
+- ``q8``: ``d * q`` with ``q`` int8 and ``d`` float16 per G inputs (GGUF Q8_0: G = 32; per-channel
+  int8: G = I);
+- ``q4``: ``d * q + m`` with ``q`` in 0..15, ``d`` and ``m`` float16 per G inputs (GGUF Q4_1; Q4_0 with
+  ``m = -8 d``; group-wise int4 with scales and zero points).
+
+A :class:`PackedWeight` holds the packed bytes for one ISA path's layout; :meth:`PackedWeight.dequantize`
+is the plain-PyTorch oracle (``F.linear`` on it is the reference of :func:`packed_linear`).
+Users: the decode linears of ``specdec/targets/linear.py`` and the CPU expert loop of
+``kernels/grouped_gemm/onednn_backend.py``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .native import build_library
+from .native import build_library, cpu_isa
 
 __all__ = [
+    "FORMATS",
+    "PackedWeight",
     "packed_gemm_library",
     "packed_gemm_available",
+    "block_width",
+    "source_digest",
     "pack_weight",
+    "pack_q8",
+    "pack_q4",
+    "packed_linear",
     "packed_matmul",
 ]
 
 _SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.c"
+FORMATS = {"f32": 0, "bf16": 1, "q8": 2, "q4": 3}
+"""Weight formats and their codes in the C kernel."""
+_P, _L = ctypes.c_void_p, ctypes.c_long
 
 
 @functools.cache
-def packed_gemm_library() -> ctypes.CDLL:
-    """Compile (once per machine and source version) and load ``csrc/packed_gemm.c``.
+def packed_gemm_library(isa: str | None = None) -> ctypes.CDLL:
+    """Compile (once per machine, ISA path and source version) and load ``csrc/packed_gemm.c``.
 
-    Raises ``RuntimeError`` when no C compiler with OpenMP is available.
+    ``isa``: an ISA path of :mod:`kernels.native` (default: the one this CPU runs). Raises
+    ``RuntimeError`` when no C compiler with OpenMP is available.
     """
-    lib = build_library(_SOURCE)
-    for name in ("packed_gemm_f32", "packed_gemm_bf16"):
-        fn = getattr(lib, name)
-        # (x, M, I, packed W, O, bias, y, threads, norm_eps, act, residual) -> 0 or -1 (out of memory)
-        fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_long,
-            ctypes.c_long,
-            ctypes.c_void_p,
-            ctypes.c_long,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_float,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        fn.restype = ctypes.c_int
+    lib = build_library(_SOURCE, isa=isa or cpu_isa())
+    # (fmt, x, M, I, W, O, G, bias, norm_w, norm_eps, act, residual, y, threads) -> 0, -1 (memory), -2
+    lib.packed_linear.argtypes = [ctypes.c_int, _P, _L, _L, _P, _L, _L, _P, _P, ctypes.c_float, ctypes.c_int]
+    lib.packed_linear.argtypes += [_P, _P, ctypes.c_int]
+    lib.packed_linear.restype = ctypes.c_int
     lib.packed_gemm_block_width.restype = ctypes.c_int
-    lib.packed_gemm_bf16_pairs.restype = ctypes.c_int
+    lib.packed_gemm_group_bytes.argtypes = [ctypes.c_int, _L]
+    lib.packed_gemm_group_bytes.restype = _L
+    lib.packed_gemm_isa.restype = ctypes.c_char_p
     return lib
 
 
 @functools.cache
-def packed_gemm_available() -> bool:
-    """True when the kernel builds (or is cached) on this machine."""
+def packed_gemm_available(isa: str | None = None) -> bool:
+    """True when the kernel builds (or is cached) on this machine for ``isa``."""
     try:
-        packed_gemm_library()
+        packed_gemm_library(isa)
     except (RuntimeError, OSError):
         return False
     return True
 
 
-def pack_weight(w_OI: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``W [O, I]`` in the kernel's layout ``[ceil(O / BW), I, BW]`` (float32 or bfloat16)."""
+@functools.cache
+def source_digest() -> str:
+    """A hash of the kernel's C source: packed layouts cached on disk are keyed by it."""
+    import hashlib
+
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def block_width(isa: str | None = None) -> int:
+    """BW: outputs per packed block on an ISA path."""
+    return int(packed_gemm_library(isa).packed_gemm_block_width())
+
+
+@dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """A weight ``[O, I]`` packed for the kernel: ``data`` (uint8 bytes) in ``isa``'s layout."""
+
+    fmt: str
+    out_features: int
+    in_features: int
+    group_size: int
+    isa: str
+    data: Tensor
+
+    @property
+    def block_width(self) -> int:
+        return block_width(self.isa)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self) -> Tensor:
+        """The float32 ``[O, I]`` weight this packs: the plain-PyTorch oracle of :func:`packed_linear`."""
+        O, I, G, BW = self.out_features, self.in_features, self.group_size, self.block_width
+        nb, nG, VL = -(-O // BW), I // G, BW // 2
+        raw = self.data
+        if self.fmt == "f32":
+            w = raw.view(torch.float32).view(nb, I, BW)
+        elif self.fmt == "bf16":
+            w = raw.view(torch.bfloat16).view(nb, I, VL, 2).transpose(2, 3).reshape(nb, I, BW).float()
+        else:
+            rb = BW if self.fmt == "q8" else VL
+            groups = raw.view(nb, nG, -1)
+            q = groups[..., : G * rb].reshape(nb, nG, G, rb)
+            scales = groups[..., G * rb :].contiguous().view(torch.float16).float()  # [nb, nG, BW or 2 BW]
+            d = scales[..., :BW].unsqueeze(2)
+            if self.fmt == "q8":
+                w = d * q.view(torch.int8).float()
+            else:
+                nibbles = torch.cat([q & 15, q >> 4], dim=-1).float()  # lanes (j, VL + j)
+                w = d * nibbles + scales[..., BW:].unsqueeze(2)
+            w = w.reshape(nb, I, BW)
+        return w.transpose(1, 2).reshape(nb * BW, I)[:O].contiguous()
+
+
+def _padded_rows(w_OI: Tensor, BW: int) -> Tensor:
+    O = w_OI.shape[0]
+    out = w_OI.new_zeros((-(-O // BW) * BW, *w_OI.shape[1:]))
+    out[:O] = w_OI
+    return out
+
+
+def pack_weight(w_OI: Tensor, dtype: torch.dtype = torch.float32, *, isa: str | None = None) -> PackedWeight:
+    """``W [O, I]`` as float32 or bfloat16 in the kernel's layout ``[O/BW, I, BW]``."""
     if w_OI.dim() != 2 or w_OI.device.type != "cpu":
         raise ValueError(f"w_OI must be a 2-D CPU tensor, got {tuple(w_OI.shape)} on {w_OI.device}")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    lib = packed_gemm_library()
-    block = lib.packed_gemm_block_width()
-    out_features, in_features = w_OI.shape
-    num_blocks = -(-out_features // block)
-    padded = torch.zeros(num_blocks * block, in_features, dtype=dtype)
-    padded[:out_features] = w_OI.detach()
-    w_packed = padded.view(num_blocks, block, in_features).transpose(1, 2).contiguous()  # [nb, I, BW]
-    if dtype == torch.bfloat16 and lib.packed_gemm_bf16_pairs():
-        # Each 32-bit lane holds outputs (o, o + BW/2): see load_row_bf16 in the C source.
-        w_packed = w_packed.view(num_blocks, in_features, 2, block // 2).transpose(2, 3).contiguous()
-    return w_packed
+    isa = isa or cpu_isa()
+    BW = block_width(isa)
+    O, I = w_OI.shape
+    nb = -(-O // BW)
+    w = _padded_rows(w_OI.detach().to(dtype), BW).view(nb, BW, I).transpose(1, 2)  # [nb, I, BW]
+    if dtype == torch.bfloat16:  # each 32-bit lane holds outputs (o, o + BW/2): see load_w in the C source
+        w = w.reshape(nb, I, 2, BW // 2).transpose(2, 3)
+    data = w.contiguous().view(torch.uint8).reshape(-1)
+    return PackedWeight("f32" if dtype == torch.float32 else "bf16", O, I, I, isa, data)
 
 
-def packed_matmul(x_MI: Tensor, w_packed: Tensor, out_features: int, *, swiglu: bool = False) -> Tensor:
-    """``x_MI @ W^T`` for ``w_packed = pack_weight(W)`` (no bias or residual).
-
-    x_MI: contiguous float32 CPU [M, I]; returns float32 [M, out_features]. With ``swiglu``, x_MI is
-    ``[gate | up]``, [M, 2I], and the product is ``(silu(gate) * up) @ W^T``, the activation computed
-    inside the kernel. Reference: ``x_MI @ W.T`` (``swiglu``: ``(F.silu(g) * u) @ W.T``).
-    """
-    if x_MI.dtype != torch.float32 or not x_MI.is_contiguous() or x_MI.dim() != 2:
+def _check_groups(q_OI: Tensor, d_OG: Tensor, group_size: int, name: str) -> tuple[int, int, int]:
+    if q_OI.dim() != 2:
+        raise ValueError(f"{name}: q_OI must be [O, I], got {tuple(q_OI.shape)}")
+    O, I = q_OI.shape
+    if group_size < 1 or I % group_size:
+        raise ValueError(f"{name}: group_size must divide in_features={I}, got {group_size}")
+    nG = I // group_size
+    if tuple(d_OG.shape) != (O, nG) or d_OG.dtype != torch.float16:
         raise ValueError(
-            f"x_MI must be a contiguous float32 [M, I] tensor, got {x_MI.dtype} {tuple(x_MI.shape)}"
+            f"{name}: scales must be float16 [O={O}, I/G={nG}], got {d_OG.dtype} {tuple(d_OG.shape)}"
         )
-    num_rows, in_features = x_MI.shape
-    if swiglu:
-        if in_features % 2:
-            raise ValueError(f"x_MI must be [M, 2I] (gate | up) with swiglu=True, got {tuple(x_MI.shape)}")
-        in_features //= 2
-    lib = packed_gemm_library()
-    block = lib.packed_gemm_block_width()
-    if (
-        w_packed.dim() < 3
-        or w_packed.shape[1] != in_features
-        or w_packed.numel() != w_packed.shape[0] * in_features * block
-        or w_packed.shape[0] != -(-out_features // block)
-        or w_packed.dtype not in (torch.float32, torch.bfloat16)
-        or not w_packed.is_contiguous()
-    ):
-        raise ValueError(
-            f"x_MI [M, {in_features}] and w_packed {tuple(w_packed.shape)} do not make [M, {out_features}]"
-        )
-    gemm = lib.packed_gemm_f32 if w_packed.dtype == torch.float32 else lib.packed_gemm_bf16
-    y_MO = torch.empty(num_rows, out_features, dtype=torch.float32)
-    rc = gemm(
-        x_MI.data_ptr(),
-        num_rows,
-        in_features,
-        w_packed.data_ptr(),
-        out_features,
-        None,
-        y_MO.data_ptr(),
-        torch.get_num_threads(),
-        -1.0,
-        1 if swiglu else 0,
-        None,
+    return O, I, nG
+
+
+def pack_q8(q_OI: Tensor, d_OG: Tensor, group_size: int, *, isa: str | None = None) -> PackedWeight:
+    """``W = d * q`` (``q`` int8 ``[O, I]``, ``d`` float16 ``[O, I/G]``) in the kernel's Q8 layout."""
+    O, I, nG = _check_groups(q_OI, d_OG, group_size, "pack_q8")
+    if q_OI.dtype != torch.int8:
+        raise ValueError(f"pack_q8: q_OI must be int8, got {q_OI.dtype}")
+    isa = isa or cpu_isa()
+    BW, G = block_width(isa), group_size
+    nb = -(-O // BW)
+    q = _padded_rows(q_OI, BW).view(nb, BW, nG, G).permute(0, 2, 3, 1)  # [nb, nG, G, BW]
+    d = _padded_rows(d_OG, BW).view(nb, BW, nG).transpose(1, 2)  # [nb, nG, BW]
+    groups = torch.cat(
+        [q.reshape(nb, nG, G * BW).view(torch.uint8), d.contiguous().view(torch.uint8)], dim=-1
     )
+    return PackedWeight("q8", O, I, G, isa, groups.contiguous().reshape(-1))
+
+
+def pack_q4(
+    q_OI: Tensor, d_OG: Tensor, m_OG: Tensor, group_size: int, *, isa: str | None = None
+) -> PackedWeight:
+    """``W = d * q + m`` (``q`` in 0..15 as uint8 ``[O, I]``, ``d`` and ``m`` float16 ``[O, I/G]``) in
+    the kernel's Q4 layout."""
+    O, I, nG = _check_groups(q_OI, d_OG, group_size, "pack_q4")
+    if q_OI.dtype != torch.uint8 or (q_OI.numel() and int(q_OI.max()) > 15):
+        raise ValueError(f"pack_q4: q_OI must be uint8 values in 0..15, got {q_OI.dtype}")
+    if m_OG.shape != d_OG.shape or m_OG.dtype != torch.float16:
+        raise ValueError(
+            f"pack_q4: m_OG must be float16 {tuple(d_OG.shape)}, got {m_OG.dtype} {tuple(m_OG.shape)}"
+        )
+    isa = isa or cpu_isa()
+    BW, G = block_width(isa), group_size
+    VL, nb = BW // 2, -(-O // BW)
+    q = _padded_rows(q_OI, BW).view(nb, BW, nG, G).permute(0, 2, 3, 1)  # [nb, nG, G, BW]
+    nibbles = q[..., :VL] | (q[..., VL:] << 4)  # byte j: outputs j (low) and VL + j (high)
+    d = _padded_rows(d_OG, BW).view(nb, BW, nG).transpose(1, 2).contiguous()
+    m = _padded_rows(m_OG, BW).view(nb, BW, nG).transpose(1, 2).contiguous()
+    groups = torch.cat([nibbles.reshape(nb, nG, G * VL), d.view(torch.uint8), m.view(torch.uint8)], dim=-1)
+    return PackedWeight("q4", O, I, G, isa, groups.contiguous().reshape(-1))
+
+
+def packed_linear(
+    x_MI: Tensor,
+    w: PackedWeight,
+    *,
+    bias_O: Tensor | None = None,
+    norm_weight_I: Tensor | None = None,
+    norm_eps: float | None = None,
+    swiglu: bool = False,
+    residual_MO: Tensor | None = None,
+    threads: int | None = None,
+) -> Tensor:
+    """``y = residual + bias + s * (x' @ W^T)`` (see the module doc) for float32 CPU rows ``x [..., I]``
+    (``[..., 2I]`` with ``swiglu``); returns float32 ``[..., O]``. Checks, allocates and launches."""
+    I, O = w.in_features, w.out_features
+    width = 2 * I if swiglu else I
+    if x_MI.dtype != torch.float32 or x_MI.device.type != "cpu" or x_MI.shape[-1] != width:
+        raise ValueError(f"x_MI must be float32 CPU [..., {width}], got {x_MI.dtype} {tuple(x_MI.shape)}")
+    x_MI = x_MI.contiguous()
+    y = torch.empty((*x_MI.shape[:-1], O))
+    for name, t, n in (("bias_O", bias_O, O), ("norm_weight_I", norm_weight_I, I)):
+        if t is not None and (t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous float32 [{n}] tensor")
+    if residual_MO is not None:
+        if residual_MO.shape != y.shape or residual_MO.dtype != torch.float32:
+            raise ValueError(f"residual_MO must be float32 {tuple(y.shape)}, got {tuple(residual_MO.shape)}")
+        residual_MO = residual_MO.contiguous()
+    rc = packed_gemm_library(w.isa).packed_linear(
+        FORMATS[w.fmt],
+        x_MI.data_ptr(),
+        x_MI.numel() // width,
+        I,
+        w.data.data_ptr(),
+        O,
+        w.group_size,
+        None if bias_O is None else bias_O.data_ptr(),
+        None if norm_weight_I is None else norm_weight_I.data_ptr(),
+        -1.0 if norm_eps is None else float(norm_eps),
+        1 if swiglu else 0,
+        None if residual_MO is None else residual_MO.data_ptr(),
+        y.data_ptr(),
+        threads or torch.get_num_threads(),
+    )
+    if rc == -1:
+        raise MemoryError("packed_linear: out of memory")
     if rc:
-        raise MemoryError("packed_gemm: out of memory")
-    return y_MO
+        raise ValueError(f"packed_linear: the kernel refused the arguments (code {rc})")
+    return y
+
+
+def packed_matmul(
+    x_MI: Tensor, w: PackedWeight, out_features: int | None = None, *, swiglu: bool = False
+) -> Tensor:
+    """``x_MI @ W^T`` (``swiglu``: ``(silu(gate) * up) @ W^T`` of ``x = [gate | up]``), no bias."""
+    if out_features is not None and out_features != w.out_features:
+        raise ValueError(f"out_features={out_features} does not match the packed weight's {w.out_features}")
+    return packed_linear(x_MI, w, swiglu=swiglu)

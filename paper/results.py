@@ -39,7 +39,9 @@ _IDENTIFIER = re.compile(r"[a-z0-9][a-z0-9-]*")
 
 def _identifier(value: str, where: str) -> None:
     if not _IDENTIFIER.fullmatch(value):
-        raise ValueError(f"{where} must be an identifier ([a-z0-9-]+; file names come from it), got {value!r}")
+        raise ValueError(
+            f"{where} must be an identifier ([a-z0-9-]+; file names come from it), got {value!r}"
+        )
 
 
 def _require(obj: Any, fields: dict[str, type], where: str) -> None:

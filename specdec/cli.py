@@ -81,7 +81,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = check_text(args.prompt, "--prompt")
     drafter_options = parse_options(args.drafter_option, "--drafter-option")
     policy = make_policy(args.gamma_policy, gamma=args.gamma)
-    target = open_target(args.target, backend=args.backend, dtype=args.dtype, device=args.device)
+    target = open_target(
+        args.target, backend=args.backend, dtype=args.dtype, device=args.device, weights=args.weights
+    )
     tokenizer = getattr(target, "tokenizer", None)
     if tokenizer is None:
         raise ValueError(f"--target {args.target}: the checkpoint has no tokenizer to encode --prompt with")
@@ -161,6 +163,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--weights",
+        choices=("fp32", "bf16", "gguf", "int8", "int4"),
+        default=None,
+        help="native target weight format (default: gguf for a GGUF model such as smollm2-135m, else fp32)",
+    )
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),

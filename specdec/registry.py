@@ -35,6 +35,7 @@ DRAFTERS = Registry(
         "ngram-eagle": "specdec.drafters.ngram_eagle:ngram_eagle",
         "ngram-eagle-tree": "specdec.drafters.ngram_eagle:ngram_eagle_tree",
         "ngram-eagle-auto": "specdec.drafters.ngram_eagle:ngram_eagle_auto",
+        "qself": "specdec.drafters.qself:qself",
         "default": "specdec.drafters.ngram_eagle:default_drafter",
     },
 )

@@ -1,162 +1,226 @@
-/* Skinny matrix products for decoding on a CPU: y[m, o] = res[m, o] + b[o] + sum_i W[o, i] * x'[m, i].
+/* Skinny matrix products for decoding on a CPU, on weights packed once in a layout per ISA path:
  *
- * Legend: M rows of x (batch x block tokens, 1..~16 while decoding), I input features,
- * O output features, BW outputs per packed block, MR rows per register tile.
+ *     y[m, o] = res[m, o] + bias[o] + s[m] * sum_i W[o, i] * x'[m, i]
  *
- * Decoding streams every weight once per step while M is tiny, so the product is bound by memory
- * bandwidth, and BLAS libraries tuned for big M leave much of it unused (and get ~3x slower from
- * M = 1 to M = 4 on the dev machine). Here W is pre-packed as [O/BW][I][BW]: each thread reads one
- * contiguous stream, every BW-wide weight vector is loaded once and multiplied into MR rows of x
- * held in registers, so M = 8 costs little more than M = 1. For larger M (MoE experts get ~100-500
- * rows) each block's weights stay in cache while all row tiles pass over them: on the dev machine
- * this beats oneDNN on the experts' down projection (K = 1536, N = 576) by ~15 % at M = 128, because
- * the weights stream from memory once, in order, and the prefetchers keep up.
+ * Legend: M rows of x (batch x block tokens, 1..~16 while decoding; up to ~1000 for MoE experts),
+ * I input features, O output features, G inputs per quantisation group, VL floats per vector,
+ * BW = 2 VL outputs per packed block, MR rows per register tile, U unrolled inputs.
  *
- * The input transform x' and the residual are fused in, saving the small elementwise ops that
- * otherwise cost as much as the attention at this model size:
- *   - norm_eps >= 0: x' = x / sqrt(mean(x^2) + eps), an RMSNorm whose weight the caller folded
- *     into the columns of W (W' = W diag(w));
- *   - act == 1: x is [M, 2I] (gate | up) and x' = silu(gate) * up (the SwiGLU of Llama's MLP);
- *   - res != NULL: the residual stream is added to the output.
+ * Weight formats (the element type of W), dequantised in registers, arithmetic in float32:
+ *   F32   W[o, i]                         4 bytes a weight
+ *   BF16  the upper half of a float32     2 bytes
+ *   Q8    d[o, g] * q            q int8, d float16 per G inputs (GGUF Q8_0 with G = 32; per-channel
+ *                                int8 with G = I)
+ *   Q4    d[o, g] * q + m[o, g]  q 0..15, d and m float16 per G inputs (GGUF Q4_1; Q4_0 with
+ *                                m = -8 d; group-wise int4 with scales and zero points)
  *
- * Weights are float32, or bfloat16 (upper 16 bits of a float32; widened in registers, so the
- * arithmetic stays float32). Written with GCC vector extensions: -march=native maps them to
- * AVX-512, AVX2 or NEON. kernels/packed_gemm.py compiles this file once per machine; the users are
- * the decode linears of specdec/targets/linear.py (oracle: tests/test_llama_target.py) and the CPU
- * expert loop of kernels/grouped_gemm/onednn_backend.py (oracle: tests/test_packed_gemm.py).
+ * Packed layout: outputs in blocks of BW, each block's weights in input order, so every thread reads
+ * one contiguous stream and each loaded weight vector serves every row of a register tile:
+ *   F32/BF16  [O/BW][I][BW] (BF16 lanes hold the pairs (o, o + VL), so a shift and a mask widen them)
+ *   Q8        [O/BW][I/G]{ q [G][BW] int8, d [BW] f16 }
+ *   Q4        [O/BW][I/G]{ q [G][BW/2] bytes: byte j = q[o=j] | q[o=j+VL] << 4, d [BW] f16, m [BW] f16 }
+ * Q4's min term is m * sum_{i in g} x'[m, i], one product per group with the row sums of x'.
+ *
+ * Input transform x' (fused, saving the small elementwise ops that cost as much as attention at
+ * this model size): act == 1 takes x = [gate | up] ([M, 2I]) and x' = silu(gate) * up (Llama's
+ * SwiGLU); norm_eps >= 0 is an RMSNorm: s[m] = 1 / sqrt(mean(x'^2) + eps), and x' is multiplied by
+ * norm_w (when given) elementwise. res != NULL adds the residual stream.
+ *
+ * ISA paths (kernels/native.py builds this file once per path): AVX-512 (VL 16, MR 12: 2 MR
+ * accumulators + weights fit in 32 zmm), AVX2 (VL 8, MR 7: 14 accumulators, a weight vector and a
+ * broadcast in 16 ymm, so a 7-token verify block is one tile), generic (VL 4: SSE2 / NEON).
+ * Dependency chains: one row is latency-bound on its accumulators (an FMA waits 4-5 cycles), so
+ * tiles of 1-3 rows unroll the input loop with independent partial sums (U = 4, 2, 2), keeping
+ * >= 8 FMA chains in flight on every path.
+ *
+ * Oracle: the plain-PyTorch dequantisation in kernels/packed_gemm.py (``PackedWeight.dequantize``)
+ * and ``F.linear``; tests/test_packed_gemm.py checks every format on every ISA path this CPU runs.
  */
 #include <math.h>
-#include <stdlib.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
-#define BW 32 /* two 16-float vectors per block; 2*MR accumulators + 3 fit in 32 zmm registers */
-#define MR 12
-#else
-#define BW 16
-#define MR 6
-#endif
 #define VL 16
-/* Prefetch the next block's weights while 2..PREFETCH_MAX_TILES row tiles (up to 192 rows on
- * AVX-512) pass over the current one: +4-5 % at 64-151 rows, -4 % at 512 rows (dev machine). */
-#define PREFETCH_MAX_TILES 16
-/* Software prefetch distance (bytes) for passes of 2 or more rows (a verify block, a tree, a few
- * tokens per expert): a tile does 2..MR FMAs per weight vector, which slows its loads enough that the
- * hardware prefetchers fall behind the stream. The first row tile of each block prefetches this far
- * ahead in the stream. Measured on a 2-core Zen 5, a pass over SmolLM2-135M's 538 MB of fp32 weights,
- * relative to one row without it: 7 rows 1.14x -> 1.01x, 12 rows 1.26x -> 1.07x; bf16 weights,
- * 7 rows 1.60x -> 0.98x. One row is left to the hardware (4-5 % slower with it). */
-static const long prefetch_bytes = 4096;
-#define NV (BW / VL)
+#define MR 12
+#define ISA_NAME "avx512"
+#elif defined(__AVX2__)
+#define VL 8
+#define MR 7
+#define ISA_NAME "avx2"
+#elif defined(__aarch64__)
+#define VL 4
+#define MR 8
+#define ISA_NAME "generic"
+#else
+#define VL 4
+#define MR 4
+#define ISA_NAME "generic"
+#endif
+#define NV 2
+#define BW (NV * VL)
 #define INLINE static inline __attribute__((always_inline))
 
-typedef float v16 __attribute__((vector_size(VL * 4)));
-typedef float v16u __attribute__((vector_size(VL * 4), aligned(4)));
-typedef uint16_t h16u __attribute__((vector_size(VL * 2), aligned(2)));
-typedef uint32_t i16 __attribute__((vector_size(VL * 4)));
+enum { F32 = 0, BF16 = 1, Q8 = 2, Q4 = 3 };
 
-typedef uint32_t i16u __attribute__((vector_size(VL * 4), aligned(4)));
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef uint32_t vuu __attribute__((vector_size(VL * 4), aligned(1)));
+typedef uint8_t vb __attribute__((vector_size(VL), aligned(1)));
+typedef int8_t vsb __attribute__((vector_size(VL), aligned(1)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(1)));
 
-INLINE v16 load_f32(const float* p) { return *(const v16u*)p; }
-INLINE void store_f32(float* p, v16 v) { *(v16u*)p = v; }
+const char* packed_gemm_isa(void) { return ISA_NAME; }
+int packed_gemm_block_width(void) { return BW; }
+int packed_gemm_vector_width(void) { return VL; }
 
-/* One row (BW weights) of a packed block into NV float vectors. */
-INLINE void load_row_f32(v16* w, const float* p) {
-    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) w[v] = load_f32(p + v * VL);
-}
-#if NV == 2
-/* bf16 rows are stored as pairs (o, o + VL) in each 32-bit lane: a bf16 is the upper half of a
- * float32, so a shift and a mask widen a whole row without shuffling across lanes. */
-INLINE void load_row_bf16(v16* w, const uint16_t* p) {
-    i16 u = *(const i16u*)p;
-    w[0] = (v16)(u << 16);
-    w[1] = (v16)(u & 0xFFFF0000u);
-}
+/* Bytes of one input's weights in a block, and of a group's scales (per format). */
+INLINE long row_bytes(int fmt) { return fmt == F32 ? BW * 4 : fmt == BF16 ? BW * 2 : fmt == Q8 ? BW : BW / 2; }
+INLINE long scale_bytes(int fmt) { return fmt == Q8 ? BW * 2 : fmt == Q4 ? BW * 4 : 0; }
+long packed_gemm_group_bytes(int fmt, long G) { return G * row_bytes(fmt) + scale_bytes(fmt); }
+
+/* Widening loads, VL lanes at a time: bytes zero- or sign-extended to int32, float16 to float32.
+ * AVX-512 and AVX2 use their single-instruction widening loads (vpmovzxbd, vpmovsxbd, vcvtph2ps);
+ * the generic path converts with portable vector code. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+INLINE vi load_u8(const uint8_t* p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+INLINE vi load_s8(const uint8_t* p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+INLINE vf load_half(const uint8_t* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+INLINE vi load_u8(const uint8_t* p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+INLINE vi load_s8(const uint8_t* p) { return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+INLINE vf load_half(const uint8_t* p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 #else
-INLINE void load_row_bf16(v16* w, const uint16_t* p) {
-    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) w[v] =
-        (v16)(__builtin_convertvector(*(const h16u*)(p + v * VL), i16) << 16);
+INLINE vi load_u8(const uint8_t* p) { return __builtin_convertvector(*(const vb*)p, vi); }
+INLINE vi load_s8(const uint8_t* p) { return __builtin_convertvector(*(const vsb*)p, vi); }
+/* float16 -> float32 (normals and subnormals; the scales are never inf or NaN). */
+INLINE vf load_half(const uint8_t* p) {
+    vu u = __builtin_convertvector(*(const vh*)p, vu);
+    vf f = (vf)((u & 0x7fffu) << 13) * 0x1p112f;
+    return (vf)((vu)f | ((u & 0x8000u) << 16));
 }
 #endif
 
-/* One packed block (BW outputs) for MM (compile-time) rows. W_T is float or uint16_t (bf16). */
-#define DEFINE_BLOCK(NAME, W_T, LOAD)                                                                   \
-    INLINE void NAME(const float* restrict x, long I, const W_T* restrict wp, int MM, float* restrict y, \
-                     long ldy, const float* bias, const float* scale, const float* res, int o_valid,    \
-                     const char* pf, long pf_lines, long ahead) {                                       \
-        v16 acc[MR][NV];                                                                                \
-        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++)                                           \
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[m][v] = (v16){0};                   \
-        for (long i = 0; i < I; i++) {                                                                  \
-            if (i < pf_lines) __builtin_prefetch(pf + 64 * i, 0, 2);                                    \
-            if (ahead) {                                                                                \
-                /* an address past the array is fine for a prefetch (it never faults), but not for \
-                 * pointer arithmetic: compute it as an integer */                                  \
-                const char* q = (const char*)((uintptr_t)(wp + i * BW) + ahead * sizeof(W_T));       \
-                __builtin_prefetch(q, 0, 3);                                                            \
-                if (BW * sizeof(W_T) > 64) __builtin_prefetch(q + 64, 0, 3);                            \
+/* One input's BW weights (unscaled for Q8 / Q4) into NV float vectors. */
+INLINE void load_w(int fmt, vf* w, const uint8_t* p) {
+    if (fmt == F32) {
+        w[0] = *(const vfu*)p;
+        w[1] = *(const vfu*)(p + VL * 4);
+    } else if (fmt == BF16) {
+        vu u = *(const vuu*)p;
+        w[0] = (vf)(u << 16);
+        w[1] = (vf)(u & 0xFFFF0000u);
+    } else if (fmt == Q8) {
+        w[0] = __builtin_convertvector(load_s8(p), vf);
+        w[1] = __builtin_convertvector(load_s8(p + VL), vf);
+    } else {
+        vi b = load_u8(p);
+        w[0] = __builtin_convertvector(b & 15, vf);
+        w[1] = __builtin_convertvector(b >> 4, vf);
+    }
+}
+
+/* One block (BW outputs) for a tile of MM rows (compile-time), accumulated over the groups into acc.
+ * x: the tile's rows (stride I), xsum: their group sums (stride nG; Q4 only). */
+#define U_OF(MM) ((MM) >= 4 ? 1 : ((MM) >= 2 ? 2 : 4))
+#define DEFINE_TILE(FMT, MM)                                                                              \
+    static void tile_##FMT##_##MM(const float* restrict x, long I, long G, const uint8_t* restrict wb,   \
+                                  const float* restrict xsum, float* restrict acc, const uint8_t* pf,    \
+                                  long ahead) {                                                         \
+        enum { U = U_OF(MM) };                                                                          \
+        const long rb = row_bytes(FMT), gb = packed_gemm_group_bytes(FMT, G), nG = I / G;               \
+        /* the running sums live in acc (memory, updated once per group), so the registers hold    \
+         * only the group's partial sums, one weight vector and a broadcast */                        \
+        memset(acc, 0, sizeof(float) * MM * BW);                                                        \
+        for (long g = 0; g < nG; g++) {                                                                 \
+            const uint8_t* gp = wb + g * gb;                                                            \
+            const float* xg = x + g * G;                                                                \
+            vf part[U][MM][NV];                                                                         \
+            _Pragma("GCC unroll 16") for (int u = 0; u < U; u++)                                        \
+                _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) part[u][m][0] = part[u][m][1] = (vf){0}; \
+            long i = 0;                                                                                 \
+            for (; i + U <= G; i += U) {                                                                \
+                if (pf) __builtin_prefetch(pf + g * gb + i * rb, 0, 1);                                 \
+                if (ahead) __builtin_prefetch((const void*)((uintptr_t)(gp + i * rb) + ahead), 0, 3);   \
+                _Pragma("GCC unroll 4") for (int u = 0; u < U; u++) {                                   \
+                    vf w[NV];                                                                           \
+                    load_w(FMT, w, gp + (i + u) * rb);                                                  \
+                    /* one weight vector through every row, then the other: 2 MM accumulators, one    \
+                     * weight and one broadcast live, so AVX2's 16 registers hold a 7-row tile */     \
+                    _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++)                               \
+                        part[u][m][0] += xg[m * I + i + u] * w[0];                                      \
+                    _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++)                               \
+                        part[u][m][1] += xg[m * I + i + u] * w[1];                                      \
+                }                                                                                       \
             }                                                                                           \
-            v16 w[NV];                                                                                  \
-            LOAD(w, wp + i * BW);                                                                       \
+            for (; i < G; i++) {                                                                        \
+                vf w[NV];                                                                               \
+                load_w(FMT, w, gp + i * rb);                                                            \
+                _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) {                                 \
+                    float xs = xg[m * I + i];                                                           \
+                    part[0][m][0] += xs * w[0];                                                         \
+                    part[0][m][1] += xs * w[1];                                                         \
+                }                                                                                       \
+            }                                                                                           \
             _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) {                                     \
-                float xs = x[m * I + i];                                                                \
-                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[m][v] += xs * w[v];             \
+                _Pragma("GCC unroll 4") for (int u = 1; u < U; u++) {                                   \
+                    part[0][m][0] += part[u][m][0];                                                     \
+                    part[0][m][1] += part[u][m][1];                                                     \
+                }                                                                                       \
+            }                                                                                           \
+            if (FMT == Q8 || FMT == Q4) {                                                               \
+                const uint8_t* sp = gp + G * rb;                                                        \
+                vf d0 = load_half(sp), d1 = load_half(sp + VL * 2);                                     \
+                vf m0 = {0}, m1 = {0};                                                                  \
+                if (FMT == Q4) {                                                                        \
+                    m0 = load_half(sp + BW * 2);                                                        \
+                    m1 = load_half(sp + BW * 2 + VL * 2);                                               \
+                }                                                                                       \
+                _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) {                                 \
+                    vf s0 = d0 * part[0][m][0], s1 = d1 * part[0][m][1];                                \
+                    if (FMT == Q4) {                                                                    \
+                        float s = xsum[m * nG + g];                                                     \
+                        s0 += m0 * s;                                                                   \
+                        s1 += m1 * s;                                                                   \
+                    }                                                                                   \
+                    *(vfu*)(acc + m * BW) += s0;                                                        \
+                    *(vfu*)(acc + m * BW + VL) += s1;                                                   \
+                }                                                                                       \
+            } else {                                                                                    \
+                _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) {                                 \
+                    *(vfu*)(acc + m * BW) += part[0][m][0];                                             \
+                    *(vfu*)(acc + m * BW + VL) += part[0][m][1];                                        \
+                }                                                                                       \
             }                                                                                           \
         }                                                                                               \
-        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) {                                         \
-            if (scale)                                                                                  \
-                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[m][v] *= scale[m];              \
-            if (bias)                                                                                   \
-                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[m][v] += load_f32(bias + v * VL); \
-            float tmp[BW];                                                                              \
-            float* out = o_valid >= BW ? y + m * ldy : tmp;                                             \
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) store_f32(out + v * VL, acc[m][v]);     \
-            if (o_valid < BW) memcpy(y + m * ldy, tmp, sizeof(float) * o_valid);                        \
-            if (res)                                                                                    \
-                for (int o = 0; o < o_valid; o++) y[m * ldy + o] += res[m * ldy + o];                   \
-        }                                                                                               \
     }
 
-DEFINE_BLOCK(block_f32, float, load_row_f32)
-DEFINE_BLOCK(block_bf16, uint16_t, load_row_bf16)
+typedef void (*tile_fn)(const float*, long, long, const uint8_t*, const float*, float*, const uint8_t*, long);
 
-/* rows_<dtype>_<MM>: blocks [b0, b1) for MM rows; one instance per MM so the tile stays in registers. */
-#define DEFINE_ROWS(SUFFIX, W_T, MM)                                                                    \
-    static void rows_##SUFFIX##_##MM(const float* x, long I, const W_T* wp, float* y, long O,          \
-                                     const float* bias, const float* scale, const float* res, long b0,  \
-                                     long b1, const char* pf, long pf_lines, long ahead) {              \
-        for (long b = b0; b < b1; b++) {                                                                \
-            long o0 = b * BW;                                                                           \
-            int ov = O - o0 < BW ? (int)(O - o0) : BW;                                                  \
-            block_##SUFFIX(x, I, wp + b * I * BW, MM, y + o0, O, bias ? bias + o0 : 0, scale,           \
-                           res ? res + o0 : 0, ov, pf, pf_lines, ahead);                                \
-        }                                                                                               \
-    }
-#define DEFINE_ALL_ROWS(SUFFIX, W_T)                                                                    \
-    DEFINE_ROWS(SUFFIX, W_T, 1) DEFINE_ROWS(SUFFIX, W_T, 2) DEFINE_ROWS(SUFFIX, W_T, 3)                 \
-    DEFINE_ROWS(SUFFIX, W_T, 4) DEFINE_ROWS(SUFFIX, W_T, 5) DEFINE_ROWS(SUFFIX, W_T, 6)                 \
-    DEFINE_ROWS(SUFFIX, W_T, 7) DEFINE_ROWS(SUFFIX, W_T, 8) DEFINE_ROWS(SUFFIX, W_T, 9)                 \
-    DEFINE_ROWS(SUFFIX, W_T, 10) DEFINE_ROWS(SUFFIX, W_T, 11) DEFINE_ROWS(SUFFIX, W_T, 12)              \
-    typedef void (*rows_##SUFFIX##_fn)(const float*, long, const W_T*, float*, long, const float*,     \
-                                       const float*, const float*, long, long, const char*, long, long); \
-    static const rows_##SUFFIX##_fn ROWS_##SUFFIX[13] = {                                               \
-        0, rows_##SUFFIX##_1, rows_##SUFFIX##_2, rows_##SUFFIX##_3, rows_##SUFFIX##_4,                  \
-        rows_##SUFFIX##_5, rows_##SUFFIX##_6, rows_##SUFFIX##_7, rows_##SUFFIX##_8, rows_##SUFFIX##_9,  \
-        rows_##SUFFIX##_10, rows_##SUFFIX##_11, rows_##SUFFIX##_12};
+#define DEFINE_FORMAT(FMT)                                                                                \
+    DEFINE_TILE(FMT, 1) DEFINE_TILE(FMT, 2) DEFINE_TILE(FMT, 3) DEFINE_TILE(FMT, 4) DEFINE_TILE(FMT, 5)  \
+    DEFINE_TILE(FMT, 6) DEFINE_TILE(FMT, 7) DEFINE_TILE(FMT, 8) DEFINE_TILE(FMT, 9) DEFINE_TILE(FMT, 10) \
+    DEFINE_TILE(FMT, 11) DEFINE_TILE(FMT, 12)                                                           \
+    static const tile_fn TILES_##FMT[13] = {0, tile_##FMT##_1, tile_##FMT##_2, tile_##FMT##_3,          \
+        tile_##FMT##_4, tile_##FMT##_5, tile_##FMT##_6, tile_##FMT##_7, tile_##FMT##_8, tile_##FMT##_9,  \
+        tile_##FMT##_10, tile_##FMT##_11, tile_##FMT##_12};
 
-DEFINE_ALL_ROWS(f32, float)
-DEFINE_ALL_ROWS(bf16, uint16_t)
+DEFINE_FORMAT(F32)
+DEFINE_FORMAT(BF16)
+DEFINE_FORMAT(Q8)
+DEFINE_FORMAT(Q4)
 
-int packed_gemm_block_width(void) { return BW; }
-/* 1 when bf16 blocks interleave outputs (o, o + BW/2) in 32-bit lanes (see load_row_bf16). */
-int packed_gemm_bf16_pairs(void) { return NV == 2; }
+static const tile_fn* const TILES[4] = {TILES_F32, TILES_BF16, TILES_Q8, TILES_Q4};
 
 /* e^x, Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial, x clamped to
- * [-87.3, 88.3] so 2^n stays a normal float): relative error below 2e-7, and written so that GCC
- * vectorizes loops over it (no libm call); glibc's scalar expf was ~20 ns per call, which made the
- * SwiGLU of a 7-token verify block cost 0.6 ms per forward of SmolLM2-135M. */
+ * [-87.3, 88.3] so 2^n stays a normal float): relative error below 2e-7, written so that GCC
+ * vectorizes loops over it (no libm call; glibc's scalar expf made a 7-token SwiGLU cost 0.6 ms). */
 INLINE float exp_approx(float x) {
     x = x < -87.3f ? -87.3f : x; /* comparisons, not fminf/fmaxf: those keep the loop scalar */
     x = x > 88.3f ? 88.3f : x;
@@ -181,13 +245,15 @@ static void swiglu_row(const float* restrict g, const float* restrict u, float* 
     for (long i = 0; i < n; i++) a[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
 }
 
-/* x' = silu(gate) * up for x = [M, 2I] (act == 1), or x / rms(x) row scales (norm_eps >= 0).
- * Returns the buffer holding x' (x itself when there is no activation). */
-static const float* prepare_input(const float* x, long M, long I, float norm_eps, int act, float* buf,
-                                  float* scale, int nthreads) {
+static void scale_row(const float* restrict in, const float* restrict w, float* restrict out, long n) {
+    for (long i = 0; i < n; i++) out[i] = in[i] * w[i];
+}
+
+/* x' into buf (when it differs from x), the RMSNorm row scales, and Q4's group sums; returns x'. */
+static const float* prepare_input(const float* x, long M, long I, long G, int fmt, float norm_eps,
+                                  const float* norm_w, int act, float* buf, float* scale, float* xsum) {
     const float* in = x;
     if (act == 1) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * I >= (1L << 14))
         for (long m = 0; m < M; m++) swiglu_row(x + m * 2 * I, x + m * 2 * I + I, buf + m * I, I);
         in = buf;
     }
@@ -197,52 +263,89 @@ static const float* prepare_input(const float* x, long M, long I, float norm_eps
             for (long i = 0; i < I; i++) ss += in[m * I + i] * in[m * I + i];
             scale[m] = 1.0f / sqrtf(ss / (float)I + norm_eps);
         }
+    if (norm_w) {
+        for (long m = 0; m < M; m++) scale_row(in + m * I, norm_w, buf + m * I, I);
+        in = buf;
+    }
+    if (fmt == Q4) {
+        long nG = I / G;
+        for (long m = 0; m < M; m++)
+            for (long g = 0; g < nG; g++) {
+                float s = 0;
+                for (long i = 0; i < G; i++) s += in[m * I + g * G + i];
+                xsum[m * nG + g] = s;
+            }
+    }
     return in;
 }
 
-/* Threads split the O blocks evenly (contiguous weight ranges); within a block, rows go in tiles of MR. */
-#define DEFINE_GEMM(SUFFIX, W_T)                                                                        \
-    int packed_gemm_##SUFFIX(const float* x, long M, long I, const W_T* wp, long O, const float* bias,  \
-                             float* y, int nthreads, float norm_eps, int act, const float* res) {       \
-        float* buf = act == 1 ? malloc(sizeof(float) * M * I) : 0;                                      \
-        float* scale = norm_eps >= 0 ? malloc(sizeof(float) * M) : 0;                                   \
-        if ((act == 1 && !buf) || (norm_eps >= 0 && !scale)) {                                          \
-            free(buf);                                                                                  \
-            free(scale);                                                                                \
-            return -1;                                                                                  \
-        }                                                                                               \
-        const float* in = prepare_input(x, M, I, norm_eps, act, buf, scale, nthreads);                  \
-        long nb = (O + BW - 1) / BW;                                                                    \
-        if (nthreads > nb) nthreads = (int)nb;                                                          \
-        _Pragma("omp parallel num_threads(nthreads)") {                                                 \
-            int t = omp_get_thread_num(), n = omp_get_num_threads();                                    \
-            long b0 = nb * t / n, b1 = nb * (t + 1) / n;                                                \
-            /* One block's weights [I, BW] stay in L1/L2 while every row tile passes over them, so  \
-             * the weights stream from memory once per call whatever M is. With several tiles, each   \
-             * tile also prefetches its share of the next block's weights into L2, so the first tile  \
-             * of a block does not wait on memory (one tile, the decode case, relies on the hardware  \
-             * prefetchers alone; past PREFETCH_MAX_TILES the rows of x no longer fit in L2 beside    \
-             * the weights, and prefetching measured slower). */                                     \
-            long tiles = (M + MR - 1) / MR;                                                             \
-            long lines = (long)(I * BW * sizeof(W_T) + 63) / 64, share = (lines + tiles - 1) / tiles;   \
-            if (tiles < 2 || tiles > PREFETCH_MAX_TILES || share > I) share = 0;                         \
-            long ahead = M >= 2 && tiles <= PREFETCH_MAX_TILES ? prefetch_bytes / (long)sizeof(W_T) : 0; \
-            for (long b = b0; b < b1; b++) {                                                            \
-                const char* next = b + 1 < b1 ? (const char*)(wp + (b + 1) * I * BW) : 0;              \
-                for (long m0 = 0, tile = 0; m0 < M; m0 += MR, tile++) {                                 \
-                    long mm = M - m0 < MR ? M - m0 : MR;                                                \
-                    long first = tile * share, n = next ? lines - first : 0;                            \
-                    n = n < share ? (n > 0 ? n : 0) : share;                                            \
-                    ROWS_##SUFFIX[mm](in + m0 * I, I, wp, y + m0 * O, O, bias, scale ? scale + m0 : 0,  \
-                                      res ? res + m0 * O : 0, b, b + 1, n ? next + 64 * first : 0, n,   \
-                                      tile == 0 ? ahead : 0);                                           \
-                }                                                                                       \
-            }                                                                                           \
-        }                                                                                               \
-        free(buf);                                                                                      \
-        free(scale);                                                                                    \
-        return 0;                                                                                       \
-    }
+/* Store one block's tile: y = s * acc + bias + res for the valid outputs. */
+static void store(float* y, long ldy, const float* acc, int MM, int o_valid, const float* bias,
+                  const float* scale, const float* res) {
+    for (int m = 0; m < MM; m++)
+        for (int o = 0; o < o_valid; o++) {
+            float v = acc[m * BW + o];
+            if (scale) v *= scale[m];
+            if (bias) v += bias[o];
+            if (res) v += res[m * ldy + o];
+            y[m * ldy + o] = v;
+        }
+}
 
-DEFINE_GEMM(f32, float)
-DEFINE_GEMM(bf16, uint16_t)
+/* Software prefetch (bytes ahead in the weight stream) for a single tile of 2..MR rows (a verify
+ * block, a tree): its FMAs per weight vector slow its loads enough that the hardware prefetchers fall
+ * behind the stream. One row is left to the hardware. */
+#define PREFETCH_AHEAD 4096
+
+/* Blocks [b0, b1) of one product for every row: one thread's share. Rows go in tiles of MR, so a
+ * block's weights stay in cache while every tile passes over them and the weights stream from memory
+ * once per call whatever M is; with several tiles the first prefetches the next block. */
+static void linear_blocks(int fmt, const float* in, long M, long I, const uint8_t* wp, long O, long G,
+                          const float* bias, const float* scale, const float* xsum, const float* res, float* y,
+                          long b0, long b1) {
+    long nG = I / G, block = nG * packed_gemm_group_bytes(fmt, G);
+    const tile_fn* tiles = TILES[fmt];
+    float acc[MR * BW];
+    for (long b = b0; b < b1; b++) {
+        const uint8_t* wb = wp + b * block;
+        const uint8_t* next = b + 1 < b1 ? wb + block : 0;
+        int ov = O - b * BW < BW ? (int)(O - b * BW) : BW;
+        for (long m0 = 0; m0 < M; m0 += MR) {
+            int mm = M - m0 < MR ? (int)(M - m0) : MR;
+            const uint8_t* pf = m0 == 0 && M > MR ? next : 0;
+            long ahead = M > 1 && M <= MR ? PREFETCH_AHEAD : 0;
+            tiles[mm](in + m0 * I, I, G, wb, xsum ? xsum + m0 * nG : 0, acc, pf, ahead);
+            store(y + m0 * O + b * BW, O, acc, mm, ov, bias ? bias + b * BW : 0, scale ? scale + m0 : 0,
+                  res ? res + m0 * O + b * BW : 0);
+        }
+    }
+}
+
+static int bad_format(int fmt, long I, long G) { return fmt < F32 || fmt > Q4 || G < 1 || I % G || (fmt < Q8 && G != I); }
+
+/* Threads split the O/BW blocks evenly (contiguous weight ranges). Returns 0, -1 (out of memory)
+ * or -2 (bad arguments). */
+int packed_linear(int fmt, const float* x, long M, long I, const void* w, long O, long G, const float* bias,
+                  const float* norm_w, float norm_eps, int act, const float* res, float* y, int nthreads) {
+    if (bad_format(fmt, I, G)) return -2;
+    long nG = I / G;
+    float* buf = (act == 1 || norm_w) ? malloc(sizeof(float) * M * I) : 0;
+    float* scale = norm_eps >= 0 ? malloc(sizeof(float) * M) : 0;
+    float* xsum = fmt == Q4 ? malloc(sizeof(float) * M * nG) : 0;
+    if (((act == 1 || norm_w) && !buf) || (norm_eps >= 0 && !scale) || (fmt == Q4 && !xsum)) {
+        free(buf), free(scale), free(xsum);
+        return -1;
+    }
+    const float* in = prepare_input(x, M, I, G, fmt, norm_eps, norm_w, act, buf, scale, xsum);
+    long nb = (O + BW - 1) / BW;
+    if (nthreads > nb) nthreads = (int)nb;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+        linear_blocks(fmt, in, M, I, (const uint8_t*)w, O, G, bias, scale, xsum, res, y, nb * t / n,
+                      nb * (t + 1) / n);
+    }
+    free(buf), free(scale), free(xsum);
+    return 0;
+}

@@ -25,6 +25,7 @@ __all__ = [
     "pooled_tokens_per_second",
     "write_results",
     "serialise_run",
+    "header",
 ]
 
 
@@ -135,7 +136,12 @@ def environment() -> dict[str, Any]:
     import torch
     import transformers
 
+    from kernels.native import cpu_isa, cpu_model
+
     return {
+        "cpu": cpu_model(),
+        "isa": cpu_isa(),
+        "commit": _commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -146,6 +152,32 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _commit() -> str | None:
+    """The git commit of the checkout this runs from (None outside one)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() or None
+
+
+def header(payload: dict) -> str:
+    """One line naming the machine, the ISA path, threads, weights and commit of a results payload."""
+    env = payload.get("environment", {})
+    return (
+        f"CPU: {env.get('cpu')} (kernels: {env.get('isa')} path), {env.get('torch_threads')} threads, "
+        f"weights: {env.get('weights')}, commit {env.get('commit')}, torch {env.get('torch')}"
+    )
+
+
 def write_results(out_dir: Path, payload: dict, command: str) -> None:
     """Write ``bench.json`` (atomically) and ``bench.md`` to ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -153,7 +185,10 @@ def write_results(out_dir: Path, payload: dict, command: str) -> None:
     tmp.write_text(json.dumps(payload, indent=1))
     tmp.replace(out_dir / "bench.json")  # atomic: a reader never sees half a file
     notes = "".join(f"- {n}\n" for n in payload["notes"])
-    md = f"# specdec bench\n\nCommand: `{command}`\n\n{markdown_table(payload['summary'])}"
+    peer = payload.get("llama_bench")
+    peer_line = f"\nllama-bench: {peer}\n" if peer else ""
+    table = markdown_table(payload["summary"])
+    md = f"# specdec bench\n\n{header(payload)}\n\nCommand: `{command}`\n\n{table}{peer_line}"
     (out_dir / "bench.md").write_text(md + (f"\nNotes:\n{notes}" if notes else ""))
 
 

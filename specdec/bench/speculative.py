@@ -39,6 +39,7 @@ from typing import Any
 
 from specdec.bench.hf_baselines import HF_BASELINES, hf_method
 from specdec.bench.interleave import Prompt, generate_method, run_interleaved
+from specdec.bench.peers import PEERS, llama_bench_figures, llama_cpp_methods
 from specdec.bench.report import (
     PromptResult,
     environment,
@@ -58,6 +59,7 @@ from specdec.prompt_sets import (
     mtbench_prompts,
     mtbench_questions,
 )
+from specdec.targets.llama_weights import WEIGHT_MODES
 
 __all__ = [
     "BenchConfig",
@@ -89,6 +91,9 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0, 0.7)
     drafters: tuple[str, ...] = ("none", "ngram", "layerskip", "model", "eagle", "eagle-tree")
     hf_baselines: tuple[str, ...] = ("plain", "prompt_lookup", "assistant")
+    peers: tuple[str, ...] = ()
+    """Other engines on the same prompts: ``llama.cpp`` (llama-cpp-python on the target's GGUF file,
+    plain and with prompt lookup; ``llama-bench``'s figures when it is on PATH)."""
     gamma: int = 4
     drafter_gammas: dict[str, int] = field(default_factory=dict)
     """γ for some drafter labels (others use ``gamma``), so one interleaved run compares draft
@@ -99,6 +104,9 @@ class BenchConfig:
     chat: bool = False
     seed: int = 0
     dtype: str | None = None
+    weights: str | None = None
+    """The native target's weight format (``fp32``, ``bf16``, ``gguf``, ``int8``, ``int4``); None:
+    the target's default."""
     backend: str = "auto"
     device: str = "cpu"
     warmup: bool = True
@@ -132,6 +140,9 @@ class BenchConfig:
         for b in self.hf_baselines:
             if b not in HF_BASELINES:
                 raise ValueError(f"unknown transformers baseline {b!r}; known: {', '.join(HF_BASELINES)}")
+        for peer in self.peers:
+            if peer not in PEERS:
+                raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
 
 
 def _label_and_drafter(entry: str) -> tuple[str, str]:
@@ -181,8 +192,32 @@ def _drafters(cfg: BenchConfig, target: Any, notes: list[str]) -> dict[str, Any]
     return drafters
 
 
-def _methods(cfg: BenchConfig, target: Any, drafters: dict, hf: tuple, temperature: float) -> dict:
-    """Every method of one temperature: ours/none first (the baseline), transformers', ours/<drafter>."""
+def _peer_methods(cfg: BenchConfig, target: Any, temperature: float, notes: list[str]) -> dict:
+    """llama.cpp's methods on the target's GGUF file (skipped with a note where it cannot run)."""
+    if "llama.cpp" not in cfg.peers:
+        return {}
+    import torch
+
+    from specdec.targets.loading import gguf_source
+
+    gguf = gguf_source(cfg.target)
+    if gguf is None:
+        notes.append(f"llama.cpp skipped: the target {cfg.target!r} does not come as a GGUF file")
+        return {}
+    try:
+        return llama_cpp_methods(
+            gguf, threads=torch.get_num_threads(), temperature=temperature, eos_token_ids=target.eos_token_ids
+        )
+    except ImportError:
+        notes.append('llama.cpp skipped: llama-cpp-python is not installed (pip install -e ".[peers]")')
+        return {}
+
+
+def _methods(
+    cfg: BenchConfig, target: Any, drafters: dict, hf: tuple, temperature: float, notes: list
+) -> dict:
+    """Every method of one temperature: ours/none first (the baseline), transformers', peers',
+    ours/<drafter>."""
     from specdec.policies import make_policy
 
     def ours(label: str) -> Callable:
@@ -195,6 +230,7 @@ def _methods(cfg: BenchConfig, target: Any, drafters: dict, hf: tuple, temperatu
     for mode in cfg.hf_baselines:
         if mode != "assistant" or assistant is not None:
             methods[f"hf/{mode}"] = hf_method(hf_model, mode, temperature, cfg.gamma, assistant)
+    methods.update(_peer_methods(cfg, target, temperature, notes))
     methods.update({f"ours/{label}": ours(label) for label in drafters if label != "none"})
     return methods
 
@@ -249,16 +285,24 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
 
     console = console or Console(stderr=True)
     notes: list[str] = []
-    target = open_target(cfg.target, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device)
+    target = open_target(
+        cfg.target, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights
+    )
     prompts = _prompts(cfg, target.tokenizer)
     hf = _hf_models(cfg, target, notes)
     drafters = _drafters(cfg, target, notes)
     for n in notes:
         console.print(f"[yellow]note:[/] {n}")
     recorder = _Recorder(cfg, command, notes, console, len(prompts))
+    recorder.payload["environment"].update(_target_facts(target))
+    if "llama.cpp" in cfg.peers:
+        from specdec.targets.loading import gguf_source
+
+        gguf = gguf_source(cfg.target)
+        recorder.payload["llama_bench"] = llama_bench_figures(gguf, threads=torch_threads()) if gguf else None
     for t in cfg.temperatures:
         results = run_interleaved(
-            _methods(cfg, target, drafters, hf, t),
+            _methods(cfg, target, drafters, hf, t, notes),
             prompts,
             max_new_tokens=cfg.max_new_tokens,
             seed=cfg.seed,
@@ -269,6 +313,21 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
         )
         recorder.finish(t, results)
     return recorder.payload
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _target_facts(target: Any) -> dict[str, Any]:
+    """What the header names besides the machine: the target's weight format and size."""
+    return {
+        "target_class": type(target).__name__,
+        "weights": getattr(target, "weights", None),
+        "weight_bytes": getattr(target, "weight_bytes", None),
+    }
 
 
 def _hf_models(cfg: BenchConfig, target: Any, notes: list[str]) -> tuple[Any, Any]:
@@ -338,6 +397,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap every prompt in the chat template")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=WEIGHT_MODES,
+        help="native target weight format (default: the target's)",
+    )
+    p.add_argument(
+        "--peers",
+        type=csv(str),
+        default=d.peers,
+        help="other engines on the same prompts: llama.cpp (needs .[peers])",
+    )
     p.add_argument("--backend", default=d.backend, help="target backend: auto | hf | llama")
     p.add_argument("--device", default=d.device, help="torch device for every model: cpu, cuda, cuda:1, ...")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per run")
@@ -377,6 +448,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         chat=args.chat,
         seed=args.seed,
         dtype=args.dtype,
+        weights=args.weights,
+        peers=args.peers,
         backend=args.backend,
         device=args.device,
         warmup=not args.no_warmup,

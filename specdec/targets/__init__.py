@@ -30,15 +30,32 @@ def load_target(name_or_path: str | os.PathLike, *, backend: str = "auto", **opt
         except (OSError, json.JSONDecodeError, AttributeError) as err:
             raise ValueError(f"{path}: not a readable checkpoint config.json ({err})") from None
         backend = "llama" if model_type in NATIVE_FAMILIES else "hf"
+    if backend == "hf" and options.get("weights") not in (None, "auto", "fp32"):
+        raise ValueError(
+            f"weights={options['weights']!r} needs the native target (backend 'llama'); 'hf' runs fp32"
+        )
+    if backend == "hf":
+        options.pop("weights", None)
     return TARGETS.get(backend)(name_or_path, **options)
 
 
-def open_target(name: str, *, backend: str = "auto", dtype: str | None = None, device: str | None = None):
+def open_target(
+    name: str,
+    *,
+    backend: str = "auto",
+    dtype: str | None = None,
+    device: str | None = None,
+    weights: str | None = None,
+):
     """:func:`load_target` with the command line's string options: ``dtype`` a name in
-    :data:`DTYPES`, ``device`` a torch device (``cpu``, ``cuda:0``); ``ValueError`` naming a bad one."""
+    :data:`DTYPES`, ``device`` a torch device (``cpu``, ``cuda:0``), ``weights`` a format of
+    :data:`specdec.targets.llama_weights.WEIGHT_MODES` (native target only); ``ValueError`` naming a
+    bad one."""
     import torch
 
     options: dict[str, Any] = {}
+    if weights is not None:
+        options["weights"] = weights
     if dtype is not None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")

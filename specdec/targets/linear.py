@@ -1,27 +1,27 @@
-"""Linear layers stored in the layout the CPU multiplies fastest, with the plain ``F.linear`` beside them.
+"""Linear layers in the format and layout the CPU multiplies fastest, with the plain ``F.linear`` beside them.
 
-Legend: M rows (batch × block tokens), I input features, O output features, BW packed block width.
+Legend: M rows (batch × block tokens), I input features, O output features.
 
 Decoding a small model on a CPU is a chain of matrix-vector products (M = 1) or skinny products
-(M = 2..9 while verifying drafts), bound by how fast the weights stream from memory. BLAS
-libraries are tuned for large M and leave bandwidth unused here; worse, on the dev machine MKL's
-small-M path makes M = 4 cost ~3× M = 1, which taxes every speculative verify step.
-
+(M = 2..12 while verifying drafts), bound by how fast the weights stream from memory or dequantise.
 Each layer is ``y = residual + W·x' + b`` where the input transform ``x'`` (an RMSNorm, or the
 SwiGLU ``silu(gate)·up`` of the MLP) and the residual are part of the layer: the packed kernel
 fuses them, saving the small elementwise ops that cost as much as attention at this model size.
 
-Backends (``LINEAR_BACKENDS``); activations are float32, weights float32 or bfloat16:
+Weights (:data:`WEIGHT_FORMATS`): a float tensor stored as ``float32`` or ``bfloat16``, or a
+:class:`kernels.quant.QuantizedRows` (GGUF Q4_0 / Q4_1 / Q8_0 blocks, int8 per channel, int4 per
+group), kept quantised and dequantised in registers by the kernel.
 
-- ``reference``: ``F.rms_norm`` / ``F.silu``, ``F.linear(x, W, b)`` and ``+ residual``: the oracle;
-- ``transposed``: the same ops with ``Wᵀ [I, O]`` stored contiguously (MKL's fastest M = 1 path);
-- ``packed``: ``kernels/csrc/packed_gemm.c`` (``kernels.packed_gemm``), weights packed
-  ``[O/BW, I, BW]`` (RMSNorm weight folded into the columns) so every weight is read once per call
-  for up to 12 rows; compiled once per machine with the system C compiler
-  (``cc -O3 -march=native -fopenmp``) into the specdec cache and loaded with ``ctypes``.
+Backends (``LINEAR_BACKENDS``); activations are float32:
+
+- ``reference``: ``F.rms_norm`` / ``F.silu``, ``F.linear`` on the dequantised float32 weight, then
+  ``+ residual``: the oracle;
+- ``transposed``: the same ops on ``Wᵀ [I, O]`` stored contiguously (MKL's fastest M = 1 path);
+- ``packed``: ``kernels/csrc/packed_gemm.c`` (``kernels.packed_gemm``) on the ISA path this CPU
+  runs (AVX-512, AVX2 or generic), compiled once per machine into the specdec cache.
 
 ``auto`` picks ``packed`` on a CPU when it compiles (else ``transposed``, with a warning), and
-``reference`` on other devices. ``python -m specdec.targets.llama_bench --linear`` compares them.
+``reference`` on other devices.
 """
 
 from __future__ import annotations
@@ -33,23 +33,28 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.packed_gemm import pack_weight, packed_gemm_library
+from kernels.packed_gemm import PackedWeight, pack_weight, packed_gemm_available, packed_linear
+from kernels.quant import QuantizedRows
 
-__all__ = ["PackedLinear", "LINEAR_BACKENDS", "pack_linear", "resolve_backend", "packed_gemm_library"]
+__all__ = ["PackedLinear", "LINEAR_BACKENDS", "WEIGHT_FORMATS", "pack_linear", "resolve_backend"]
+
+WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
+
+Weight = torch.Tensor | QuantizedRows | PackedWeight
 
 
 class PackedLinear:
-    """``y = residual + W x' + b`` with ``W [O, I]`` kept in a backend-specific layout.
+    """``y = residual + W x' + b`` with ``W [O, I]`` kept in a backend-specific layout and format.
 
     ``x'`` is ``x`` transformed at the input: ``swiglu`` (``x = [gate | up]``, 2I wide, and
     ``x' = silu(gate) * up``), then ``norm_weight_I`` (``x' = RMSNorm(x')`` with that weight and
-    ``norm_eps``). Weights are stored in ``dtype`` (default: the weight's). Call it as ``lin(x)``
-    or ``lin(x, residual)``.
+    ``norm_eps``). A float weight is stored in ``dtype`` (default: its own); quantised rows stay
+    quantised. Call it as ``lin(x)`` or ``lin(x, residual)``.
     """
 
     def __init__(
         self,
-        weight_OI: torch.Tensor,
+        weight: Weight,
         bias_O: torch.Tensor | None,
         backend: str,
         *,
@@ -59,19 +64,46 @@ class PackedLinear:
         swiglu: bool = False,
     ) -> None:
         self.backend = backend
-        self.out_features, self.in_features = weight_OI.shape
-        self.dtype = dtype or weight_OI.dtype
-        self.bias_O = None if bias_O is None else bias_O.float()
-        self.norm_weight_I = None if norm_weight_I is None else norm_weight_I.float()
+        if isinstance(weight, PackedWeight):  # already in a layout (a cache of packed weights)
+            self.out_features, self.in_features, self.format = (
+                weight.out_features,
+                weight.in_features,
+                weight.fmt,
+            )
+        elif isinstance(weight, QuantizedRows):
+            self.out_features, self.in_features = weight.shape
+            self.format = weight.kind
+        else:
+            self.out_features, self.in_features = weight.shape
+            storage = dtype or weight.dtype
+            if storage not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"float weights are stored as float32 or bfloat16, got {storage}")
+            self.format = "f32" if storage == torch.float32 else "bf16"
+            weight = weight.to(storage)
+        self.bias_O = None if bias_O is None else bias_O.float().contiguous()
+        self.norm_weight_I = None if norm_weight_I is None else norm_weight_I.float().contiguous()
         self.norm_eps = float(norm_eps)
         self.swiglu = swiglu
-        self._fn = LINEAR_BACKENDS[backend](self, weight_OI)
+        self._fn = LINEAR_BACKENDS[backend](self, weight)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self._fn(x, residual)
 
+    def weight_float(self) -> torch.Tensor:
+        """The weight as float32 ``[O, I]`` (dequantised where it is stored quantised)."""
+        return self._weight_OI()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one call streams (the packed layout's, or the float weight's)."""
+        return self._nbytes
+
 
 _Run = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def _dequantized(weight: Weight) -> torch.Tensor:
+    return weight.float() if isinstance(weight, torch.Tensor) else weight.dequantize()
 
 
 def _torch_backend(lin: PackedLinear, linear: Callable[[torch.Tensor], torch.Tensor]) -> _Run:
@@ -90,77 +122,56 @@ def _torch_backend(lin: PackedLinear, linear: Callable[[torch.Tensor], torch.Ten
     return run
 
 
-def _reference(lin: PackedLinear, w_OI: torch.Tensor) -> _Run:
-    w_OI = w_OI.to(lin.dtype)
-    b = None if lin.bias_O is None else lin.bias_O.to(lin.dtype)
-    if lin.dtype == torch.float32:
-        return _torch_backend(lin, lambda x: F.linear(x, w_OI, b))
-    return _torch_backend(lin, lambda x: F.linear(x.to(lin.dtype), w_OI, b).float())
+def _reference(lin: PackedLinear, weight: Weight) -> _Run:
+    w_OI = _dequantized(weight)
+    lin._weight_OI = lambda: w_OI
+    lin._nbytes = w_OI.numel() * 4
+    return _torch_backend(lin, lambda x: F.linear(x, w_OI, lin.bias_O))
 
 
-def _transposed(lin: PackedLinear, w_OI: torch.Tensor) -> _Run:
-    w_IO = w_OI.t().to(lin.dtype).contiguous()
+def _transposed(lin: PackedLinear, weight: Weight) -> _Run:
+    w_IO = _dequantized(weight).t().contiguous()
+    lin._weight_OI = lambda: w_IO.t()
+    lin._nbytes = w_IO.numel() * 4
     b = lin.bias_O
-    if lin.dtype == torch.float32:
-        mm = lambda x: torch.matmul(x, w_IO)
-    else:
-        mm = lambda x: torch.matmul(x.to(lin.dtype), w_IO).float()
+    mm = lambda x: torch.matmul(x, w_IO)
     return _torch_backend(lin, mm if b is None else (lambda x: mm(x) + b))
 
 
-def _packed(lin: PackedLinear, w_OI: torch.Tensor) -> _Run:
-    if w_OI.device.type != "cpu":
-        raise ValueError(f"linear backend 'packed' runs on the CPU, got weights on {w_OI.device}")
-    if lin.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"linear backend 'packed' stores float32 or bfloat16 weights, got {lin.dtype}")
-    lib = packed_gemm_library()
-    BW = lib.packed_gemm_block_width()
-    O, I = w_OI.shape
-    nb = -(-O // BW)
-    w = w_OI.float()
-    if lin.norm_weight_I is not None:  # RMSNorm(x)·diag(n)·Wᵀ == (x / rms(x))·(W diag(n))ᵀ
-        w = w * lin.norm_weight_I[None, :]
-    w_packed = pack_weight(w, lin.dtype)  # [nb, I, BW]
-    del w
-    gemm = lib.packed_gemm_f32 if lin.dtype == torch.float32 else lib.packed_gemm_bf16
-    bias = None
-    if lin.bias_O is not None:  # padded: the kernel reads whole blocks
-        bias = torch.zeros(nb * BW)
-        bias[:O] = lin.bias_O
-    w_ptr, b_ptr = w_packed.data_ptr(), (None if bias is None else bias.data_ptr())
-    eps = lin.norm_eps if lin.norm_weight_I is not None else -1.0
-    act = 1 if lin.swiglu else 0
-    width = 2 * I if lin.swiglu else I
-    lin._keepalive = (w_packed, bias)  # the kernel reads these by address
+def _packed(lin: PackedLinear, weight: Weight) -> _Run:
+    if isinstance(weight, torch.Tensor) and weight.device.type != "cpu":
+        raise ValueError(f"linear backend 'packed' runs on the CPU, got weights on {weight.device}")
+    if isinstance(weight, PackedWeight):
+        packed = weight
+    elif isinstance(weight, QuantizedRows):
+        packed = weight.pack()
+    else:
+        packed = pack_weight(weight, weight.dtype)
+    lin._nbytes = packed.nbytes
+    lin.packed_weight = packed
+    lin._weight_OI = packed.dequantize
+    bias, norm_w = lin.bias_O, lin.norm_weight_I
+    eps = lin.norm_eps if norm_w is not None else None
 
     def run(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.float().contiguous()
-        y = torch.empty((*x.shape[:-1], O))
-        r_ptr = None
-        if residual is not None:
-            residual = residual.float().contiguous()
-            r_ptr = residual.data_ptr()
-        if gemm(
-            x.data_ptr(),
-            x.numel() // width,
-            I,
-            w_ptr,
-            O,
-            b_ptr,
-            y.data_ptr(),
-            torch.get_num_threads(),
-            eps,
-            act,
-            r_ptr,
-        ):
-            raise MemoryError("packed_gemm: out of memory")
-        return y
+        if x.dtype != torch.float32:
+            x = x.float()
+        if residual is not None and residual.dtype != torch.float32:
+            residual = residual.float()
+        return packed_linear(
+            x,
+            packed,
+            bias_O=bias,
+            norm_weight_I=norm_w,
+            norm_eps=eps,
+            swiglu=lin.swiglu,
+            residual_MO=residual,
+        )
 
     return run
 
 
-LINEAR_BACKENDS: dict[str, Callable[[PackedLinear, torch.Tensor], _Run]] = {
+LINEAR_BACKENDS: dict[str, Callable[[PackedLinear, Weight], _Run]] = {
     "reference": _reference,
     "transposed": _transposed,
     "packed": _packed,
@@ -169,12 +180,12 @@ LINEAR_BACKENDS: dict[str, Callable[[PackedLinear, torch.Tensor], _Run]] = {
 
 @functools.cache
 def _packed_available() -> bool:
-    try:
-        packed_gemm_library()
+    if packed_gemm_available():
         return True
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"packed linear kernel unavailable ({e}); using the 'transposed' backend", stacklevel=3)
-        return False
+    warnings.warn(
+        "packed linear kernel unavailable (no C compiler?); using the 'transposed' backend", stacklevel=3
+    )
+    return False
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -191,7 +202,7 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 
 def pack_linear(
-    weight_OI: torch.Tensor,
+    weight: Weight,
     bias_O: torch.Tensor | None = None,
     *,
     backend: str = "auto",
@@ -201,10 +212,11 @@ def pack_linear(
     swiglu: bool = False,
 ) -> PackedLinear:
     """Build a :class:`PackedLinear`; ``backend``: ``auto`` or a ``LINEAR_BACKENDS`` name."""
+    device = weight.device if isinstance(weight, torch.Tensor) else "cpu"
     return PackedLinear(
-        weight_OI,
+        weight,
         bias_O,
-        resolve_backend(backend, weight_OI.device),
+        resolve_backend(backend, device),
         dtype=dtype,
         norm_weight_I=norm_weight_I,
         norm_eps=norm_eps,

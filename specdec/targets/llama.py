@@ -26,17 +26,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kernels.llama_forward import MAX_BLOCK, LayerSpec, LinearSpec, NativeDecoder, native_forward_available
 from specdec.protocols import TargetOutput, TargetParts
 from specdec.targets.capture import check_layer_indices
 from specdec.targets.kv_cache import StaticKVCache, block_attention_mask
-from specdec.targets.linear import PackedLinear, pack_linear, resolve_backend
+from specdec.targets.linear import resolve_backend
 from specdec.targets.llama_config import LlamaConfig, load_safetensors_state
+from specdec.targets.llama_weights import WEIGHT_MODES, ModelWeights, build_weights, load_packed, save_packed
 from specdec.targets.rmsnorm import RMSNorm
 from specdec.targets.rope import apply_rope_flipped, flip_sin, rope_cos_sin_table, rope_inv_freq
 
@@ -45,17 +47,6 @@ __all__ = ["LlamaConfig", "LlamaTarget", "load_safetensors_state", "PREFILL_CHUN
 PREFILL_CHUNK = 512
 """Longest block run in one pass: a longer (chain) block, a long prompt's prefill, runs in chunks of
 this many tokens, so attention's mask and scores grow with the prompt, not with its square."""
-
-
-@dataclass
-class _Layer:
-    """One decoder layer's weights, fused for the hot loop (``PackedLinear`` = norm → linear → + residual)."""
-
-    qkv: PackedLinear  # RMSNorm(input_layernorm), then D -> (H + 2J)·E
-    qk_norm: torch.Tensor | None  # [H + J, E] (Qwen3), else None
-    o: PackedLinear  # H·E -> D, + residual
-    gate_up: PackedLinear  # RMSNorm(post_attention_layernorm), then D -> 2F
-    down: PackedLinear  # silu(gate)·up, then F -> D, + residual
 
 
 class LlamaTarget:
@@ -73,113 +64,86 @@ class LlamaTarget:
     def __init__(
         self,
         config: LlamaConfig,
-        state: dict[str, torch.Tensor],
+        state: dict[str, Any] | ModelWeights,
         *,
-        dtype: torch.dtype = torch.float32,
+        weights: str = "fp32",
+        dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         linear_backend: str = "auto",
         tokenizer: Any = None,
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+        if dtype is not None:  # the older spelling of weights="bf16"
+            if dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(
+                    f"dtype must be torch.float32 or torch.bfloat16 (or use weights=), got {dtype}"
+                )
+            if dtype == torch.bfloat16 and weights == "fp32":
+                weights = "bf16"
+        if weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
         self.config = config
-        self.dtype = dtype  # of the linear layers' weights; activations and the KV cache are float32
+        self.weights = weights
+        self.dtype = torch.bfloat16 if weights == "bf16" else torch.float32  # of float linear weights
         self.device = torch.device(device)
         self.linear_backend = resolve_backend(linear_backend, self.device)
-        if linear_backend == "auto" and self.linear_backend == "packed" and dtype == torch.float16:
-            self.linear_backend = "transposed"  # the packed kernel stores float32 or bfloat16
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = config.vocab_size
         self.max_context_length = config.max_position_embeddings or None
         self.cache: StaticKVCache | None = None
         self.aux_layers: frozenset[int] = frozenset()  # see capture_layers
-        self._load(dict(state))
+        if isinstance(state, ModelWeights):  # already built (a cache of packed weights)
+            w = state
+        else:
+            w = build_weights(config, state, weights=weights, backend=self.linear_backend, device=self.device)
+        self.packed_weights = w
+        self.layers, self._head, self.weight_bytes = w.layers, w.head, w.nbytes
+        self.embed_tokens = torch.nn.Embedding.from_pretrained(w.embed_VD, freeze=True)
+        self.norm = RMSNorm(w.norm_D, config.rms_norm_eps)
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+        self.lm_head.weight = torch.nn.Parameter(w.head_VD(), requires_grad=False)  # shared when tied
+        self._native = _native_decoder(w, config) if self.linear_backend == "packed" else None
         self._inv_freq = rope_inv_freq(config.head_dim, config.rope_parameters).to(self.device)
         self._cos = self._sin = None
 
-    # ------------------------------------------------------------------ loading
-    def _load(self, state: dict[str, torch.Tensor]) -> None:
-        c = self.config
-        take = lambda key: state.pop(key).to(device=self.device, dtype=torch.float32).contiguous()
-        maybe = lambda key, wanted: take(key) if wanted else None
-        pack = lambda w, b=None, **kw: pack_linear(w, b, backend=self.linear_backend, dtype=self.dtype, **kw)
-        eps = c.rms_norm_eps
-        try:
-            embed = take("model.embed_tokens.weight")
-            self.layers: list[_Layer] = []
-            for i in range(c.num_layers):
-                p = f"model.layers.{i}."
-                a = p + "self_attn."
-                qkv_w = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
-                qkv_b = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]) if c.qkv_bias else None
-                qk_norm = None
-                if c.qk_norm:
-                    qn, kn = take(a + "q_norm.weight"), take(a + "k_norm.weight")
-                    qk_norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)])
-                m = p + "mlp."
-                gate_up_w = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-                gate_up_b = (
-                    torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")]) if c.mlp_bias else None
-                )
-                input_norm, post_norm = (
-                    take(p + "input_layernorm.weight"),
-                    take(p + "post_attention_layernorm.weight"),
-                )
-                self.layers.append(
-                    _Layer(
-                        qkv=pack(qkv_w, qkv_b, norm_weight_I=input_norm, norm_eps=eps),
-                        qk_norm=qk_norm,
-                        o=pack(take(a + "o_proj.weight"), maybe(a + "o_proj.bias", c.o_bias)),
-                        gate_up=pack(gate_up_w, gate_up_b, norm_weight_I=post_norm, norm_eps=eps),
-                        down=pack(
-                            take(m + "down_proj.weight"), maybe(m + "down_proj.bias", c.mlp_bias), swiglu=True
-                        ),
-                    )
-                )
-            norm_w = take("model.norm.weight")
-            if "lm_head.weight" in state:
-                head_w = take("lm_head.weight")
-            elif c.tie_word_embeddings:
-                head_w = embed
-            else:
-                raise KeyError("lm_head.weight")
-        except KeyError as e:
-            raise ValueError(
-                f"checkpoint is missing weight {e.args[0]!r} for a {c.model_type} model"
-            ) from None
-        leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
-        if leftover:
-            raise ValueError(
-                f"checkpoint has {len(leftover)} weights the native {c.model_type} target does not use "
-                f"(e.g. {leftover[:3]}); use the 'hf' target backend"
-            )
-        if embed.shape != (c.vocab_size, c.hidden_size) or head_w.shape != (c.vocab_size, c.hidden_size):
-            raise ValueError(f"embedding/LM head shapes {tuple(embed.shape)}/{tuple(head_w.shape)} != config")
-        self.embed_tokens = torch.nn.Embedding.from_pretrained(embed, freeze=True)
-        self.norm = RMSNorm(norm_w, c.rms_norm_eps)
-        self.lm_head = torch.nn.Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
-        self.lm_head.weight = torch.nn.Parameter(head_w, requires_grad=False)  # float32; shared when tied
-        self._head = pack(head_w, norm_weight_I=norm_w, norm_eps=eps)  # final norm + LM head
-
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, **opts: Any
+        cls,
+        name_or_path: str | os.PathLike,
+        *,
+        weights: str = "auto",
+        dtype: torch.dtype | None = None,
+        **opts: Any,
     ) -> LlamaTarget:
-        """Load a built-in name (``smollm2-135m``) or a local checkpoint directory (safetensors only).
+        """Load a built-in name (``smollm2-135m``), a local checkpoint directory (safetensors only) or a
+        ``.gguf`` file.
 
+        ``weights``: a format of :data:`specdec.targets.llama_weights.WEIGHT_MODES`, or ``auto``:
+        ``gguf`` when the model comes as a GGUF file (the built-in SmolLM2), else ``fp32``.
         ``opts``: ``device``, ``linear_backend`` (see ``specdec.targets.linear``), ``load_tokenizer``
         (default True).
         """
         from transformers import GenerationConfig
 
-        from specdec.targets.loading import load_hf_config, load_tokenizer, resolve_checkpoint
+        from specdec.targets.gguf import load_gguf_state
+        from specdec.targets.loading import gguf_source, load_hf_config, load_tokenizer, resolve_checkpoint
 
         with_tokenizer = opts.pop("load_tokenizer", True)
         path = resolve_checkpoint(name_or_path)
-        hf_config = load_hf_config(path)
-        config = LlamaConfig.from_hf(hf_config)
+        config = LlamaConfig.from_hf(hf_config := load_hf_config(path))
+        source = gguf_source(name_or_path)
+        if weights == "auto":
+            weights = "gguf" if source is not None else ("bf16" if dtype == torch.bfloat16 else "fp32")
+        if weights == "gguf" and source is None:
+            raise ValueError(f"weights='gguf' needs a GGUF file; {name_or_path} is a safetensors checkpoint")
+        cache, key = _packed_cache(path, source if weights == "gguf" else None, weights, opts)
+        state: Any = None if cache is None else load_packed(cache, key)
+        if state is None and weights == "gguf":
+            heads = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
+            state = load_gguf_state(source, model_type=config.model_type, **heads)
+        elif state is None:
+            state = load_safetensors_state(path)
         eos: Any = None
         if (path / "generation_config.json").is_file():
             eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
@@ -191,14 +155,13 @@ class LlamaTarget:
             else ((int(eos),) if eos is not None else ())
         )
         tokenizer = load_tokenizer(path) if with_tokenizer else None
-        return cls(
-            config,
-            load_safetensors_state(path),
-            dtype=dtype,
-            tokenizer=tokenizer,
-            eos_token_ids=eos_ids,
-            **opts,
+        target = cls(
+            config, state, weights=weights, dtype=dtype, tokenizer=tokenizer, eos_token_ids=eos_ids, **opts
         )
+        if cache is not None and not isinstance(state, ModelWeights):
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            save_packed(target.packed_weights, cache, key)
+        return target
 
     # ------------------------------------------------------------------ Target protocol
     def parts(self) -> TargetParts:
@@ -427,9 +390,12 @@ class LlamaTarget:
         aux_out: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Embed, run ``layers`` in order (writing their K/V), return the last one's output (and put
-        the outputs of the layers in ``aux_layers`` into ``aux_out``)."""
+        the outputs of the layers in ``aux_layers`` into ``aux_out``). Blocks of up to
+        ``kernels.llama_forward.MAX_BLOCK`` tokens take the native forward when it runs here."""
         c = self.config
         B, T = tokens_BT.shape
+        if self._native is not None and T <= MAX_BLOCK:
+            return self._run_native(tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux_out)
         starts = start_B.tolist()
         uniform = starts[0] if starts.count(starts[0]) == B else None
         num_slots = max(starts) + T
@@ -459,6 +425,29 @@ class LlamaTarget:
             if aux_out is not None and i in self.aux_layers:
                 aux_out[i] = x_BTD
         return x_BTD
+
+    def _run_native(self, tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux_out) -> torch.Tensor:
+        """:meth:`_run` in one call of the native forward (``kernels.llama_forward``)."""
+        B, T = tokens_BT.shape
+        offsets_T = torch.arange(T) if depth_T is None else depth_T.to(torch.long).cpu()
+        positions_M = (start_B[:, None] + offsets_T[None, :]).reshape(-1)
+        x_MD = self.embed_tokens.weight[tokens_BT.reshape(-1)].contiguous()
+        capture = [i for i in layers if i in self.aux_layers] if aux_out is not None else []
+        cache = self.cache
+        outs = self._native.forward(
+            x_MD,
+            start_B,
+            self._cos[positions_M],
+            self._sin[positions_M],
+            cache.k_NBHLD,
+            cache.v_NBHLD,
+            tree_mask_TT,
+            list(layers),
+            capture,
+        )
+        for i, out in zip(capture, outs, strict=True):
+            aux_out[i] = out.view(B, T, -1)
+        return x_MD.view(B, T, -1)
 
     def _layer(self, i, x_BTD, cos_BT1E, sin_BT1E, start_B, uniform, num_slots, mask) -> torch.Tensor:
         c, layer, cache = self.config, self.layers[i], self.cache
@@ -493,3 +482,46 @@ class LlamaTarget:
                 )
             hidden_BTD = hidden_BTD.gather(1, idx[:, :, None].expand(-1, -1, hidden_BTD.shape[-1]))
         return self._head(hidden_BTD)
+
+
+def _packed_cache(
+    path: Path, source: Path | None, weights: str, opts: dict[str, Any]
+) -> tuple[Path | None, str]:
+    """Where the packed weights of a checkpoint are cached, and the key that must match (None: not
+    cached, for backends other than ``packed``). The key names the source files (size and time),
+    the weight format, the ISA path and the kernel's source."""
+    import hashlib
+
+    from kernels.native import cache_root, cpu_isa
+    from kernels.packed_gemm import source_digest
+    from specdec.targets.llama_weights import INT4_GROUP_SIZE
+
+    if resolve_backend(opts.get("linear_backend", "auto"), opts.get("device", "cpu")) != "packed":
+        return None, ""
+    files = [source] if source is not None else sorted(path.glob("*.safetensors"))
+    stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    isa = cpu_isa()
+    key = hashlib.sha256(repr((stamp, weights, isa, INT4_GROUP_SIZE, source_digest())).encode())
+    digest = key.hexdigest()[:16]
+    return cache_root() / "packed" / f"{path.name}-{weights}-{isa}-{digest}.safetensors", digest
+
+
+def _native_decoder(weights: ModelWeights, config: LlamaConfig) -> NativeDecoder | None:
+    """The native forward over the packed weights (None when it does not build here)."""
+    if not native_forward_available():
+        return None
+
+    def spec(lin: Any) -> LinearSpec:
+        return LinearSpec(lin.packed_weight, lin.bias_O, lin.norm_weight_I, lin.norm_eps, lin.swiglu)
+
+    layers = [
+        LayerSpec(spec(ly.qkv), spec(ly.o), spec(ly.gate_up), spec(ly.down), ly.qk_norm)
+        for ly in weights.layers
+    ]
+    return NativeDecoder(
+        layers,
+        heads=config.num_heads,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        eps=config.rms_norm_eps,
+    )

@@ -104,20 +104,33 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
-    """A local directory holding a transformers checkpoint for ``name_or_path``."""
+def gguf_source(name_or_path: str | os.PathLike) -> Path | None:
+    """The GGUF file a model comes as: a built-in name's, a ``.gguf`` path itself; None for a
+    checkpoint directory."""
     name = str(name_or_path)
     if name in BUILTIN_MODELS:
-        out = cache_dir() / name
+        return _gguf_path(BUILTIN_MODELS[name])
+    path = Path(name).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
+    """A local directory holding a transformers checkpoint for ``name_or_path`` (a GGUF model is
+    converted once into the cache: its config, tokenizer and float32 weights)."""
+    name = str(name_or_path)
+    source = gguf_source(name)
+    if source is not None:
+        stat = source.stat()
+        out = cache_dir() / (name if name in BUILTIN_MODELS else f"gguf-{source.stem}-{stat.st_size}")
         if not (out / "model.safetensors").is_file():
-            _convert_gguf(_gguf_path(BUILTIN_MODELS[name]), out)
+            _convert_gguf(source, out)
         return out
     path = Path(name).expanduser()
     if path.is_dir():
         return path
     raise ValueError(
-        f"target {name!r} is neither a built-in model name ({', '.join(BUILTIN_MODELS)}) nor a local "
-        "checkpoint directory (nothing is downloaded from a hub)"
+        f"target {name!r} is neither a built-in model name ({', '.join(BUILTIN_MODELS)}), a .gguf file nor a "
+        "local checkpoint directory (nothing is downloaded from a hub)"
     )
 
 

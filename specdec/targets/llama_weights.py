@@ -1,0 +1,307 @@
+"""The native target's weights: a checkpoint's tensors, fused and packed in the chosen weight format.
+
+Legend: D model dim, V vocabulary, H query heads, J key/value heads, E head dim.
+
+Weight formats (``weights=`` on :func:`specdec.targets.load_target`, ``--weights`` on the CLI):
+
+- ``fp32``: the checkpoint's weights in float32;
+- ``bf16``: the linear layers in bfloat16 (half the bytes; outputs change slightly);
+- ``gguf``: the GGUF file's own tensors (``Q4_0`` / ``Q4_1`` / ``Q8_0``), kept quantised and
+  dequantised in registers: the same function as the float32 model dequantised from that file, which
+  is what ``transformers`` loads, up to float accumulation order;
+- ``int8``: every linear layer and the LM head quantised per output channel to int8;
+- ``int4``: every linear layer and the LM head quantised to int4 in groups of 32 inputs, with
+  scales and zero points.
+
+The layers fuse q|k|v and gate|up into one product each (quantised rows concatenate as they are).
+The embedding lookup always reads a float32 copy (dequantised once for ``gguf``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels.quant import QuantizedRows, quantize_int4, quantize_int8
+from specdec.targets.linear import PackedLinear, pack_linear
+from specdec.targets.llama_config import LlamaConfig
+
+__all__ = [
+    "WEIGHT_MODES",
+    "INT4_GROUP_SIZE",
+    "LayerWeights",
+    "ModelWeights",
+    "build_weights",
+    "save_packed",
+    "load_packed",
+    "requantized",
+]
+
+WEIGHT_MODES = ("fp32", "bf16", "gguf", "int8", "int4")
+INT4_GROUP_SIZE = 32
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights, fused for the hot loop (``PackedLinear`` = norm → linear → + residual)."""
+
+    qkv: PackedLinear  # RMSNorm(input_layernorm), then D -> (H + 2J)·E
+    qk_norm: torch.Tensor | None  # [H + J, E] (Qwen3), else None
+    o: PackedLinear  # H·E -> D, + residual
+    gate_up: PackedLinear  # RMSNorm(post_attention_layernorm), then D -> 2F
+    down: PackedLinear  # silu(gate)·up, then F -> D, + residual
+
+
+@dataclass
+class ModelWeights:
+    """Every layer, the float32 embedding and final norm, and the LM head (float32 or quantised)."""
+
+    layers: list[LayerWeights]
+    embed_VD: torch.Tensor
+    norm_D: torch.Tensor
+    head_weight: Any  # float32 [V, D], QuantizedRows or PackedWeight
+    head: PackedLinear  # final norm + LM head
+    tied: bool  # the LM head is the embedding
+
+    def head_VD(self) -> torch.Tensor:
+        """The LM head as float32 ``[V, D]`` (the embedding itself when tied)."""
+        if self.tied:
+            return self.embed_VD
+        w = self.head_weight
+        return w.float() if isinstance(w, torch.Tensor) else w.dequantize()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one single-token forward streams (every layer's products and the head)."""
+        lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(lin.nbytes for lin in lins) + self.head.nbytes
+
+
+class _State:
+    """Takes tensors out of a checkpoint state by name, converting formats as the mode asks."""
+
+    def __init__(self, state: dict[str, Any], weights: str, device: torch.device) -> None:
+        if weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+        self.state, self.weights, self.device = dict(state), weights, device
+        quantised = [k for k, v in self.state.items() if isinstance(v, QuantizedRows)]
+        if quantised and weights != "gguf":
+            raise ValueError(
+                f"the state holds quantised GGUF tensors (e.g. {quantised[0]!r}); load it with weights='gguf'"
+            )
+
+    def float(self, key: str) -> torch.Tensor:
+        value = self.state.pop(key)
+        if isinstance(value, QuantizedRows):
+            value = value.dequantize()
+        return value.to(device=self.device, dtype=torch.float32).contiguous()
+
+    def maybe(self, key: str, wanted: bool) -> torch.Tensor | None:
+        return self.float(key) if wanted else None
+
+    def matrix(self, *keys: str) -> torch.Tensor | QuantizedRows:
+        """The rows of ``keys`` stacked (one fused product), in the mode's format."""
+        parts = [self.state.pop(k) for k in keys]
+        if all(isinstance(p, QuantizedRows) for p in parts):
+            return QuantizedRows.cat(parts)
+        if any(isinstance(p, QuantizedRows) for p in parts):
+            raise ValueError(f"{keys}: some of these GGUF tensors are quantised and some are not")
+        w = torch.cat([p.to(device=self.device, dtype=torch.float32) for p in parts])
+        return self.quantise(w)
+
+    def quantise(self, w: torch.Tensor | QuantizedRows) -> torch.Tensor | QuantizedRows:
+        if isinstance(w, QuantizedRows) or self.weights not in ("int8", "int4"):
+            return w
+        return quantize_int8(w) if self.weights == "int8" else quantize_int4(w, INT4_GROUP_SIZE)
+
+
+def build_weights(
+    config: LlamaConfig, state: dict[str, Any], *, weights: str, backend: str, device: torch.device
+) -> ModelWeights:
+    """Fuse and pack a checkpoint's tensors (``ValueError`` naming a missing or unused one)."""
+    c, s = config, _State(state, weights, device)
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    pack = lambda w, b=None, **kw: pack_linear(w, b, backend=backend, dtype=dtype, **kw)
+    eps = c.rms_norm_eps
+    try:
+        embed = s.float("model.embed_tokens.weight")
+        layers = []
+        for i in range(c.num_layers):
+            p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            qkv_b = torch.cat([s.float(a + f"{n}_proj.bias") for n in "qkv"]) if c.qkv_bias else None
+            qk_norm = None
+            if c.qk_norm:
+                qn, kn = s.float(a + "q_norm.weight"), s.float(a + "k_norm.weight")
+                qk_norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)])
+            gate_up_b = (
+                torch.cat([s.float(m + "gate_proj.bias"), s.float(m + "up_proj.bias")])
+                if c.mlp_bias
+                else None
+            )
+            layers.append(
+                LayerWeights(
+                    qkv=pack(
+                        s.matrix(*(a + f"{n}_proj.weight" for n in "qkv")),
+                        qkv_b,
+                        norm_weight_I=s.float(p + "input_layernorm.weight"),
+                        norm_eps=eps,
+                    ),
+                    qk_norm=qk_norm,
+                    o=pack(s.matrix(a + "o_proj.weight"), s.maybe(a + "o_proj.bias", c.o_bias)),
+                    gate_up=pack(
+                        s.matrix(m + "gate_proj.weight", m + "up_proj.weight"),
+                        gate_up_b,
+                        norm_weight_I=s.float(p + "post_attention_layernorm.weight"),
+                        norm_eps=eps,
+                    ),
+                    down=pack(
+                        s.matrix(m + "down_proj.weight"),
+                        s.maybe(m + "down_proj.bias", c.mlp_bias),
+                        swiglu=True,
+                    ),
+                )
+            )
+        norm_w = s.float("model.norm.weight")
+        tied = "lm_head.weight" not in s.state
+        if not tied:
+            head_w = s.matrix("lm_head.weight")
+        elif c.tie_word_embeddings:
+            head_w = s.quantise(state["model.embed_tokens.weight"] if weights == "gguf" else embed)
+        else:
+            raise KeyError("lm_head.weight")
+    except KeyError as e:
+        raise ValueError(f"checkpoint is missing weight {e.args[0]!r} for a {c.model_type} model") from None
+    leftover = [k for k in s.state if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise ValueError(
+            f"checkpoint has {len(leftover)} weights the native {c.model_type} target does not use "
+            f"(e.g. {leftover[:3]}); use the 'hf' target backend"
+        )
+    if tuple(embed.shape) != (c.vocab_size, c.hidden_size) or tuple(head_w.shape) != (
+        c.vocab_size,
+        c.hidden_size,
+    ):
+        raise ValueError(f"embedding/LM head shapes {tuple(embed.shape)}/{tuple(head_w.shape)} != config")
+    head = pack(head_w, norm_weight_I=norm_w, norm_eps=eps)
+    return ModelWeights(layers, embed, norm_w, head_w, head, tied)
+
+
+# --- a cache of packed weights ----------------------------------------------------------------------
+_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def _linear_record(prefix: str, lin: PackedLinear, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    w = lin.packed_weight
+    tensors[prefix + ".data"] = w.data
+    for name in ("bias_O", "norm_weight_I"):
+        if getattr(lin, name) is not None:
+            tensors[f"{prefix}.{name}"] = getattr(lin, name)
+    return {
+        "fmt": w.fmt,
+        "O": w.out_features,
+        "I": w.in_features,
+        "G": w.group_size,
+        "isa": w.isa,
+        "eps": lin.norm_eps,
+        "swiglu": lin.swiglu,
+    }
+
+
+def save_packed(weights: ModelWeights, path: Any, key: str) -> None:
+    """Write the packed weights (``packed`` backend only) to a safetensors file (atomically)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {"embed_VD": weights.embed_VD, "norm_D": weights.norm_D}
+    meta: dict[str, Any] = {
+        "head": _linear_record("head", weights.head, tensors),
+        "layers": [],
+        "tied": weights.tied,
+    }
+    for i, layer in enumerate(weights.layers):
+        meta["layers"].append({n: _linear_record(f"L{i}.{n}", getattr(layer, n), tensors) for n in _LINEARS})
+        if layer.qk_norm is not None:
+            tensors[f"L{i}.qk_norm"] = layer.qk_norm
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(
+        {k: v.clone() for k, v in tensors.items()},  # clones: shared storage (a tied norm) saves apart
+        tmp,
+        metadata={"key": key, "layout": json.dumps(meta)},
+    )
+    os.replace(tmp, path)
+
+
+def load_packed(path: Any, key: str) -> ModelWeights | None:
+    """The weights :func:`save_packed` wrote under ``key`` (None when the file is missing or stale)."""
+    import json
+
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    from kernels.packed_gemm import PackedWeight
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("key") != key:
+                return None
+            meta = json.loads(f.metadata()["layout"])
+        t = load_file(str(path))
+    except (OSError, SafetensorError, ValueError, KeyError):
+        return None
+
+    def linear(prefix: str, r: dict[str, Any]) -> PackedLinear:
+        w = PackedWeight(r["fmt"], r["O"], r["I"], r["G"], r["isa"], t[prefix + ".data"])
+        return PackedLinear(
+            w,
+            t.get(prefix + ".bias_O"),
+            "packed",
+            norm_weight_I=t.get(prefix + ".norm_weight_I"),
+            norm_eps=r["eps"],
+            swiglu=r["swiglu"],
+        )
+
+    layers = [
+        LayerWeights(qk_norm=t.get(f"L{i}.qk_norm"), **{n: linear(f"L{i}.{n}", rec[n]) for n in _LINEARS})
+        for i, rec in enumerate(meta["layers"])
+    ]
+    head = linear("head", meta["head"])
+    return ModelWeights(layers, t["embed_VD"], t["norm_D"], head.packed_weight, head, meta["tied"])
+
+
+def requantized(weights: ModelWeights, mode: str, *, backend: str) -> ModelWeights:
+    """A copy of float weights in another format (``int8`` or ``int4``): every product's weight
+    dequantised to float32 and quantised again; the embedding and norms are shared."""
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"mode must be 'int8' or 'int4', got {mode!r}")
+
+    def copy(lin: PackedLinear) -> PackedLinear:
+        w = lin.packed_weight.dequantize() if hasattr(lin, "packed_weight") else lin.weight_float()
+        q = quantize_int8(w) if mode == "int8" else quantize_int4(w, INT4_GROUP_SIZE)
+        return pack_linear(
+            q,
+            lin.bias_O,
+            backend=backend,
+            norm_weight_I=lin.norm_weight_I,
+            norm_eps=lin.norm_eps,
+            swiglu=lin.swiglu,
+        )
+
+    layers = [
+        LayerWeights(
+            qkv=copy(ly.qkv), qk_norm=ly.qk_norm, o=copy(ly.o), gate_up=copy(ly.gate_up), down=copy(ly.down)
+        )
+        for ly in weights.layers
+    ]
+    head = copy(weights.head)
+    return ModelWeights(
+        layers,
+        weights.embed_VD,
+        weights.norm_D,
+        head.packed_weight if hasattr(head, "packed_weight") else weights.head_weight,
+        head,
+        weights.tied,
+    )
