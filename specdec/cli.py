@@ -176,11 +176,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="target dtype (default: the target's, fp32)",
     )
     p.add_argument(
-        "--weights",
-        default=None,
-        help="target weight format: fp32 | bf16 | gguf | int8 | int4 (default: auto)",
-    )
-    p.add_argument(
         "--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)"
     )
     p.add_argument(

@@ -12,33 +12,43 @@ What makes it fast on a CPU, compared with ``transformers``:
 - the hot loop calls functional ops on plain tensors (no module dispatch, no hooks, no dynamic
   cache objects), and grouped-query attention runs as one attention per key/value head with the G
   query heads stacked as rows, so keys and values are never repeated;
-- the linear layers' weights are stored in the layout the CPU's matrix-vector product reads
-  fastest (see ``specdec.targets.linear``).
+- the linear layers' weights are packed in the layout the CPU kernel streams fastest, in the chosen
+  format (``weights=``: ``fp32 | bf16 | gguf | int8 | int4``, see ``specdec.targets.llama_weights``),
+  quantised ones dequantised in registers;
+- on a CPU, a block of up to ``kernels.llama_forward.MAX_BLOCK`` tokens runs the whole decoder in one
+  C call (``kernels/csrc/llama_forward.c``); longer blocks (prefill) take the PyTorch path below,
+  which is also the reference the native one is tested against.
 
-The fp32 output equals ``transformers``' up to float rounding (tests check 1e-4 on logits and
-token-for-token greedy equality on SmolLM2). ``dtype=torch.bfloat16`` stores the linear layers'
-weights in bfloat16 (half the bytes to stream; activations, norms and the KV cache stay float32):
-an opt-in that changes outputs slightly. Tree attention (SpecInfer, arXiv 2305.09781) is
-supported through ``tree_mask_TT`` / ``depth_T`` and :meth:`LlamaTarget.copy_slots`.
+With ``fp32`` or ``gguf`` weights the output equals ``transformers``' on the same (dequantised)
+weights up to float accumulation order (tests check logits and token-for-token greedy equality on
+SmolLM2). ``bf16`` / ``int8`` / ``int4`` change outputs slightly. Tree attention (SpecInfer, arXiv
+2305.09781) is supported through ``tree_mask_TT`` / ``depth_T`` and :meth:`LlamaTarget.copy_slots`.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kernels.llama_forward import MAX_BLOCK, LayerSpec, LinearSpec, NativeDecoder, native_forward_available
+from kernels.llama_forward import MAX_BLOCK
 from specdec.protocols import TargetOutput, TargetParts
 from specdec.targets.capture import check_layer_indices
 from specdec.targets.kv_cache import StaticKVCache, block_attention_mask
 from specdec.targets.linear import resolve_backend
 from specdec.targets.llama_config import LlamaConfig, load_safetensors_state
-from specdec.targets.llama_weights import WEIGHT_MODES, ModelWeights, build_weights, load_packed, save_packed
+from specdec.targets.llama_weights import (
+    WEIGHT_MODES,
+    ModelWeights,
+    build_weights,
+    load_packed,
+    native_decoder,
+    packed_cache_path,
+    save_packed,
+)
 from specdec.targets.rmsnorm import RMSNorm
 from specdec.targets.rope import apply_rope_flipped, flip_sin, rope_cos_sin_table, rope_inv_freq
 
@@ -57,8 +67,8 @@ class LlamaTarget:
     :meth:`forward_layers` (a sub-network, for self-speculation). Extras beyond the protocol:
     tree attention in :meth:`forward` and :meth:`copy_slots`.
 
-    ``dtype``: storage of the linear layers' weights (float32 default; bfloat16 halves the bytes to
-    stream and changes outputs slightly). ``linear_backend``: see :mod:`specdec.targets.linear`.
+    ``weights``: the weight format (``WEIGHT_MODES``); ``dtype=torch.bfloat16`` is the older spelling
+    of ``weights="bf16"``. ``linear_backend``: see :mod:`specdec.targets.linear`.
     """
 
     def __init__(
@@ -103,7 +113,7 @@ class LlamaTarget:
         self.norm = RMSNorm(w.norm_D, config.rms_norm_eps)
         self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
         self.lm_head.weight = torch.nn.Parameter(w.head_VD(), requires_grad=False)  # shared when tied
-        self._native = _native_decoder(w, config) if self.linear_backend == "packed" else None
+        self._native = native_decoder(w, config) if self.linear_backend == "packed" else None
         self._inv_freq = rope_inv_freq(config.head_dim, config.rope_parameters).to(self.device)
         self._cos = self._sin = None
 
@@ -124,10 +134,14 @@ class LlamaTarget:
         ``opts``: ``device``, ``linear_backend`` (see ``specdec.targets.linear``), ``load_tokenizer``
         (default True).
         """
-        from transformers import GenerationConfig
-
         from specdec.targets.gguf import load_gguf_state
-        from specdec.targets.loading import gguf_source, load_hf_config, load_tokenizer, resolve_checkpoint
+        from specdec.targets.loading import (
+            gguf_source,
+            load_eos_token_ids,
+            load_hf_config,
+            load_tokenizer,
+            resolve_checkpoint,
+        )
 
         with_tokenizer = opts.pop("load_tokenizer", True)
         path = resolve_checkpoint(name_or_path)
@@ -137,23 +151,15 @@ class LlamaTarget:
             weights = "gguf" if source is not None else ("bf16" if dtype == torch.bfloat16 else "fp32")
         if weights == "gguf" and source is None:
             raise ValueError(f"weights='gguf' needs a GGUF file; {name_or_path} is a safetensors checkpoint")
-        cache, key = _packed_cache(path, source if weights == "gguf" else None, weights, opts)
+        backend = resolve_backend(opts.get("linear_backend", "auto"), opts.get("device", "cpu"))
+        cache, key = packed_cache_path(path, source if weights == "gguf" else None, weights, backend)
         state: Any = None if cache is None else load_packed(cache, key)
         if state is None and weights == "gguf":
             heads = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
             state = load_gguf_state(source, model_type=config.model_type, **heads)
         elif state is None:
             state = load_safetensors_state(path)
-        eos: Any = None
-        if (path / "generation_config.json").is_file():
-            eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
-        if eos is None:
-            eos = getattr(hf_config, "eos_token_id", None)
-        eos_ids = (
-            tuple(int(e) for e in eos)
-            if isinstance(eos, (list, tuple))
-            else ((int(eos),) if eos is not None else ())
-        )
+        eos_ids = load_eos_token_ids(path, hf_config)
         tokenizer = load_tokenizer(path) if with_tokenizer else None
         target = cls(
             config, state, weights=weights, dtype=dtype, tokenizer=tokenizer, eos_token_ids=eos_ids, **opts
@@ -482,46 +488,3 @@ class LlamaTarget:
                 )
             hidden_BTD = hidden_BTD.gather(1, idx[:, :, None].expand(-1, -1, hidden_BTD.shape[-1]))
         return self._head(hidden_BTD)
-
-
-def _packed_cache(
-    path: Path, source: Path | None, weights: str, opts: dict[str, Any]
-) -> tuple[Path | None, str]:
-    """Where the packed weights of a checkpoint are cached, and the key that must match (None: not
-    cached, for backends other than ``packed``). The key names the source files (size and time),
-    the weight format, the ISA path and the kernel's source."""
-    import hashlib
-
-    from kernels.native import cache_root, cpu_isa
-    from kernels.packed_gemm import source_digest
-    from specdec.targets.llama_weights import INT4_GROUP_SIZE
-
-    if resolve_backend(opts.get("linear_backend", "auto"), opts.get("device", "cpu")) != "packed":
-        return None, ""
-    files = [source] if source is not None else sorted(path.glob("*.safetensors"))
-    stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    isa = cpu_isa()
-    key = hashlib.sha256(repr((stamp, weights, isa, INT4_GROUP_SIZE, source_digest())).encode())
-    digest = key.hexdigest()[:16]
-    return cache_root() / "packed" / f"{path.name}-{weights}-{isa}-{digest}.safetensors", digest
-
-
-def _native_decoder(weights: ModelWeights, config: LlamaConfig) -> NativeDecoder | None:
-    """The native forward over the packed weights (None when it does not build here)."""
-    if not native_forward_available():
-        return None
-
-    def spec(lin: Any) -> LinearSpec:
-        return LinearSpec(lin.packed_weight, lin.bias_O, lin.norm_weight_I, lin.norm_eps, lin.swiglu)
-
-    layers = [
-        LayerSpec(spec(ly.qkv), spec(ly.o), spec(ly.gate_up), spec(ly.down), ly.qk_norm)
-        for ly in weights.layers
-    ]
-    return NativeDecoder(
-        layers,
-        heads=config.num_heads,
-        kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        eps=config.rms_norm_eps,
-    )

@@ -20,10 +20,12 @@ The embedding lookup always reads a float32 copy (dequantised once for ``gguf``)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from kernels.llama_forward import LayerSpec, LinearSpec, NativeDecoder, native_forward_available
 from kernels.quant import QuantizedRows, quantize_int4, quantize_int8
 from specdec.targets.linear import PackedLinear, pack_linear
 from specdec.targets.llama_config import LlamaConfig
@@ -37,6 +39,8 @@ __all__ = [
     "save_packed",
     "load_packed",
     "requantized",
+    "packed_cache_path",
+    "native_decoder",
 ]
 
 WEIGHT_MODES = ("fp32", "bf16", "gguf", "int8", "int4")
@@ -304,4 +308,44 @@ def requantized(weights: ModelWeights, mode: str, *, backend: str) -> ModelWeigh
         head.packed_weight if hasattr(head, "packed_weight") else weights.head_weight,
         head,
         weights.tied,
+    )
+
+
+def packed_cache_path(path: Path, source: Path | None, weights: str, backend: str) -> tuple[Path | None, str]:
+    """Where the packed weights of a checkpoint are cached, and the key that must match (None: not
+    cached: a linear backend other than ``packed``). The key names the source files (size and time),
+    the weight format, the ISA path and the kernel's source."""
+    import hashlib
+
+    from kernels.native import cache_root, cpu_isa
+    from kernels.packed_gemm import source_digest
+
+    if backend != "packed":
+        return None, ""
+    files = [source] if source is not None else sorted(path.glob("*.safetensors"))
+    stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    isa = cpu_isa()
+    key = hashlib.sha256(repr((stamp, weights, isa, INT4_GROUP_SIZE, source_digest())).encode())
+    digest = key.hexdigest()[:16]
+    return cache_root() / "packed" / f"{path.name}-{weights}-{isa}-{digest}.safetensors", digest
+
+
+def native_decoder(weights: ModelWeights, config: LlamaConfig) -> NativeDecoder | None:
+    """The native forward over the packed weights (None when it does not build here)."""
+    if not native_forward_available():
+        return None
+
+    def spec(lin: Any) -> LinearSpec:
+        return LinearSpec(lin.packed_weight, lin.bias_O, lin.norm_weight_I, lin.norm_eps, lin.swiglu)
+
+    layers = [
+        LayerSpec(spec(ly.qkv), spec(ly.o), spec(ly.gate_up), spec(ly.down), ly.qk_norm)
+        for ly in weights.layers
+    ]
+    return NativeDecoder(
+        layers,
+        heads=config.num_heads,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        eps=config.rms_norm_eps,
     )

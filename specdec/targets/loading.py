@@ -20,6 +20,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +33,8 @@ __all__ = [
     "load_hf_config",
     "load_hf_model",
     "load_tokenizer",
+    "load_eos_token_ids",
+    "gguf_source",
 ]
 
 
@@ -177,3 +180,17 @@ def load_hf_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+def load_eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
+    """End-of-sequence ids of a checkpoint: ``generation_config.json``'s, else its config's."""
+    from transformers import GenerationConfig
+
+    eos: Any = None
+    if (path / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        return tuple(int(e) for e in eos)
+    return (int(eos),) if eos is not None else ()
