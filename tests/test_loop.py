@@ -434,29 +434,25 @@ def test_run_metrics_are_consistent(toy):
 
 # --- the real model ------------------------------------------------------------------------------------
 
-SMOL_PROMPTS = [
-    "def fibonacci(n):\n",
-    "The capital of France is",
-    "<|im_start|>user\nList three fruits.<|im_end|>\n<|im_start|>assistant\n",
-]
 SMOL_TOKENS = 32
+SMOL_EOS_PROMPT = "<|im_start|>user\nList three fruits.<|im_end|>\n<|im_start|>assistant\n"
+"""A chat turn whose greedy answer ends (EOS) within SMOL_TOKENS: stopping is compared too."""
 
 
 @pytest.fixture(scope="module")
-def smollm():
-    """(transformers model, tokenizer, our default target for it, transformers' greedy outputs)."""
-    from specdec.targets.loading import load_hf_model, load_tokenizer
-
-    model, tokenizer = load_hf_model("smollm2-135m"), load_tokenizer("smollm2-135m")
-    prompts = [tokenizer(t).input_ids for t in SMOL_PROMPTS]
-    refs = [hf_greedy(model, ids, SMOL_TOKENS) for ids in prompts]
-    return model, tokenizer, specdec.load_target("smollm2-135m"), prompts, refs
+def smollm(smollm2_greedy):
+    """(tokenizer, our default target for it, prompts, transformers' greedy outputs)."""
+    ref = smollm2_greedy
+    prompts = ref.prompts()[:2] + [ref.tokenizer(SMOL_EOS_PROMPT).input_ids]
+    refs = [ref(ids, SMOL_TOKENS) for ids in prompts]
+    assert ref.eos in refs[-1], "the chat prompt must reach EOS"
+    return ref.tokenizer, specdec.load_target("smollm2-135m"), prompts, refs
 
 
 @pytest.mark.model
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model", "layerskip"])
 def test_smollm2_greedy_equals_transformers(smollm, drafter, tmp_path):
-    model, tokenizer, target, prompts, refs = smollm
+    tokenizer, target, prompts, refs = smollm
     if drafter not in specdec.DRAFTERS:
         pytest.skip(f"drafter {drafter!r} is not registered")
     options = {}
@@ -480,7 +476,7 @@ def test_smollm2_greedy_equals_transformers(smollm, drafter, tmp_path):
 @pytest.mark.model
 def test_smollm2_model_drafter_self_and_batch(smollm):
     """The target checkpoint as its own draft model (α = 1), on a ragged batch."""
-    model, tokenizer, target, prompts, refs = smollm
+    tokenizer, target, prompts, refs = smollm
     draft = specdec.load_target("smollm2-135m")  # same weights, its own cache
     out = specdec.generate(
         target,

@@ -42,6 +42,17 @@ def test_every_format_on_every_isa_path_equals_the_dequantised_product(isa, fmt,
         _close(got, x_MI.double() @ packed.dequantize().double().T)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "q4"])
+def test_threads_split_the_blocks_without_changing_a_bit(fmt):
+    """Each output block is computed by one thread, so any thread count gives the same floats."""
+    gen = torch.Generator().manual_seed(3)
+    packed = _packed(fmt, torch.randn(200, 96, generator=gen), cpu_isa())
+    x_MI = torch.randn(7, 96, generator=gen)
+    one = pg.packed_linear(x_MI, packed, threads=1)
+    for threads in (2, 3, 64):
+        assert torch.equal(pg.packed_linear(x_MI, packed, threads=threads), one)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["f32", "q4"])
 @pytest.mark.parametrize("fused", ["bias+residual", "norm", "swiglu"])

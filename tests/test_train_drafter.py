@@ -76,7 +76,24 @@ def _run(tmp_path, name: str, cfg: TrainConfig, log=lambda s: None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def shared_model(smollm2_greedy):
+    """Every run of this module loads SmolLM2 for its embedding and LM head: load it once."""
+    from specdec.targets import loading
+
+    real = loading.load_hf_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            loading,
+            "load_hf_model",
+            lambda name, **kw: (
+                smollm2_greedy.model if name == "smollm2-135m" and not kw else real(name, **kw)
+            ),
+        )
+        yield
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, shared_model):
     tmp_path = tmp_path_factory.mktemp("recipe")
     cfg = TrainConfig(  # with EAGLE-3's fused input: the recipe's fullest path
         steps=20,
@@ -87,6 +104,7 @@ def runs(tmp_path_factory):
         eval_every=10,
         ckpt_every=4,
         aux_layers=(1, 14),
+        autocast_bf16=False,  # PyTorch's CPU bf16 GEMM without AVX512-BF16 is its slow reference path
     )
     _fake_cache(tmp_path / "data", cfg.data, cfg.aux_layers)
     summaries = {"straight": _run(tmp_path, "straight", cfg), "again": _run(tmp_path, "again", cfg)}

@@ -27,12 +27,14 @@ SmolLM2). ``bf16`` / ``int8`` / ``int4`` change outputs slightly. Tree attention
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from filelock import FileLock
 
 from kernels.llama_forward import MAX_BLOCK
 from specdec.protocols import TargetOutput, TargetParts
@@ -153,20 +155,22 @@ class LlamaTarget:
             raise ValueError(f"weights='gguf' needs a GGUF file; {name_or_path} is a safetensors checkpoint")
         backend = resolve_backend(opts.get("linear_backend", "auto"), opts.get("device", "cpu"))
         cache, key = packed_cache_path(path, source if weights == "gguf" else None, weights, backend)
-        state: Any = None if cache is None else load_packed(cache, key)
-        if state is None and weights == "gguf":
-            heads = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
-            state = load_gguf_state(source, model_type=config.model_type, **heads)
-        elif state is None:
-            state = load_safetensors_state(path)
         eos_ids = load_eos_token_ids(path, hf_config)
         tokenizer = load_tokenizer(path) if with_tokenizer else None
-        target = cls(
-            config, state, weights=weights, dtype=dtype, tokenizer=tokenizer, eos_token_ids=eos_ids, **opts
-        )
-        if cache is not None and not isinstance(state, ModelWeights):
+        if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            save_packed(target.packed_weights, cache, key)
+        # One process packs a checkpoint; others wait for its cache instead of packing it too.
+        with FileLock(str(cache) + ".lock") if cache is not None else contextlib.nullcontext():
+            state: Any = None if cache is None else load_packed(cache, key)
+            if state is None and weights == "gguf":
+                heads = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
+                state = load_gguf_state(source, model_type=config.model_type, **heads)
+            elif state is None:
+                state = load_safetensors_state(path)
+            extra = {"tokenizer": tokenizer, "eos_token_ids": eos_ids, **opts}
+            target = cls(config, state, weights=weights, dtype=dtype, **extra)
+            if cache is not None and not isinstance(state, ModelWeights):
+                save_packed(target.packed_weights, cache, key)
         return target
 
     # ------------------------------------------------------------------ Target protocol

@@ -99,9 +99,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "SOURCE").write_text(f"converted from {gguf}\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)  # atomic: a half-written cache is never picked up
+        try:
+            tmp.rename(out)  # atomic: a half-written cache is never picked up
+        except OSError:  # out exists: another process's finished cache (kept), or a broken leftover
+            if (out / "model.safetensors").is_file():
+                return
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -126,7 +130,12 @@ def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
         stat = source.stat()
         out = cache_dir() / (name if name in BUILTIN_MODELS else f"gguf-{source.stem}-{stat.st_size}")
         if not (out / "model.safetensors").is_file():
-            _convert_gguf(source, out)
+            from filelock import FileLock
+
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(out) + ".lock"):  # one process converts; the others wait and reuse it
+                if not (out / "model.safetensors").is_file():
+                    _convert_gguf(source, out)
         return out
     path = Path(name).expanduser()
     if path.is_dir():
