@@ -18,8 +18,7 @@ probabilities (full vocabulary, float32) are returned, so verification stays exa
 
 Without early-exit training (SmolLM2 has none) the exit layer's predictions are weak for small N,
 and each draft token still pays the full LM head (on SmolLM2 the head alone is ~1/5 of a target
-step), so N must be deep: see ``docs/targets.md`` for α and cost per N
-(``python -m specdec.targets.llama_bench --layerskip``).
+step), so N must be deep: see ``docs/targets.md`` for the exit layers' agreement with the target.
 """
 
 from __future__ import annotations
