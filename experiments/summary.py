@@ -40,6 +40,7 @@ __all__ = [
     "default_publish_dir",
     "publish_summary",
     "table_from_rows",
+    "series_from_rows",
 ]
 
 SCHEMA = "specdec.summary/1"
@@ -207,3 +208,17 @@ def table_from_rows(
         for i, (k, label, fmt) in enumerate(columns)
     )
     return Table(name=name, caption=caption, columns=cols, rows=tuple(rows))
+
+
+def series_from_rows(
+    rows: Sequence[Mapping[str, Any]],
+    x: str,
+    y: str,
+    *,
+    label: str,
+    style: str = "line+markers",
+    group: str | None = None,
+) -> Series:
+    """A figure curve from table rows: the points ``(row[x], row[y])`` of the rows where both are set."""
+    pts = [(r[x], r[y]) for r in rows if r.get(x) is not None and r.get(y) is not None]
+    return Series(label=label, x=[a for a, _ in pts], y=[b for _, b in pts], style=style, group=group)

@@ -153,3 +153,26 @@ def test_isa_selection_and_bad_input(monkeypatch):
         pg.pack_weight(torch.randn(2, 3), torch.float16)
     with pytest.raises(ValueError, match="out_features"):
         pg.packed_matmul(torch.randn(3, 6), w, 10_000)
+
+
+def test_every_isa_path_compiles_even_where_this_cpu_cannot_run_it(tmp_path):
+    """CI machines differ: the AVX-512 build must at least compile on an AVX2 machine (and vice versa)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from kernels.native import COMMON_FLAGS, LIBS
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    root = Path(pg.__file__).parent
+    sources = [root / "csrc" / "packed_gemm.c", root / "csrc" / "llama_forward.c"]
+    sources.append(root / "routing" / "csrc" / "moe_route_cpu.c")
+    for isa in sorted(set(ISA_FLAGS) - set(ISAS)):
+        for src in sources:
+            out = tmp_path / f"{src.stem}-{isa}.so"
+            cmd = [cc, *COMMON_FLAGS, *ISA_FLAGS[isa], str(src), *LIBS, "-o", str(out)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, f"{isa} {src.name}: {done.stderr[-2000:]}"
+            assert out.stat().st_size > 0

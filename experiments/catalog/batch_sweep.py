@@ -29,7 +29,7 @@ from experiments.config import validate_config
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
-from experiments.summary import Figure, Series, Summary, table_from_rows
+from experiments.summary import Figure, Series, Summary, series_from_rows, table_from_rows
 from experiments.sweep import Sweep
 
 __all__ = ["BATCH_SIZES", "BatchConfig", "plan", "run_batch", "crossover", "EXPERIMENT"]
@@ -173,25 +173,25 @@ def crossover(points: Sequence[tuple[int, float]]) -> float | None:
     return None
 
 
+def _row(rec: RunRecord) -> dict:
+    p, s = rec.result["plain"], rec.result["speculative"]
+    return {
+        "batch": rec.config.batch_size,
+        "plain_tps": p["decode_tokens_per_second"],
+        "spec_tps": s["decode_tokens_per_second"],
+        "speedup": rec.result["speedup"],
+        "tau": s["tau"],
+        "plain_p50": p["latency_p50_ms"],
+        "plain_p99": p["latency_p99_ms"],
+        "spec_p50": s["latency_p50_ms"],
+        "spec_p99": s["latency_p99_ms"],
+    }
+
+
 def summarize(records: Sequence[RunRecord]) -> Summary:
     """Table per batch size; throughput, latency and speedup figures; the crossover batch size."""
     records = sorted(records, key=lambda r: r.config.batch_size)
-    rows = []
-    for rec in records:
-        p, s = rec.result["plain"], rec.result["speculative"]
-        rows.append(
-            {
-                "batch": rec.config.batch_size,
-                "plain_tps": p["decode_tokens_per_second"],
-                "spec_tps": s["decode_tokens_per_second"],
-                "speedup": rec.result["speedup"],
-                "tau": s["tau"],
-                "plain_p50": p["latency_p50_ms"],
-                "plain_p99": p["latency_p99_ms"],
-                "spec_p50": s["latency_p50_ms"],
-                "spec_p99": s["latency_p99_ms"],
-            }
-        )
+    rows = [_row(rec) for rec in records]
     cross = crossover([(r["batch"], r["speedup"]) for r in rows if r["speedup"] is not None])
     cfg = records[0].config if records else BatchConfig()
     cross_tex = (
@@ -223,13 +223,22 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         ],
         rows,
     )
+    return Summary(
+        title="Throughput and latency under concurrency: where speculation stops paying",
+        tables=(table,),
+        figures=_figures(rows, sizes, cross_tex) if rows else (),
+        notes=f"crossover batch size: {cross}",
+        extra={"crossover_batch_size": cross},
+    )
+
+
+def _figures(rows: list[dict], sizes: str, cross_tex: str) -> tuple[Figure, ...]:
     batches = [r["batch"] for r in rows]
 
     def series(key: str, label: str, style: str, group: str) -> Series:
-        pts = [(r["batch"], r[key]) for r in rows if r[key] is not None]
-        return Series(label=label, x=[b for b, _ in pts], y=[v for _, v in pts], style=style, group=group)
+        return series_from_rows(rows, "batch", key, label=label, style=style, group=group)
 
-    figures = (
+    return (
         Figure(
             name="throughput",
             caption=f"Decode throughput against batch size, plain and speculative ({sizes}).",
@@ -266,13 +275,6 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
                 Series(label="break-even", x=batches, y=[1.0] * len(batches), style="dashed", group="plain"),
             ),
         ),
-    )
-    return Summary(
-        title="Throughput and latency under concurrency: where speculation stops paying",
-        tables=(table,),
-        figures=figures if rows else (),
-        notes=f"crossover batch size: {cross}",
-        extra={"crossover_batch_size": cross},
     )
 
 

@@ -19,8 +19,8 @@ counter, so they are packed on every call (correct, a little slower).
 The dW of the backward runs through the torch backend (MKL), dX through this forward.
 
 The inference expert loop (:func:`grouped_swiglu_onednn`, :func:`swiglu_blocks_onednn`) also uses the
-packed C kernel of ``kernels.packed_gemm`` where it measured faster (every down projection up to 1,024
-rows, gate/up up to 192 rows; see ``C_DOWN_MAX_ROWS`` / ``C_GATE_UP_MAX_ROWS``), with weights packed
+packed C kernel of ``kernels.packed_gemm`` where it measured faster (small products; the row limits
+depend on the kernel's ISA path, see ``C_MAX_ROWS``), with weights packed
 for it the same cached way. Each layout is packed on first use, so a layer that sees both small and
 large batches holds up to two packed copies of a weight besides the original;
 :func:`clear_packed_weights` drops them all.
@@ -34,6 +34,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from ..native import cpu_isa
 from ..packed_gemm import pack_weight, packed_gemm_available, packed_matmul
 from .torch_backend import _bounds
 
@@ -128,15 +129,27 @@ def grouped_gemm_onednn(x_MK: Tensor, w: Tensor, group_sizes_E: Tensor, trans_w:
 
 # Expert products that go to the packed C kernel instead of oneDNN (when it builds): the down
 # projection up to C_DOWN_MAX_ROWS rows (with the SwiGLU computed inside the kernel), the gate/up
-# projection up to C_GATE_UP_MAX_ROWS (past that the C kernel stops prefetching, and oneDNN is as
-# fast or faster). Measured on the 2-core AMD EPYC
-# dev VM, 8 experts' weights in turn, ms per expert (oneDNN / C): down [M, 1536] x [1536, 576]:
-# 0.067 / 0.048 at M = 8, 0.32 / 0.25 at 64, 0.56 / 0.49 at 131; gate/up [M, 576] x [576, 3072]:
-# 0.151 / 0.122 at M = 8, 0.55 / 0.52 at 64, 1.07 / 1.00 at 131. oneDNN pays a fixed cost for
-# streaming each fresh weight matrix that the C kernel's in-order, prefetched, once-per-call weight
-# stream avoids. A dense down projection [2048, 3072] x [3072, 576] was ~3 % faster on oneDNN.
-C_GATE_UP_MAX_ROWS = 192
-C_DOWN_MAX_ROWS = 1024
+# projection up to C_GATE_UP_MAX_ROWS; oneDNN past that. Per ISA path of the kernel:
+# - avx512 (2-core AMD EPYC with AVX-512, 8 experts' weights in turn, ms per expert, oneDNN / C):
+#   down [M, 1536] x [1536, 576]: 0.067 / 0.048 at M = 8, 0.32 / 0.25 at 64, 0.56 / 0.49 at 131;
+#   gate/up [M, 576] x [576, 3072]: 0.151 / 0.122 at M = 8, 0.55 / 0.52 at 64, 1.07 / 1.00 at 131
+#   (oneDNN pays a fixed cost per fresh weight matrix that the C kernel's prefetched stream avoids);
+# - avx2 (2-core AMD EPYC Zen 3): the C kernel's 7-row tiles are arithmetic-bound on many rows, so
+#   it keeps only small products: `python -m experiments.bench_moe --tokens 1,8,64,512,2048` gave
+#   99 / 109 GFLOP/s at T = 512 / 2048 with (32, 64) against 52 / 76 with the AVX-512 limits and
+#   92 / 110 with none on C, level at T <= 64.
+C_MAX_ROWS = {"avx512": (192, 1024), "avx2": (32, 64), "generic": (32, 64)}
+"""(gate/up, down) row limits for the packed C kernel, by ISA path."""
+
+
+def _c_max_rows() -> tuple[int, int]:
+    try:
+        return C_MAX_ROWS[cpu_isa()]
+    except ValueError:  # a bad SPECDEC_CPU_ISA: reported where a kernel is built, not at import
+        return C_MAX_ROWS["generic"]
+
+
+C_GATE_UP_MAX_ROWS, C_DOWN_MAX_ROWS = _c_max_rows()
 
 
 class _SwigluWeights:
