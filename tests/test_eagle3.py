@@ -287,6 +287,7 @@ def _tiny_build(monkeypatch, tiny3, prompts, *, tokenizer):
     )
 
 
+@pytest.mark.slow
 def test_build_dataset_writes_layer_features_from_the_feature_pass(tiny3, tmp_path, monkeypatch):
     """build_dataset(aux_layers=...) writes each new shard's layer features from the same forward as
     its features: bit for bit what build_aux_features adds in a second pass to a cache built

@@ -113,6 +113,7 @@ def test_bad_flags_exit_with_a_message(capsys):
         assert message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_run_then_summarize_from_the_command_line(tmp_path, capsys):
     out = tmp_path / "out"
     done = subprocess.run(

@@ -33,6 +33,7 @@ def test_wandb_mode_defaults_to_offline_without_a_key(monkeypatch):
     assert wandb_mode() == "disabled"
 
 
+@pytest.mark.slow
 def test_leviathan_table1_cli_writes_the_table_and_offline_wandb_runs(tmp_path):
     """The done-when command (with --smoke: same six table rows, coarser figure grid)."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}

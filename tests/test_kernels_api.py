@@ -223,6 +223,7 @@ def test_torch_compile_traces_the_whole_pipeline_without_graph_breaks():
 
 
 # --------------------------------------------------------------------------- import rules
+@pytest.mark.slow
 def test_kernels_imports_and_runs_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"

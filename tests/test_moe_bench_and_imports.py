@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from experiments import bench_moe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +57,7 @@ def test_moe_imports_only_the_public_kernels_api():
                 assert not name.startswith("kernels."), f"{path.name} imports private {name}"
 
 
+@pytest.mark.slow
 def test_importing_moe_does_not_import_triton():
     # (A forward with autograd may: torch's custom-op machinery imports torch._dynamo, which probes triton.)
     code = "import sys, moe; moe.MoE(8, 8, 4, 2); sys.exit('triton' in sys.modules)"

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 import moe
 from moe.parallel import expert_parallel, sync_gradients
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 4 gloo ranks, ~18 s
 
 WORLD = 4
 GROUPS = {"ep2": [0, 2], "ep3": [1, 2, 3], "ep4": [0, 1, 2, 3]}

@@ -155,6 +155,7 @@ def test_isa_selection_and_bad_input(monkeypatch):
         pg.packed_matmul(torch.randn(3, 6), w, 10_000)
 
 
+@pytest.mark.slow  # compiles the other paths' kernels: ~10 s
 def test_every_isa_path_compiles_even_where_this_cpu_cannot_run_it(tmp_path):
     """CI machines differ: the AVX-512 build must at least compile on an AVX2 machine (and vice versa)."""
     import shutil

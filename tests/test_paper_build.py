@@ -190,6 +190,7 @@ def test_pdf_step_is_skipped_cleanly_without_tex(tmp_path, monkeypatch):
     assert report.pdf_message.startswith("PDF: skipped (neither tectonic nor pdflatex is installed)")
 
 
+@pytest.mark.slow
 def test_cli_builds_from_the_committed_results(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "paper", "build", "--out", str(tmp_path), "--no-pdf"],

@@ -24,7 +24,8 @@ from experiments.train_drafter import (
     train,
 )
 
-pytestmark = pytest.mark.model  # the recipe loads the real SmolLM2-135M for its embedding and LM head
+# the recipe loads the real SmolLM2-135M for its embedding and LM head; five training runs: ~15 s
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 DIM, TOPK = 576, 8  # SmolLM2-135M's width; the top-k the cache stores
 
@@ -81,13 +82,12 @@ def shared_model(smollm2_greedy):
     from specdec.targets import loading
 
     real = loading.load_hf_model
+    model = smollm2_greedy.model  # loaded before the patch: its lazy load goes through load_hf_model
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(
             loading,
             "load_hf_model",
-            lambda name, **kw: (
-                smollm2_greedy.model if name == "smollm2-135m" and not kw else real(name, **kw)
-            ),
+            lambda name, **kw: model if name == "smollm2-135m" and not kw else real(name, **kw),
         )
         yield
 
