@@ -38,7 +38,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from experiments.config_cli import add_config_arguments, config_from_args
 from experiments.drafter_data import DataConfig, FeatureData, build_aux_features, build_dataset, load_dataset
 from specdec.drafters.eagle import (
+    Eagle3Head,
     EagleConfig,
     EagleHead,
     describe,
@@ -119,8 +120,20 @@ class TrainConfig:
     fine-tuning. The file's head must have this config's shape (aux layers, draft vocabulary size,
     prev_token_input); it keeps its draft vocabulary and input scales. The optimizer and schedule
     start afresh; the file's contents (sha256) are part of the checkpoint key."""
+    compat: str | None = None
+    """``"speculators"``: train a head that vLLM's speculators format and SGLang's can express
+    (``EagleConfig.layout="eagle3"``, :mod:`specdec.drafters.eagle.formats`): EAGLE-3's layer over
+    the outputs of ``aux_layers`` only (when left at the default: the engines' own default, the
+    residual entering layers 2, L/2 and L−3), no previous-token input, token loss only
+    (``prev_token_input`` False, ``reg_weight`` 0, ``feature_noise`` 0)."""
 
     def __post_init__(self) -> None:
+        if self.compat not in (None, "speculators"):
+            raise ValueError(f"TrainConfig.compat must be None or 'speculators', got {self.compat!r}")
+        if self.compat is not None:
+            object.__setattr__(self, "prev_token_input", False)
+            object.__setattr__(self, "reg_weight", 0.0)
+            object.__setattr__(self, "feature_noise", 0.0)
         for name in (
             "draft_vocab_size",
             "steps",
@@ -142,6 +155,18 @@ class TrainConfig:
                 "reg_weight and ce_weight must be >= 0 and not both 0, got "
                 f"{self.reg_weight}, {self.ce_weight}"
             )
+
+
+def resolve_compat(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with a ``compat`` preset's aux layers filled in: left at the default, they become the
+    serving engines' default for the target's L layers (vLLM and SGLang capture the residual
+    entering layers 2, L/2 and L−3: the outputs of layers 1, L/2−1 and L−4)."""
+    if cfg.compat is None or tuple(cfg.aux_layers) != TrainConfig.aux_layers:
+        return cfg
+    from specdec.targets.loading import load_hf_config
+
+    L = int(load_hf_config(cfg.data.target).num_hidden_layers)
+    return replace(cfg, aux_layers=(1, L // 2 - 1, L - 4))
 
 
 def build_draft_vocab(data: FeatureData, train_seqs: list[int], n: int) -> tuple[torch.Tensor, dict]:
@@ -277,7 +302,7 @@ def unrolled_features(
 def step1_input(head: EagleHead, feature_BTD: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The first draft step's input feature at the batch's first T positions: ``feature_BTD`` itself,
     or for an EAGLE-3 head fused with the batch's aux-layer outputs (:meth:`EagleHead.project`)."""
-    if head.fc_aux is None:
+    if not head.config.aux_layers:
         return feature_BTD
     if "aux" not in batch:
         raise ValueError("this head fuses aux layers, but the batch has no aux features")
@@ -478,17 +503,25 @@ def _prepare(cfg: TrainConfig, data_root: Path | None, log) -> tuple[_Run, Path]
         aux_rms = (
             [] if data.aux is None else data.aux[:200_000].float().pow(2).mean(-1).sqrt().median(0).values
         )
+        scales = {
+            "feature_scale": 1.0 / feature_std,
+            "embed_scale": 1.0 / float(parts.embed_VD.float().std()),
+            "aux_scales": tuple(1.0 / float(r) for r in aux_rms),
+        }
+        if cfg.compat is not None:  # EAGLE-3's layer: its norms scale the inputs
+            scales = {"aux_scales": (1.0,) * len(cfg.aux_layers), "layout": "eagle3"}
         econf = EagleConfig.from_hf_config(
             model.config,
             draft_vocab_size=cfg.draft_vocab_size,
-            feature_scale=1.0 / feature_std,
-            embed_scale=1.0 / float(parts.embed_VD.float().std()),
             aux_layers=tuple(cfg.aux_layers),
-            aux_scales=tuple(1.0 / float(r) for r in aux_rms),
             prev_token_input=cfg.prev_token_input,
+            **scales,
         )
         torch.manual_seed(cfg.seed)  # the same initial head whether or not the data was just built
-        head = EagleHead(econf).attach(parts, vocab_N)
+        if cfg.compat is not None:
+            head = Eagle3Head(econf).attach(parts, vocab_N, init_output=True)
+        else:
+            head = EagleHead(econf).attach(parts, vocab_N)
     head.draft_vocab_N = vocab_N  # frequency order for saving; attach() scores with an id-sorted copy
     vocab_index_V = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
     vocab_index_V[torch.sort(vocab_N).values] = torch.arange(cfg.draft_vocab_size)
@@ -564,6 +597,7 @@ def train(
 ) -> dict:
     """Build (or reuse) the data cache, train, save the head to ``out``; return a summary."""
     t_start = time.perf_counter()
+    cfg = resolve_compat(cfg)
     run, data_dir = _prepare(cfg, data_root, log)
     cfg_key = hashlib.sha1(json.dumps(_key_fields(cfg), sort_keys=True, default=str).encode()).hexdigest()[
         :10

@@ -3,6 +3,7 @@
     specdec generate --target smollm2-135m --drafter default --prompt "Write a haiku." --chat \\
         --max-new-tokens 64 --temperature 0 --gamma 4 [--json]
     specdec bench --prompt-set humaneval,mtbench --num-prompts 5 --temperatures 0,0.7
+    specdec export-head HEAD --format speculators --out DIR
 """
 
 from __future__ import annotations
@@ -200,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark drafters against plain decoding and transformers")
     add_arguments(bench)
+    from specdec.cli_export import add_export_head
+
+    add_export_head(sub)
     return parser
 
 

@@ -21,6 +21,7 @@ from experiments.train_drafter import (
     _key_fields,
     build_draft_vocab,
     main,
+    resolve_compat,
     train,
 )
 
@@ -241,3 +242,53 @@ def test_cli_is_generated_from_the_config(runs, capsys):
         main(["--steps", "0", "--data-root", str(runs["tmp"] / "data")])
     with pytest.raises(SystemExit):  # NaN is refused by the flag's type
         main(["--lr", "nan"])
+
+
+def test_compat_speculators_trains_an_exportable_eagle3_head(runs, tmp_path):
+    """--compat speculators: EAGLE-3's layer over the aux layers only (its own norms and LM head),
+    no previous-token input, token loss only; the file exports with `specdec export-head` and
+    imports back to the same weights."""
+    from specdec.cli import main as specdec_main
+    from specdec.drafters.eagle import Eagle3Head, load_eagle_head
+    from specdec.targets import load_target
+
+    cfg = replace(runs["cfg"], compat="speculators", steps=4, prev_token_input=True, reg_weight=1.0)
+    assert (cfg.prev_token_input, cfg.reg_weight, cfg.feature_noise) == (False, 0.0, 0.0)
+    assert resolve_compat(cfg).aux_layers == (1, 14, 26)  # the engines' default for 30 layers
+    _fake_cache(tmp_path / "data", cfg.data, (1, 14, 26))
+    file = tmp_path / "compat.safetensors"
+    summary = train(
+        cfg, out=file, work=tmp_path / "work", data_root=tmp_path / "data", evaluate=False, log=print
+    )
+    assert summary["config"]["compat"] == "speculators"
+    parts = load_target("smollm2-135m").parts()
+    head, _ = load_eagle_head(file, parts)
+    assert (
+        isinstance(head, Eagle3Head)
+        and head.config.layout == "eagle3"
+        and head.config.aux_layers == (1, 14, 26)
+    )
+    assert head.fc.weight.shape == (DIM, 3 * DIM) and head.lm_head.shape == (64, DIM)
+    start = Eagle3Head(head.config).attach(parts, head.draft_vocab_N, init_output=True)
+    assert not torch.equal(head.qkv_proj.weight, start.qkv_proj.weight)  # it trained
+    out = tmp_path / "spec"
+    assert specdec_main(["export-head", str(file), "--format", "speculators", "--out", str(out)]) == 0
+    back, meta = load_eagle_head(out, parts)
+    assert meta["format"] == "speculators"
+    for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert specdec_main(["export-head", str(file), "--format", "sglang", "--out", str(tmp_path / "s")]) == 0
+    assert load_eagle_head(tmp_path / "s", parts)[1]["format"] == "sglang"
+    assert (
+        specdec_main(
+            [
+                "export-head",
+                str(runs["tmp"] / "straight.safetensors"),
+                "--format",
+                "speculators",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )

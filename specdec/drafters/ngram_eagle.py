@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -95,6 +96,9 @@ class NGramEagleDrafter:
         self.target, self.mode, self.min_tokens = target, mode, min_tokens
         self.lookup = NGramDrafter(target, max_ngram=max_ngram, min_ngram=min_ngram)
         head = head_options.pop("head", None)
+        if isinstance(head, (str, Path)):  # a head directory or file given as ``head=`` (CLI)
+            head_options.setdefault("weights", head)
+            head = None
         if head is None:
             head, _ = load_packed_head(target, head_options.pop("weights", None), **head_options)
         elif head_options:

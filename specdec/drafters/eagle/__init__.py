@@ -2,6 +2,8 @@
 
 - :mod:`~specdec.drafters.eagle.config`: :class:`EagleConfig`, the head's shape;
 - :mod:`~specdec.drafters.eagle.model`: :class:`EagleHead`, the plain PyTorch head (training, oracle);
+- :mod:`~specdec.drafters.eagle.eagle3`: :class:`Eagle3Head`, EAGLE-3's layer as vLLM / SGLang run it;
+- :mod:`~specdec.drafters.eagle.formats`: export to / import from the speculators and SGLang formats;
 - :mod:`~specdec.drafters.eagle.packed`: :class:`PackedEagleHead`, the same function in fused kernels;
 - :mod:`~specdec.drafters.eagle.cache`: :class:`EagleCache`, the head's KV cache and one head step;
 - :mod:`~specdec.drafters.eagle.weights`: head files (load, save, target fingerprint);
@@ -12,6 +14,7 @@
 from specdec.drafters.eagle.cache import EagleCache
 from specdec.drafters.eagle.chain import EagleDrafter, draft_distribution
 from specdec.drafters.eagle.config import EagleConfig
+from specdec.drafters.eagle.eagle3 import Eagle3Head
 from specdec.drafters.eagle.model import EagleHead, describe
 from specdec.drafters.eagle.packed import PackedEagleHead
 from specdec.drafters.eagle.tree import EagleTreeDrafter, resolve_tree
@@ -31,6 +34,7 @@ from specdec.drafters.eagle.weights import (
 __all__ = [
     "EagleConfig",
     "EagleHead",
+    "Eagle3Head",
     "PackedEagleHead",
     "EagleCache",
     "EagleDrafter",

@@ -61,7 +61,9 @@ class EagleDrafter:
         weight_dtype: storage of the packed weights (``"float32"`` or ``"bfloat16"``); default
             bfloat16 where the packed CPU kernel runs (:class:`PackedEagleHead`).
         head: an already loaded :class:`PackedEagleHead` for this target (drafters that share one
-            head load and pack it once); then ``weights`` and the loading options are not used.
+            head load and pack it once); then ``weights`` and the loading options are not used. A
+            path instead (``--drafter-option eagle.head=DIR``) is read as ``weights``: a head file,
+            or a speculators / SGLang EAGLE-3 directory (:mod:`specdec.drafters.eagle.formats`).
     """
 
     def __init__(
@@ -74,9 +76,13 @@ class EagleDrafter:
         linear_backend: str = "auto",
         min_prob: float = 0.0,
         weight_dtype: torch.dtype | str | None = None,
-        head: PackedEagleHead | None = None,
+        head: PackedEagleHead | str | Path | None = None,
     ) -> None:
         self.min_prob = check_min_prob(min_prob)
+        if isinstance(head, (str, Path)):
+            if weights is not None:
+                raise ValueError(f"pass either head={head!r} (a path) or weights={weights!r}, not both")
+            weights, head = head, None
         self.target = target
         if head is None:
             head, self.metadata = load_packed_head(
@@ -89,6 +95,8 @@ class EagleDrafter:
             )
         else:
             self.metadata = {}
+            if head.config.aux_layers:  # as load_packed_head does for a head it loads
+                target.capture_layers(head.config.aux_layers)
         self.head = head
         self.vocab_size = head.config.vocab_size
         self.cache: EagleCache | None = None

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EagleConfig"]
+__all__ = ["EagleConfig", "LAYOUTS"]
+
+LAYOUTS = ("specdec", "eagle3")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,16 @@ class EagleConfig:
     the pair at slot t then carries both x_t and x_{t+1}, so the attention layer can copy from the
     context (the query's x_{t+1} matches a key's x_j; that slot's value holds x_{j+1}), the
     induction pattern that the target's last-layer feature alone carries too weakly."""
+    layout: str = "specdec"
+    """``"specdec"``: this project's head (:class:`~specdec.drafters.eagle.model.EagleHead`: ``fc``
+    over ``[embed; feature]`` feeds a layer without input norms; the target's final norm and LM-head
+    rows). ``"eagle3"``: EAGLE-3's layer as vLLM, SGLang and ``speculators`` run it
+    (:class:`~specdec.drafters.eagle.eagle3.Eagle3Head`: ``fc`` over the aux layers only, separate
+    norms on the embedding and the hidden state, attention over both, its own final norm and LM
+    head); only this layout exports to those formats (:mod:`specdec.drafters.eagle.formats`)."""
+    norm_before_residual: bool = False
+    """``"eagle3"`` layout: the residual stream starts from the normalised hidden state (True) or
+    the raw one (False, SGLang's and EAGLE-3's original choice)."""
 
     def __post_init__(self) -> None:
         # JSON metadata stores tuples as lists.
@@ -60,6 +72,19 @@ class EagleConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}]")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "eagle3":
+            if not self.aux_layers:
+                raise ValueError("an 'eagle3' layout head reads aux layers: aux_layers must not be empty")
+            if self.prev_token_input or self.feature_scale != 1.0 or self.embed_scale != 1.0:
+                raise ValueError(
+                    "an 'eagle3' layout head has no previous-token input and no fixed input scales "
+                    "(its norms scale the inputs): prev_token_input must be False, feature_scale and "
+                    "embed_scale 1.0"
+                )
+        elif self.norm_before_residual:
+            raise ValueError("norm_before_residual applies to the 'eagle3' layout only")
         if "rope_theta" not in self.rope_parameters:
             raise ValueError(f"rope_parameters must hold rope_theta, got {self.rope_parameters}")
 

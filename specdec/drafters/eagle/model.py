@@ -138,17 +138,7 @@ class EagleHead(nn.Module):
 
     def qkv(self, h_BTD: torch.Tensor, positions_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The residual stream's projection, rotated: ``q [B, H, T, d]``, ``k, v [B, G, T, d]``."""
-        c = self.config
-        B, T, _ = h_BTD.shape
-        q, k, v = self.qkv_proj(h_BTD).split(
-            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
-        )
-        q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
-        k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        cos, sin = self.rope.lookup(positions_BT)
-        cos, sin = cos.to(h_BTD.dtype), sin.to(h_BTD.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return rotated_heads(self.config, self.rope, self.qkv_proj(h_BTD), positions_BT)
 
     def finish(self, h_BTD: torch.Tensor, attn_BHTd: torch.Tensor) -> torch.Tensor:
         """The layer's output projection, residual and MLP: the next residual stream (unit scale)."""
@@ -178,6 +168,23 @@ class EagleHead(nn.Module):
         q, k, v = self.qkv(h_BTD, positions_BT)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.feature(self.finish(h_BTD, attn))
+
+
+def rotated_heads(
+    c: EagleConfig, rope: RopeTable, qkv_BTC: torch.Tensor, positions_BT: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """A fused q/k/v projection split into heads, q and k rotated: ``q [B, H, T, d]``,
+    ``k, v [B, G, T, d]``."""
+    B, T, _ = qkv_BTC.shape
+    q, k, v = qkv_BTC.split(
+        [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
+    )
+    q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+    k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    cos, sin = rope.lookup(positions_BT)
+    cos, sin = cos.to(qkv_BTC.dtype), sin.to(qkv_BTC.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def check_aux(config: EagleConfig, feature_BTD: torch.Tensor, aux_BTAD: torch.Tensor | None) -> torch.Tensor:

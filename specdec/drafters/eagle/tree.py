@@ -85,7 +85,7 @@ class EagleTreeDrafter(EagleDrafter):
         dtype: torch.dtype = torch.float32,
         linear_backend: str = "auto",
         weight_dtype: torch.dtype | str | None = None,
-        head: PackedEagleHead | None = None,
+        head: PackedEagleHead | str | Path | None = None,
     ) -> None:
         if not isinstance(target, TreeTarget):
             raise ValueError(

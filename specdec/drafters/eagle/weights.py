@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from specdec.drafters.eagle.config import EagleConfig
+from specdec.drafters.eagle.eagle3 import Eagle3Head
 from specdec.drafters.eagle.model import EagleHead
 from specdec.drafters.eagle.packed import PackedEagleHead
 from specdec.protocols import TargetParts
@@ -33,6 +34,7 @@ __all__ = [
     "stored_draft_vocab",
     "weight_dtype_of",
     "load_packed_head",
+    "head_class",
 ]
 
 DEFAULT_WEIGHTS = "eagle-smollm2-135m.safetensors"
@@ -55,13 +57,19 @@ def target_mismatch(meta: dict, embed_VD: torch.Tensor, path: Path) -> str | Non
     return None
 
 
+def head_class(config: EagleConfig) -> type[EagleHead] | type[Eagle3Head]:
+    """The module of a head's layout: :class:`EagleHead` (``"specdec"``) or :class:`Eagle3Head`."""
+    return Eagle3Head if config.layout == "eagle3" else EagleHead
+
+
 def resolve_weights(weights: str | Path | None) -> Path:
-    """A head-weights path: a file, or the name of a file shipped in ``specdec/weights/``
+    """A head-weights path: a file, a speculators / SGLang head directory
+    (:mod:`specdec.drafters.eagle.formats`), or the name of a file shipped in ``specdec/weights/``
     (None: the default head)."""
     if weights is None:
         weights = DEFAULT_WEIGHTS
     path = Path(weights)
-    if path.is_file():
+    if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
         return path
     shipped = resources.files("specdec") / "weights" / str(weights)
     if shipped.is_file():
@@ -107,6 +115,13 @@ def load_eagle_head(
     vocabulary (faster, lower acceptance; default all). ``ValueError`` naming the file for a file
     that is not a head file, a head of the wrong shape, or a head trained for another target."""
     path = resolve_weights(weights)
+    if path.is_dir():
+        from specdec.drafters.eagle.formats import import_head
+
+        if draft_vocab_size is not None:
+            raise ValueError("draft_vocab_size: a speculators / SGLang head keeps its whole draft vocabulary")
+        head, meta = import_head(path, parts, dtype=dtype)
+        return head.to(device=device or parts.embed_VD.device), meta
     state, meta = read_head_file(path)
     if "config" not in meta:
         raise ValueError(f"head file {path} carries no EAGLE config metadata (not a draft head file?)")
@@ -119,7 +134,7 @@ def load_eagle_head(
     reason = target_mismatch(meta, parts.embed_VD, path)
     if reason is not None:
         raise ValueError(reason)
-    head = EagleHead(config)
+    head = head_class(config)(config)
     if "draft_vocab_N" not in state:
         raise ValueError(f"head file {path} has no draft_vocab_N tensor")
     vocab = state.pop("draft_vocab_N").to(torch.long)
@@ -198,4 +213,6 @@ def load_packed_head(
         storage = torch.bfloat16 if packed else dtype
     if head.config.aux_layers:  # an EAGLE-3 head reads low and middle layers too
         target.capture_layers(head.config.aux_layers)
+    if isinstance(head, Eagle3Head):  # no packed fast path for this layout: the module runs as is
+        return head, meta
     return PackedEagleHead(head, backend=linear_backend, weight_dtype=storage), meta

@@ -1,0 +1,384 @@
+"""EAGLE-3 heads in the serving engines' formats: vLLM's ``speculators`` and SGLang's.
+
+Legend: D hidden size, N draft vocabulary, V target vocabulary, A aux layers, L target layers.
+
+Both are a directory with ``config.json`` and ``model.safetensors`` holding one EAGLE-3 layer
+(:mod:`specdec.drafters.eagle.eagle3`); they differ in names and conventions (docs/formats.md):
+
+================  =====================================  =====================================
+                  speculators (vLLM)                     SGLang
+================  =====================================  =====================================
+config            ``speculators_model_type: "eagle3"``,  ``architectures:
+                  layer dims in                          ["LlamaForCausalLMEagle3"]``, layer
+                  ``transformer_layer_config``           dims at the top level
+layer keys        ``layers.0.*``                         ``midlayer.*``
+aux layer ids     ``eagle_aux_hidden_state_layer_ids``:  ``eagle_config.eagle_aux_hidden_state_
+                  the residual stream *entering* layer   layer_ids``: the *output* of layer i
+                  i (ours + 1)                           (ours)
+residual          ``norm_before_residual`` (explicit)    the raw hidden state
+================  =====================================  =====================================
+
+Ours: ``EagleConfig.aux_layers`` are 0-based layer outputs; q/k/v and gate/up are fused;
+the draft vocabulary is a sorted id list (``d2t``: ``target_id = i + d2t[i]``; ``t2d``: a
+``[V]`` mask). Our export also writes the target's name and embedding fingerprint into the
+safetensors metadata, which import checks when present.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.drafters.eagle.config import EagleConfig
+from specdec.drafters.eagle.eagle3 import Eagle3Head
+from specdec.protocols import TargetParts
+
+__all__ = ["FORMATS", "export_head", "export_head_file", "import_head", "detect_format", "unexportable"]
+
+FORMATS = ("speculators", "sglang")
+_PREFIX = {"speculators": "layers.0.", "sglang": "midlayer."}
+_LAYER_KEYS = {  # ours -> the formats' (under the layer prefix), split where we fuse
+    "input_norm": ["input_layernorm.weight"],
+    "hidden_norm": ["hidden_norm.weight"],
+    "qkv_proj.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+    "o_proj.weight": ["self_attn.o_proj.weight"],
+    "post_norm": ["post_attention_layernorm.weight"],
+    "gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "down_proj.weight": ["mlp.down_proj.weight"],
+}
+
+
+def _check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    return fmt
+
+
+def unexportable(config: EagleConfig, fmt: str) -> list[str]:
+    """What of a head with ``config`` the format ``fmt`` cannot express (empty: it exports)."""
+    _check_format(fmt)
+    if config.layout != "eagle3":
+        reasons = [
+            "its layer reads fc([embed; feature]) with a bias and no input norms, while the format's "
+            "EAGLE-3 layer normalises the embedding and the hidden state separately (layout "
+            "'specdec'; train one with: python -m experiments train-drafter --compat speculators)",
+            "its input includes the last decoder layer's output (the feature), which vLLM's Llama "
+            "cannot capture: it records only the residual stream entering layers 0..L-1",
+        ]
+        if config.prev_token_input:
+            reasons.append("its previous-token input embed(x_t) has no place in the format")
+        return reasons
+    reasons = []
+    if fmt == "sglang" and config.norm_before_residual:
+        reasons.append(
+            "norm_before_residual=True: SGLang's layer always keeps the raw hidden state as residual"
+        )
+    if fmt == "sglang" and len(config.aux_layers) != 3:
+        reasons.append(f"{len(config.aux_layers)} aux layers: SGLang's fc reads exactly 3")
+    return reasons
+
+
+def _layer_config(c: EagleConfig) -> dict[str, Any]:
+    rope = dict(c.rope_parameters)
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+        "vocab_size": c.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 2048,
+    }
+
+
+def export_head(
+    head: Eagle3Head,
+    fmt: str,
+    out: str | Path,
+    *,
+    target_name: str,
+    target_fingerprint: str,
+    dtype: torch.dtype = torch.bfloat16,
+    speculative_tokens: int = 3,
+    verifier: str | None = None,
+) -> Path:
+    """Write ``head`` (an attached ``"eagle3"``-layout head) as a ``fmt`` directory ``out``;
+    ``ValueError`` listing what the format cannot express. Returns ``out``.
+
+    ``verifier``: the target's Hugging Face id or local directory, recorded as the speculators
+    config's ``verifier.name_or_path`` (vLLM serves the head beside the model it is given; the
+    ``speculators`` package loads the embedding from there)."""
+    reasons = unexportable(head.config, _check_format(fmt))
+    if reasons:
+        raise ValueError(f"this head cannot be exported to the {fmt} format: " + "; ".join(reasons))
+    from safetensors.torch import save_file
+
+    c = head.config
+    vocab_N = head.draft_vocab_N.to(torch.long).cpu()
+    if not bool((vocab_N[1:] > vocab_N[:-1]).all()):
+        raise ValueError("the head's draft vocabulary must be sorted by id (attach the head first)")
+    state = {k: v.detach().cpu() for k, v in head.state_dict().items()}
+    tensors: dict[str, torch.Tensor] = {"fc.weight": state["fc.weight"], "norm.weight": state["norm"]}
+    tensors["lm_head.weight"] = state["lm_head"]
+    sizes = {
+        "qkv_proj.weight": [
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+        ],
+        "gate_up_proj.weight": [c.intermediate_size, c.intermediate_size],
+    }
+    for ours, theirs in _LAYER_KEYS.items():
+        parts = state[ours].split(sizes[ours], dim=0) if ours in sizes else [state[ours]]
+        for name, t in zip(theirs, parts, strict=True):
+            tensors[_PREFIX[fmt] + name] = t
+    tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+    tensors["d2t"] = (vocab_N - torch.arange(vocab_N.numel())).to(torch.int64)
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[vocab_N] = True
+    tensors["t2d"] = t2d
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": fmt,
+        "config": json.dumps(asdict(c)),
+        "target": target_name,
+        "target_fingerprint": target_fingerprint,
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+    dtype_name = str(dtype).removeprefix("torch.")
+    layer = _layer_config(c)
+    if fmt == "speculators":
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer,
+            "draft_vocab_size": c.draft_vocab_size,
+            "norm_before_residual": c.norm_before_residual,
+            "target_hidden_size": c.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.aux_layers],
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+            },
+            "torch_dtype": dtype_name,
+        }
+    else:
+        config = {
+            **layer,
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": c.draft_vocab_size,
+            "target_hidden_size": c.hidden_size,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+                "use_aux_hidden_state": True,
+            },
+            "torch_dtype": dtype_name,
+        }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def export_head_file(
+    weights: str | Path,
+    fmt: str,
+    out: str | Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    verifier: str | None = None,
+) -> Path:
+    """:func:`export_head` for a head file (a path or a shipped file's name), without loading its
+    target: the file's target name and fingerprint carry over."""
+    from specdec.drafters.eagle.weights import read_head_file, resolve_weights
+
+    path = resolve_weights(weights)
+    if path.is_dir():
+        raise ValueError(f"{path} is a head directory already; export takes a head file")
+    state, meta = read_head_file(path)
+    if "config" not in meta:
+        raise ValueError(f"head file {path} carries no EAGLE config metadata (not a draft head file?)")
+    config = EagleConfig.from_json(json.loads(meta["config"]))
+    reasons = unexportable(config, _check_format(fmt))
+    if reasons:
+        raise ValueError(
+            f"head file {path.name} cannot be exported to the {fmt} format: " + "; ".join(reasons)
+        )
+    head = Eagle3Head(config)
+    try:
+        head.load_state_dict(
+            {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True
+        )
+    except RuntimeError as err:
+        detail = " ".join(line.strip() for line in str(err).splitlines()[1:])[:400]
+        raise ValueError(f"head file {path} does not fit its own config: {detail}") from None
+    head.draft_vocab_N = torch.sort(head.draft_vocab_N.to(torch.long)).values  # lm_head's row order
+    return export_head(
+        head,
+        fmt,
+        out,
+        target_name=meta.get("target", ""),
+        target_fingerprint=meta.get("target_fingerprint", ""),
+        dtype=dtype,
+        verifier=verifier,
+    )
+
+
+def detect_format(path: str | Path) -> str:
+    """``"speculators"`` or ``"sglang"`` for a head directory; ``ValueError`` otherwise."""
+    config = _read_config(Path(path))
+    if config.get("speculators_model_type") is not None:
+        if config["speculators_model_type"] != "eagle3":
+            raise ValueError(
+                f"{path}: speculators_model_type {config['speculators_model_type']!r}; "
+                "only 'eagle3' heads load"
+            )
+        return "speculators"
+    if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):
+        return "sglang"
+    raise ValueError(
+        f"{path}: config.json is neither a speculators EAGLE-3 config (speculators_model_type) nor an "
+        f"SGLang one (architectures LlamaForCausalLMEagle3); architectures={config.get('architectures')}"
+    )
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    file = path / "config.json"
+    if not file.is_file():
+        raise ValueError(f"head directory {path}: no config.json")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}: not valid JSON ({err})") from None
+
+
+def _import_config(config: dict[str, Any], fmt: str, parts: TargetParts, path: Path) -> EagleConfig:
+    layer = config["transformer_layer_config"] if fmt == "speculators" else config
+    target = parts.config
+    L = int(getattr(target, "num_hidden_layers", 0) or 0)
+    problems = []
+    for name, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        if layer.get(name) != want:
+            problems.append(f"{name} {layer.get(name)} (the target's is {want})")
+    if config.get("target_hidden_size") not in (None, layer.get("hidden_size")):
+        problems.append(
+            f"target_hidden_size {config['target_hidden_size']} differs from the layer's hidden_size"
+        )
+    if problems:
+        raise ValueError(f"head {path} does not fit this target: " + "; ".join(problems))
+    unsupported = [
+        k
+        for k in ("norm_before_fc", "fc_norm", "norm_output", "attention_bias", "mlp_bias", "bias")
+        if config.get(k) or layer.get(k)
+    ]
+    if layer.get("num_hidden_layers", 1) != 1:
+        unsupported.append(f"num_hidden_layers={layer['num_hidden_layers']}")
+    if layer.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={layer['hidden_act']}")
+    if unsupported:
+        raise ValueError(f"head {path} uses what this engine's EAGLE-3 layer does not: {unsupported}")
+    if fmt == "speculators":
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        aux = None if ids is None else [i - 1 for i in ids]  # entering layer i = output of layer i - 1
+    else:
+        aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if aux is None:  # both engines' default: the residual entering layers 2, L // 2, L - 3
+        aux = [1, L // 2 - 1, L - 4]
+    if any(not 0 <= i < L for i in aux):
+        raise ValueError(
+            f"head {path} reads target layer outputs {aux} (our 0-based numbering), but the target has "
+            f"{L} layers: a head for another target?"
+        )
+    rope = dict(layer.get("rope_scaling") or layer.get("rope_parameters") or {})
+    rope["rope_theta"] = float(rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
+    rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+    heads = layer["num_attention_heads"]
+    return EagleConfig(
+        layout="eagle3",
+        hidden_size=layer["hidden_size"],
+        intermediate_size=layer["intermediate_size"],
+        num_heads=heads,
+        num_kv_heads=layer.get("num_key_value_heads", heads),
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // heads,
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_parameters=rope,
+        vocab_size=layer["vocab_size"],
+        draft_vocab_size=int(config.get("draft_vocab_size") or layer["vocab_size"]),
+        aux_layers=tuple(aux),
+        aux_scales=(1.0,) * len(aux),
+        norm_before_residual=bool(config.get("norm_before_residual", False)),
+    )
+
+
+def import_head(
+    path: str | Path, parts: TargetParts, *, dtype: torch.dtype = torch.float32
+) -> tuple[Eagle3Head, dict]:
+    """Load a speculators- or SGLang-format head directory for the target whose tensors are
+    ``parts``; returns (attached :class:`Eagle3Head`, metadata). ``ValueError`` saying which of
+    hidden size, vocabulary, layer count or embedding fingerprint does not match."""
+    from specdec.drafters.eagle.weights import read_head_file, target_mismatch
+
+    path = Path(path)
+    fmt = detect_format(path)
+    config = _import_config(_read_config(path), fmt, parts, path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"head directory {path}: no *.safetensors file")
+    state: dict[str, torch.Tensor] = {}
+    meta: dict[str, str] = {}
+    for file in files:
+        s, m = read_head_file(file)
+        state.update({k.removeprefix("model."): v for k, v in s.items()})
+        meta.update(m)
+    reason = target_mismatch(meta, parts.embed_VD, path)
+    if reason is not None:
+        raise ValueError(reason)
+    if "embed_tokens.weight" in state:
+        embed = state.pop("embed_tokens.weight")
+        if embed.shape != parts.embed_VD.shape or not torch.allclose(
+            embed.float(), parts.embed_VD.float().cpu(), atol=1e-2, rtol=1e-2
+        ):
+            raise ValueError(
+                f"head {path}: its embed_tokens differ from the target's embedding (another target?)"
+            )
+    head = Eagle3Head(config)
+    ours = {"fc.weight": "fc.weight", "norm": "norm.weight", "lm_head": "lm_head.weight"}
+    loaded: dict[str, torch.Tensor] = {}
+    try:
+        for k, theirs in ours.items():
+            loaded[k] = state[theirs]
+        for k, theirs in _LAYER_KEYS.items():
+            loaded[k] = torch.cat([state[_PREFIX[fmt] + t] for t in theirs], dim=0)
+    except KeyError as err:
+        raise ValueError(f"head {path}: missing tensor {err.args[0]!r} of the {fmt} format") from None
+    N = config.draft_vocab_size
+    offsets = state.get("d2t")
+    vocab_N = torch.arange(N) if offsets is None else torch.arange(N) + offsets.to(torch.long)
+    if vocab_N.shape != (N,) or int(vocab_N.min()) < 0 or int(vocab_N.max()) >= config.vocab_size:
+        raise ValueError(f"head {path}: d2t does not map its {N} draft ids into the target vocabulary")
+    order = torch.argsort(vocab_N)  # ours: rows sorted by target id
+    loaded["lm_head"] = loaded["lm_head"][order]
+    loaded["draft_vocab_N"] = vocab_N[order]
+    try:
+        head.load_state_dict(loaded, strict=True)
+    except RuntimeError as err:
+        detail = " ".join(line.strip() for line in str(err).splitlines()[1:])[:400]
+        raise ValueError(f"head {path} does not fit its own config.json: {detail}") from None
+    head = head.to(device=parts.embed_VD.device, dtype=dtype).eval().requires_grad_(False)
+    meta = {**meta, "format": fmt, "source": str(path)}
+    return head.attach(parts), meta
