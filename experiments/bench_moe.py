@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from specdec.bench.interleave import time_interleaved
+from specdec.cli_args import positive_int_list
 
 IMPLS = ("ours", "ours_general", "ours_mkl", "hf_eager", "hf_grouped", "dense", "dense_mkl")
 
@@ -58,21 +59,11 @@ class DenseSwiGLUMkl(torch.nn.Module):
         return swiglu(x @ d.w_gate_up, d.hidden_dim) @ d.w_down
 
 
-def _parse_ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     p = argparse.ArgumentParser(prog="python -m experiments.bench_moe", description=__doc__.split("\n")[0])
     p.add_argument(
-        "--tokens", type=_parse_ints, default=[1, 8, 512, 2048], help="token counts T (1,8,512,2048)"
+        "--tokens", type=positive_int_list, default=[1, 8, 512, 2048], help="token counts T (1,8,512,2048)"
     )
     p.add_argument("--experts", type=int, default=8, help="number of experts E (8)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token (2)")

@@ -27,6 +27,7 @@ import torch
 from kernels.native import cpu_isa, cpu_model, runnable_isas
 from kernels.packed_gemm import PackedWeight, pack_weight, packed_linear
 from kernels.quant import quantize_int4, quantize_int8
+from specdec.cli_args import positive_int_list
 
 __all__ = ["pack_format", "main"]
 
@@ -115,16 +116,6 @@ def to_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m experiments.bench_packed_gemm", description=__doc__.split("\n")[0]
@@ -133,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "--isa", default=",".join(runnable_isas()), help="ISA paths (default: every one this CPU runs)"
     )
     p.add_argument("--megabytes", type=float, default=96.0, help="packed bytes of the weight (96)")
-    p.add_argument("--rows", type=_positive_ints, default=[1, 2, 4, 7], help="row counts M (1,2,4,7)")
+    p.add_argument("--rows", type=positive_int_list, default=[1, 2, 4, 7], help="row counts M (1,2,4,7)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds, median reported (5)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here (and a .md beside)")

@@ -18,6 +18,7 @@ __all__ = [
     "finite_float",
     "positive_int",
     "nonnegative_int",
+    "positive_int_list",
     "csv",
     "parse_options",
     "check_text",
@@ -70,6 +71,17 @@ def csv(cast: Callable[[str], Any]) -> Callable[[str], tuple]:
         return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
 
     return parse
+
+
+def positive_int_list(text: str) -> list[int]:
+    """A non-empty comma-separated list of integers >= 1 (benchmark sizes such as ``1,8,512``)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def parse_options(items: Sequence[str] | None, flag: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ __all__ = [
     "POLICIES",
     "make_policy",
     "as_policy",
+    "interpolate_block_cost",
 ]
 
 
@@ -43,6 +44,30 @@ class GammaPolicy(Protocol):
     def update(self, stats: StepStats) -> None:
         """Learn from the step that just ran."""
         ...
+
+
+def interpolate_block_cost(costs: dict[int, float], T: int, *, above: str = "flat") -> float:
+    """Target time of a T-token block from measured ``costs`` (block length -> seconds): the
+    measurement, else linear between the measured neighbours, else proportional to T below the
+    shortest measured block. Above the longest: ``"flat"`` (its cost: optimistic, so an untried
+    length gets tried once) or ``"linear"`` (the slope of the last two; proportional to T with one).
+    No measurement at all: T (one unit per token)."""
+    if T in costs:
+        return costs[T]
+    if not costs:
+        return float(T)
+    known = sorted(costs)
+    lower = [t for t in known if t < T]
+    upper = [t for t in known if t > T]
+    if lower and upper:
+        lo, hi = lower[-1], upper[0]
+        return costs[lo] + (costs[hi] - costs[lo]) * (T - lo) / (hi - lo)
+    if lower and above == "flat":
+        return costs[lower[-1]]
+    if len(lower) >= 2:
+        a, b = lower[-2], lower[-1]
+        return costs[b] + (costs[b] - costs[a]) / (b - a) * (T - b)
+    return costs[known[0]] * T / known[0]
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -155,18 +180,7 @@ class CostModelGamma:
 
     def verify_cost(self, T: int) -> float:
         """Estimated target time for a block of T tokens (see the class doc)."""
-        if T in self.t_verify:
-            return self.t_verify[T]
-        known = sorted(self.t_verify)
-        lower = [t for t in known if t < T]
-        upper = [t for t in known if t > T]
-        if lower and upper:
-            lo, hi = lower[-1], upper[0]
-            w = (T - lo) / (hi - lo)
-            return self.t_verify[lo] * (1 - w) + self.t_verify[hi] * w
-        if lower:
-            return self.t_verify[lower[-1]]
-        return self.t_verify[upper[0]] * T / upper[0]
+        return interpolate_block_cost(self.t_verify, T, above="flat")
 
     def expected_rate(self, gamma: int) -> float:
         """Expected tokens per second of a step with this γ, under the current estimates."""

@@ -231,3 +231,19 @@ def test_speculators_eagle3_model_computes_our_draft_logits(setup, tmp_path):
     torch.testing.assert_close(captured[0], ours[0], rtol=1e-4, atol=1e-4)
     # step 2: their query at t drafts x_{t+3} from the step-1 state at t; ours at t + 1 does
     torch.testing.assert_close(captured[1][:, : T - 1], ours[1][:, 1:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_smaller_draft_vocabulary_keeps_the_heads_rows(setup):
+    """``draft_vocab_size=n`` scores the n most frequent stored tokens with their own LM-head rows."""
+    target, head, file = setup
+    parts = target.parts()
+    small, _ = load_eagle_head(file, parts, draft_vocab_size=50)
+    stored, _ = load_eagle_head(file, parts)
+    assert small.draft_vocab_N.numel() == 50 and bool(
+        (small.draft_vocab_N[1:] > small.draft_vocab_N[:-1]).all()
+    )
+    rows = torch.searchsorted(stored.draft_vocab_N, small.draft_vocab_N)
+    assert torch.equal(stored.draft_vocab_N[rows], small.draft_vocab_N)
+    assert torch.equal(small.lm_head, stored.lm_head[rows]) and torch.equal(stored.lm_head, head.lm_head)
+    with pytest.raises(ValueError, match="subset of the head's stored draft vocabulary"):
+        Eagle3Head(head.config).attach(parts, torch.tensor([0, 1, 2])).attach(parts, torch.tensor([3]))

@@ -13,6 +13,7 @@ from specdec.policies import (
     HeuristicGamma,
     StepStats,
     as_policy,
+    interpolate_block_cost,
     make_policy,
 )
 
@@ -155,3 +156,17 @@ def test_cost_policy_options_are_validated():
     ):
         with pytest.raises(ValueError):
             CostModelGamma(**bad)
+
+
+def test_block_cost_interpolates_and_extrapolates_flat_or_linear():
+    """The shared verify-cost curve of CostModelGamma ("flat" above) and the default drafter's
+    DepthController ("linear" above)."""
+    costs = {2: 0.02, 4: 0.03, 6: 0.06}
+    for above in ("flat", "linear"):
+        assert interpolate_block_cost(costs, 4, above=above) == 0.03
+        assert interpolate_block_cost(costs, 5, above=above) == pytest.approx(0.045)
+        assert interpolate_block_cost(costs, 1, above=above) == pytest.approx(0.01)  # ∝ T below
+        assert interpolate_block_cost({}, 3, above=above) == 3.0
+    assert interpolate_block_cost(costs, 8, above="flat") == 0.06
+    assert interpolate_block_cost(costs, 8, above="linear") == pytest.approx(0.09)
+    assert interpolate_block_cost({2: 0.02}, 8, above="linear") == pytest.approx(0.08)

@@ -41,7 +41,6 @@ from specdec.bench.hf_baselines import HF_BASELINES, hf_method
 from specdec.bench.interleave import Prompt, generate_method, run_interleaved
 from specdec.bench.peers import PEERS, llama_bench_figures, llama_cpp_methods
 from specdec.bench.report import (
-    PromptResult,
     environment,
     markdown_table,
     pooled_tokens_per_second,
@@ -54,23 +53,12 @@ from specdec.prompt_sets import (
     CHAT_PROMPT_SETS,
     PROMPT_SETS,
     encode_prompt,
-    humaneval_prompts,
     load_prompts,
-    mtbench_prompts,
-    mtbench_questions,
 )
 from specdec.targets.llama_weights import WEIGHT_MODES
 
 __all__ = [
     "BenchConfig",
-    "PROMPT_SETS",
-    "PromptResult",
-    "humaneval_prompts",
-    "load_prompts",
-    "markdown_table",
-    "mtbench_prompts",
-    "mtbench_questions",
-    "summarize",
     "run_bench",
     "add_arguments",
     "main",

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from specdec.policies import interpolate_block_cost
+
 __all__ = ["DepthController"]
 
 
@@ -63,20 +65,7 @@ class DepthController:
 
     def verify_cost(self, T: int) -> float:
         """t_verify(T), interpolated (and extrapolated linearly) from the measured block lengths."""
-        known = sorted(self.t_verify)
-        if not known:
-            return float(T)
-        if T in self.t_verify:
-            return self.t_verify[T]
-        lower = [t for t in known if t < T]
-        upper = [t for t in known if t > T]
-        if lower and upper:
-            lo, hi = lower[-1], upper[0]
-            return self.t_verify[lo] + (self.t_verify[hi] - self.t_verify[lo]) * (T - lo) / (hi - lo)
-        if len(known) >= 2 and lower:
-            a, b = known[-2], known[-1]
-            return self.t_verify[b] + (self.t_verify[b] - self.t_verify[a]) / (b - a) * (T - b)
-        return self.t_verify[known[0]] * T / known[0]
+        return interpolate_block_cost(self.t_verify, T, above="linear")
 
     def expected_tokens(self, K: int) -> float:
         """E(K): tokens a step that drafts K yields (the bonus or recovered token included)."""

@@ -95,14 +95,11 @@ class Eagle3Head(nn.Module):
                     parts.lm_head_VD[vocab_N.to(parts.lm_head_VD.device)].to(self.lm_head.dtype)
                 )
             elif draft_vocab_N is not None:
-                subset_N = torch.sort(draft_vocab_N.to(torch.long).cpu()).values
-                rows_N = torch.searchsorted(stored_N.cpu(), subset_N)
-                if bool((rows_N >= stored_N.numel()).any()) or not torch.equal(
-                    stored_N.cpu()[rows_N.clamp(max=stored_N.numel() - 1)], subset_N
-                ):
+                keep_N = torch.isin(stored_N, draft_vocab_N.to(stored_N))  # rows stay in id order
+                if int(keep_N.sum()) != torch.unique(draft_vocab_N).numel():
                     raise ValueError("draft_vocab_N must be a subset of the head's stored draft vocabulary")
-                self.lm_head = nn.Parameter(self.lm_head[rows_N.to(self.device)].clone(), requires_grad=False)
-                self.draft_vocab_N = subset_N.to(self.device)
+                self.lm_head = nn.Parameter(self.lm_head[keep_N.to(self.device)].clone(), requires_grad=False)
+                self.draft_vocab_N = stored_N[keep_N].to(self.device)
             else:
                 self.draft_vocab_N = stored_N.to(self.device)
         self.embed_VD = parts.embed_VD

@@ -205,28 +205,18 @@ def export_head_file(
 ) -> Path:
     """:func:`export_head` for a head file (a path or a shipped file's name), without loading its
     target: the file's target name and fingerprint carry over."""
-    from specdec.drafters.eagle.weights import read_head_file, resolve_weights
+    from specdec.drafters.eagle.weights import build_head, read_head_config, resolve_weights
 
     path = resolve_weights(weights)
     if path.is_dir():
         raise ValueError(f"{path} is a head directory already; export takes a head file")
-    state, meta = read_head_file(path)
-    if "config" not in meta:
-        raise ValueError(f"head file {path} carries no EAGLE config metadata (not a draft head file?)")
-    config = EagleConfig.from_json(json.loads(meta["config"]))
+    state, meta, config = read_head_config(path)
     reasons = unexportable(config, _check_format(fmt))
     if reasons:
         raise ValueError(
             f"head file {path.name} cannot be exported to the {fmt} format: " + "; ".join(reasons)
         )
-    head = Eagle3Head(config)
-    try:
-        head.load_state_dict(
-            {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True
-        )
-    except RuntimeError as err:
-        detail = " ".join(line.strip() for line in str(err).splitlines()[1:])[:400]
-        raise ValueError(f"head file {path} does not fit its own config: {detail}") from None
+    head = build_head(config, state, path)
     head.draft_vocab_N = torch.sort(head.draft_vocab_N.to(torch.long)).values  # lm_head's row order
     return export_head(
         head,

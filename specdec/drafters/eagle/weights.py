@@ -35,6 +35,8 @@ __all__ = [
     "weight_dtype_of",
     "load_packed_head",
     "head_class",
+    "read_head_config",
+    "build_head",
 ]
 
 DEFAULT_WEIGHTS = "eagle-smollm2-135m.safetensors"
@@ -94,6 +96,36 @@ def read_head_file(path: Path, *, tensors: bool = True) -> tuple[dict[str, torch
     return state, meta
 
 
+def read_head_config(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], EagleConfig]:
+    """A head file's tensors, metadata and :class:`EagleConfig`; ``ValueError`` naming the file when
+    its config metadata is missing or invalid."""
+    state, meta = read_head_file(path)
+    if "config" not in meta:
+        raise ValueError(f"head file {path} carries no EAGLE config metadata (not a draft head file?)")
+    try:
+        config = EagleConfig.from_json(json.loads(meta["config"]))
+    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        raise ValueError(
+            f"head file {path}: its config metadata is not a valid EagleConfig ({err})"
+        ) from None
+    return state, meta, config
+
+
+def build_head(config: EagleConfig, state: dict[str, torch.Tensor], path: Path) -> EagleHead | Eagle3Head:
+    """The (unattached, float32) module of ``config``'s layout holding a head file's tensors, its
+    ``draft_vocab_N`` in stored order (most frequent first); ``ValueError`` naming ``path`` when they
+    do not fit the config."""
+    head = head_class(config)(config)
+    if "draft_vocab_N" not in state:
+        raise ValueError(f"head file {path} has no draft_vocab_N tensor")
+    try:
+        head.load_state_dict({**state, "draft_vocab_N": state["draft_vocab_N"].to(torch.long)}, strict=True)
+    except RuntimeError as err:  # missing / unexpected keys, or shapes that do not fit the config
+        detail = " ".join(line.strip() for line in str(err).splitlines()[1:])[:500]
+        raise ValueError(f"head file {path} does not fit its own config: {detail}") from None
+    return head
+
+
 def stored_draft_vocab(weights: str | Path | None) -> torch.Tensor:
     """The draft vocabulary ``[N]`` of head weights in stored order (most frequent first)."""
     state, _ = read_head_file(resolve_weights(weights))
@@ -122,27 +154,12 @@ def load_eagle_head(
             raise ValueError("draft_vocab_size: a speculators / SGLang head keeps its whole draft vocabulary")
         head, meta = import_head(path, parts, dtype=dtype)
         return head.to(device=device or parts.embed_VD.device), meta
-    state, meta = read_head_file(path)
-    if "config" not in meta:
-        raise ValueError(f"head file {path} carries no EAGLE config metadata (not a draft head file?)")
-    try:
-        config = EagleConfig.from_json(json.loads(meta["config"]))
-    except (json.JSONDecodeError, TypeError, ValueError) as err:
-        raise ValueError(
-            f"head file {path}: its config metadata is not a valid EagleConfig ({err})"
-        ) from None
+    state, meta, config = read_head_config(path)
     reason = target_mismatch(meta, parts.embed_VD, path)
     if reason is not None:
         raise ValueError(reason)
-    head = head_class(config)(config)
-    if "draft_vocab_N" not in state:
-        raise ValueError(f"head file {path} has no draft_vocab_N tensor")
-    vocab = state.pop("draft_vocab_N").to(torch.long)
-    try:
-        head.load_state_dict({**state, "draft_vocab_N": vocab}, strict=True)
-    except RuntimeError as err:  # missing / unexpected keys, or shapes that do not fit the config
-        detail = " ".join(line.strip() for line in str(err).splitlines()[1:])[:500]
-        raise ValueError(f"head file {path} does not fit its own config: {detail}") from None
+    head = build_head(config, state, path)
+    vocab = head.draft_vocab_N
     head = head.to(device=device or parts.embed_VD.device, dtype=dtype).eval()
     head.requires_grad_(False)
     if draft_vocab_size is not None:
