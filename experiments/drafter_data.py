@@ -66,6 +66,8 @@ __all__ = [
     "build_aux_features",
     "extract_layer_features",
     "FeatureData",
+    "target_cache_name",
+    "has_chat_template",
 ]
 
 HELDOUT_MAX_BENCH_PROMPTS = 8
@@ -79,6 +81,9 @@ class DataConfig:
     """What goes into the cache. Changing any field changes the cache directory."""
 
     target: str = "smollm2-135m"
+    """A built-in model name or the path of a checkpoint the native target loads (any Llama-family
+    model): its own tokenizer and chat template build the prompts, and its own continuations,
+    features and top-k make the data (:func:`target_cache_name` names its cache files)."""
     greedy_tokens: int = 128
     """New tokens of the greedy continuation of every training prompt."""
     sample_tokens: int = 128
@@ -135,6 +140,12 @@ def is_heldout(source: str, index: int) -> bool:
     return any(index == (i * size) // n for n in range(1, HELDOUT_MAX_BENCH_PROMPTS + 1) for i in range(n))
 
 
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer has a chat template (a base model's has none: its data has no chat
+    prompts and no self-instructed requests)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def chat_ids(tokenizer, text: str) -> list[int]:
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
@@ -143,9 +154,11 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def load_prompts(tokenizer) -> list[Prompt]:
-    """HumanEval (raw) and MT-Bench (each turn, raw and chat) prompts with their split."""
+    """HumanEval (raw) and MT-Bench (each turn, raw and, given a chat template, chat) prompts with
+    their split."""
     from specdec.prompt_sets import humaneval_tasks, mtbench_questions
 
+    chat = has_chat_template(tokenizer)
     prompts = []
     for i, task in enumerate(humaneval_tasks()):
         held = is_heldout("humaneval", i)
@@ -155,7 +168,8 @@ def load_prompts(tokenizer) -> list[Prompt]:
         for turn, text in enumerate(q["turns"]):
             pid = f"mtbench/{q['question_id']}/{turn}"
             prompts.append(Prompt(pid, "mtbench", held, tuple(tokenizer(text).input_ids)))
-            prompts.append(Prompt(pid + "/chat", "mtbench-chat", held, tuple(chat_ids(tokenizer, text))))
+            if chat:
+                prompts.append(Prompt(pid + "/chat", "mtbench-chat", held, tuple(chat_ids(tokenizer, text))))
     return prompts
 
 
@@ -205,17 +219,18 @@ def function_prompts(
 
     - ``code``: the ``def`` line(s) and docstring, like a HumanEval prompt;
     - ``instruct``: "Write a Python function `name`. <docstring summary>", raw text;
-    - ``instruct-chat``: the same instruction with the chat template.
+    - ``instruct-chat``: the same instruction with the chat template (when the tokenizer has one).
     """
     out: list[Prompt] = []
+    chat = has_chat_template(tokenizer)
     files = [p for p in _text_files(seed) if p.suffix == ".py"]
     seen: set[str] = set()
     for path in files:
-        if len(out) >= 3 * n:
+        if len(seen) >= n:
             break
         taken = 0
         for name, code, doc in _function_sources(path):
-            if taken == per_file or len(out) >= 3 * n:
+            if taken == per_file or len(seen) >= n:
                 break
             if name in seen:
                 continue
@@ -228,9 +243,12 @@ def function_prompts(
             pid = f"function/{path.stem}/{name}"
             out.append(Prompt(pid, "code", False, tuple(ids)))
             out.append(Prompt(pid + "/instruct", "instruct", False, tuple(tokenizer(instruction).input_ids)))
-            out.append(Prompt(pid + "/chat", "instruct-chat", False, tuple(chat_ids(tokenizer, instruction))))
+            if chat:
+                out.append(
+                    Prompt(pid + "/chat", "instruct-chat", False, tuple(chat_ids(tokenizer, instruction)))
+                )
             taken += 1
-    return out[: 3 * n]
+    return out
 
 
 def self_instruct_requests(
@@ -608,10 +626,33 @@ class FeatureData:
         return [i for i in self.sequences(heldout) if not self.names[i].startswith(LESSON_PREFIX)]
 
 
+def target_cache_name(target: str) -> str:
+    """The name a target's cache files carry: a built-in model name as it is; a checkpoint
+    directory or GGUF file as its name and a hash of its absolute path, its ``config.json`` and its
+    weight files' names, sizes and modification times (another checkpoint written to the same path
+    gets a cache of its own; nothing is read from the weights)."""
+    from specdec.targets.loading import BUILTIN_MODELS
+
+    if target in BUILTIN_MODELS:
+        return target
+    path = Path(target).expanduser().resolve()
+    if not path.exists():
+        raise ValueError(f"DataConfig.target: {target!r} is neither a built-in model name nor a path")
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    h = hashlib.sha1(str(path).encode())
+    for f in files:
+        if f.name == "config.json":
+            h.update(f.read_bytes())
+        elif f.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
+            st = f.stat()
+            h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return f"{path.stem}-{h.hexdigest()[:8]}"
+
+
 def _cache_root(cfg: DataConfig, root: Path | None) -> Path:
     from specdec.targets.loading import cache_dir
 
-    return (root or cache_dir() / "eagle-data") / f"{cfg.target}-{cfg.key()}"
+    return (root or cache_dir() / "eagle-data") / f"{target_cache_name(cfg.target)}-{cfg.key()}"
 
 
 def shard_key(target: str, topk: int, chunk: list[tuple[str, bool, list[int]]]) -> str:
@@ -690,9 +731,11 @@ def _continuations(
     from specdec.targets import load_target
 
     target = load_target(cfg.target)
+    tname = target_cache_name(cfg.target)
     fn_prompts = function_prompts(tokenizer, cfg.function_prompts, cfg.seed) if cfg.function_prompts else []
     if fn_prompts:
-        log(f"[data] {len(fn_prompts)} prompts from {len(fn_prompts) // 3} standard-library functions")
+        functions = sum(p.kind == "code" for p in fn_prompts)
+        log(f"[data] {len(fn_prompts)} prompts from {functions} standard-library functions")
     trained = [p for p in prompts if not p.heldout]
     jobs = [("greedy", 0.0, cfg.greedy_tokens, 1, prompts if cfg.heldout_continuations else trained)]
     if fn_prompts:
@@ -700,10 +743,12 @@ def _continuations(
     if cfg.sample_tokens > 0 and cfg.sample_continuations > 0:
         jobs.append(("sample", cfg.sample_temperature, cfg.sample_tokens, cfg.sample_continuations, trained))
     self_prompts: list[Prompt] = []
-    if cfg.self_instruct > 0:
+    if cfg.self_instruct > 0 and not has_chat_template(tokenizer):
+        log("[data] self-instruct: skipped, the target's tokenizer has no chat template")
+    elif cfg.self_instruct > 0:
         req_path = (
             out.parent
-            / f"{cfg.target}-self-instruct-n{cfg.self_instruct}-t{cfg.self_instruct_tokens}-s{cfg.seed}.json"
+            / f"{tname}-self-instruct-n{cfg.self_instruct}-t{cfg.self_instruct_tokens}-s{cfg.seed}.json"
         )
         if req_path.exists():
             requests = json.loads(req_path.read_text())
@@ -726,7 +771,7 @@ def _continuations(
     conts: dict[str, dict[str, list[list[int]]]] = {}
     for name, temp, n, k, ps in jobs:
         key = hashlib.sha1(json.dumps([p.ids for p in ps]).encode()).hexdigest()[:8]
-        cont_path = out.parent / f"{cfg.target}-specdec-{name}-T{temp:g}-n{n}x{k}-s{cfg.seed}-{key}.json"
+        cont_path = out.parent / f"{tname}-specdec-{name}-T{temp:g}-n{n}x{k}-s{cfg.seed}-{key}.json"
         if cont_path.exists():
             conts[name] = json.loads(cont_path.read_text())
             continue
@@ -754,11 +799,12 @@ def _feature_shards(
     from safetensors.torch import save_file
 
     shard_size, shards, reused = 64, [], 0
+    tname = target_cache_name(cfg.target)
     t0 = time.perf_counter()
     (out.parent / "shards").mkdir(exist_ok=True)
     for start in range(0, len(seqs), shard_size):
         chunk = seqs[start : start + shard_size]
-        name = f"../shards/{shard_key(cfg.target, cfg.topk, chunk)}.safetensors"
+        name = f"../shards/{shard_key(tname, cfg.topk, chunk)}.safetensors"
         shards.append(name)
         if (out / name).exists():
             reused += 1

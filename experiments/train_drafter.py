@@ -45,7 +45,14 @@ import torch
 import torch.nn.functional as F
 
 from experiments.config_cli import add_config_arguments, config_from_args
-from experiments.drafter_data import DataConfig, FeatureData, build_aux_features, build_dataset, load_dataset
+from experiments.drafter_data import (
+    DataConfig,
+    FeatureData,
+    build_aux_features,
+    build_dataset,
+    load_dataset,
+    target_cache_name,
+)
 from specdec.drafters.eagle import (
     Eagle3Head,
     EagleConfig,
@@ -97,10 +104,11 @@ class TrainConfig:
     token loss alone, as EAGLE-3 does (then the head's output is free to be any useful state)."""
     aux_layers: tuple[int, ...] = (1, 14)
     """EAGLE-3 fused input: target decoder layers (0-based) whose outputs join the last layer's
-    feature (``(1, 14)`` of SmolLM2's 30: a low and a middle layer; ``()``: the EAGLE-1 input, the
-    last layer alone). Their features are captured in the same forward as the cache's features for
-    shards extracted now, and added to shards already cached by ``build_aux_features`` (about half a
-    target pass)."""
+    feature (``(1, 14)`` of SmolLM2's 30: a low and a middle layer; left at this default, a target of
+    another depth L gets the same pair, ``(1, L/2−1)``, see :func:`resolve_for_target`; ``()``: the
+    EAGLE-1 input, the last layer alone). Their features are captured in the same forward as the
+    cache's features for shards extracted now, and added to shards already cached by
+    ``build_aux_features`` (about half a target pass)."""
     prev_token_input: bool = True
     """Feed the head ``embed(x_t)`` too (``EagleConfig.prev_token_input``): a key for copying from
     the context (taught by the data's copy lessons)."""
@@ -157,25 +165,53 @@ class TrainConfig:
             )
 
 
-def resolve_compat(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with a ``compat`` preset's aux layers filled in: left at the default, they become the
-    serving engines' default for the target's L layers (vLLM and SGLang capture the residual
-    entering layers 2, L/2 and L−3: the outputs of layers 1, L/2−1 and L−4)."""
-    if cfg.compat is None or tuple(cfg.aux_layers) != TrainConfig.aux_layers:
-        return cfg
+def resolve_for_target(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the aux layers fitted to the target's depth L when left at the default:
+    ``(1, L/2−1)``, a low and a middle layer (``(1, 14)`` for SmolLM2's 30; on a target too shallow
+    for two such layers, the ones that exist below the last); with ``compat``, the serving engines'
+    default (vLLM and SGLang capture the residual entering layers 2, L/2 and L−3: the outputs of
+    layers 1, L/2−1 and L−4). ``ValueError`` naming ``aux_layers`` when they do not fit the target."""
     from specdec.targets.loading import load_hf_config
 
-    L = int(load_hf_config(cfg.data.target).num_hidden_layers)
-    return replace(cfg, aux_layers=(1, L // 2 - 1, L - 4))
+    hf_config = load_hf_config(cfg.data.target)
+    L, V = int(hf_config.num_hidden_layers), int(hf_config.vocab_size)
+    if cfg.draft_vocab_size > V:
+        raise ValueError(
+            f"draft_vocab_size must be at most the target's vocabulary ({V}), got {cfg.draft_vocab_size}"
+        )
+    layers = tuple(cfg.aux_layers)
+    if layers == TrainConfig.aux_layers:
+        if cfg.compat is not None:
+            layers = (1, L // 2 - 1, L - 4)
+            if len(set(layers)) != 3 or min(layers) < 0:
+                raise ValueError(
+                    f"aux_layers: the engines' default layers (1, L/2-1, L-4) = {layers} coincide on a "
+                    f"{L}-layer target; give three distinct --aux-layers below {L - 1}"
+                )
+        else:
+            layers = tuple(sorted({i for i in (1, L // 2 - 1) if 0 <= i < L - 1}))
+    if any(i >= L - 1 for i in layers):
+        raise ValueError(
+            f"aux_layers must be decoder layers below the last ({L - 1}) of the {L}-layer target "
+            f"{cfg.data.target!r}, got {layers}"
+        )
+    return replace(cfg, aux_layers=layers)
 
 
-def build_draft_vocab(data: FeatureData, train_seqs: list[int], n: int) -> tuple[torch.Tensor, dict]:
+def build_draft_vocab(
+    data: FeatureData, train_seqs: list[int], n: int, vocab_size: int | None = None
+) -> tuple[torch.Tensor, dict]:
     """The ``n`` tokens the target most often predicts (top-1) on the training split, by frequency.
 
     Ties keep id order. Tokens that are never a top-1 prediction come after all that are, ordered by
     how often they appear anywhere in the stored top-k (a vocabulary larger than the distinct top-1
-    predictions fills up with the target's likely alternatives, not with arbitrary ids)."""
-    size = int(data.topk_ids.max()) + 1 if data.topk_ids.numel() else 1
+    predictions fills up with the target's likely alternatives, not with arbitrary ids), then tokens
+    never seen in the top-k, by id, up to the target's ``vocab_size`` (default: the largest stored id
+    + 1)."""
+    seen = int(data.topk_ids.max()) + 1 if data.topk_ids.numel() else 1
+    size = max(seen, vocab_size or 0)
+    if n > size:
+        raise ValueError(f"draft_vocab_size must be at most the target's vocabulary ({size}), got {n}")
     counts = torch.zeros(size, dtype=torch.long)
     anywhere = torch.zeros(size, dtype=torch.long)
     for s in train_seqs:
@@ -489,9 +525,9 @@ def _prepare(cfg: TrainConfig, data_root: Path | None, log) -> tuple[_Run, Path]
         f"[train] data: {len(train_seqs)} train / {len(held_seqs)} held-out sequences, {n_train} train "
         f"tokens, {data.features.numel() * 2 / 2**20:.0f} MiB of features"
     )
-    vocab_N, coverage = build_draft_vocab(data, train_seqs, cfg.draft_vocab_size)
-    log(f"[train] top-1 coverage of the draft vocab by size: {coverage}")
     model = load_hf_model(cfg.data.target)
+    vocab_N, coverage = build_draft_vocab(data, train_seqs, cfg.draft_vocab_size, model.config.vocab_size)
+    log(f"[train] top-1 coverage of the draft vocab by size: {coverage}")
     parts = hf_parts(model)
     feature_std = float(data.features[:200_000].float().std())
     if cfg.init_from is not None:
@@ -597,7 +633,7 @@ def train(
 ) -> dict:
     """Build (or reuse) the data cache, train, save the head to ``out``; return a summary."""
     t_start = time.perf_counter()
-    cfg = resolve_compat(cfg)
+    cfg = resolve_for_target(cfg)
     run, data_dir = _prepare(cfg, data_root, log)
     cfg_key = hashlib.sha1(json.dumps(_key_fields(cfg), sort_keys=True, default=str).encode()).hexdigest()[
         :10
@@ -633,7 +669,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m experiments train-drafter", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--out", type=Path, default=Path("specdec/weights/eagle-smollm2-135m.safetensors"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where to save the head (default specdec/weights/eagle-<target>.safetensors, the target's "
+        "built-in name or its checkpoint folder's name and hash)",
+    )
     p.add_argument(
         "--data-root", type=Path, default=None, help="feature cache root (default ~/.cache/specdec)"
     )
@@ -642,9 +684,10 @@ def main(argv: list[str] | None = None) -> int:
     add_config_arguments(p, TrainConfig)
     a = p.parse_args(argv)
     cfg = config_from_args(TrainConfig, a)
+    out = a.out or Path("specdec/weights") / f"eagle-{target_cache_name(cfg.data.target)}.safetensors"
     train(
         cfg,
-        out=a.out,
+        out=out,
         work=a.work,
         data_root=a.data_root,
         evaluate=not a.no_eval,

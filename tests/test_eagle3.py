@@ -276,7 +276,7 @@ def _tiny_build(monkeypatch, tiny3, prompts, *, tokenizer):
     monkeypatch.setattr(loading, "load_hf_model", lambda name: tiny3["hf"])
     monkeypatch.setattr(targets_pkg, "load_target", lambda name: LlamaTarget.from_pretrained(tiny3["path"]))
     return dd.DataConfig(
-        target="tiny",
+        target=str(tiny3["path"]),
         greedy_tokens=3,
         sample_tokens=0,
         function_prompts=0,
@@ -353,7 +353,7 @@ def test_copy_lessons_come_after_the_natural_sequences_and_reuse_their_shards(ti
     with_lessons_dir = dd.build_dataset(
         replace(cfg, repeat_sequences=4, repeat_length=48), tmp_path, log=lines.append
     )
-    assert with_lessons_dir != tmp_path / f"tiny-{cfg.key()}"
+    assert with_lessons_dir != tmp_path / f"{dd.target_cache_name(cfg.target)}-{cfg.key()}"
     assert "[data] 1 of 2 shards were already in" in " ".join(lines)  # the full natural shard
     data = dd.load_dataset(with_lessons_dir)
     n = len(plain.names)

@@ -21,7 +21,7 @@ from experiments.train_drafter import (
     _key_fields,
     build_draft_vocab,
     main,
-    resolve_compat,
+    resolve_for_target,
     train,
 )
 
@@ -254,7 +254,7 @@ def test_compat_speculators_trains_an_exportable_eagle3_head(runs, tmp_path):
 
     cfg = replace(runs["cfg"], compat="speculators", steps=4, prev_token_input=True, reg_weight=1.0)
     assert (cfg.prev_token_input, cfg.reg_weight, cfg.feature_noise) == (False, 0.0, 0.0)
-    assert resolve_compat(cfg).aux_layers == (1, 14, 26)  # the engines' default for 30 layers
+    assert resolve_for_target(cfg).aux_layers == (1, 14, 26)  # the engines' default for 30 layers
     _fake_cache(tmp_path / "data", cfg.data, (1, 14, 26))
     file = tmp_path / "compat.safetensors"
     summary = train(
