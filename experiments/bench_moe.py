@@ -32,7 +32,6 @@ Writes bench_moe.json and bench_moe.md to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -40,7 +39,9 @@ from pathlib import Path
 import torch
 
 from specdec.bench.interleave import time_interleaved
+from specdec.bench.report import benchmark_document
 from specdec.cli_args import positive_int_list
+from specdec.summary import Summary, table_from_rows, write_json
 
 IMPLS = ("ours", "ours_general", "ours_mkl", "hf_eager", "hf_grouped", "dense", "dense_mkl")
 
@@ -241,6 +242,28 @@ def to_markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+IMPLS = ("ours", "ours_general", "ours_mkl", "hf_eager", "hf_grouped", "dense", "dense_mkl")
+
+
+def summarize(record: dict) -> Summary:
+    """The results table (GFLOP/s per implementation and T, the goal ratios) in the results schema."""
+    c, env = record["config"], record["env"]
+    rows = [
+        {"tokens": r["tokens"], **r["gflops"], **{k: r[k] for k in ("ours_vs_hf_best", "ours_vs_dense")}}
+        | {"goal": "yes" if r["goal_met"] else "no"}
+        for r in record["results"]
+    ]
+    caption = (
+        f"MoE layer on the CPU, GFLOP/s (median of interleaved repetitions): $E={c['experts']}$, "
+        f"top-{c['top_k']}, dim {c['dim']}, hidden {c['hidden']}, fp32, {env.get('threads')} threads; "
+        "ours against transformers' MixtralSparseMoeBlock and a dense SwiGLU of equal FLOPs."
+    )
+    columns = [("tokens", "$T$", "d"), *((k, k.replace("_", " "), ".1f") for k in IMPLS)]
+    columns += [("ours_vs_hf_best", "ours / HF best", ".2f"), ("ours_vs_dense", "ours / dense", ".2f")]
+    columns += [("goal", "goal", "")]
+    return Summary(title="MoE layer on the CPU", tables=(table_from_rows("gflops", caption, columns, rows),))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: `python -m experiments.bench_moe [options]`; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -256,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_moe.json").write_text(json.dumps(record, indent=2) + "\n")
+        document = benchmark_document(
+            record, experiment="bench-moe", summarize=summarize, description=__doc__.split("\n")[0]
+        )
+        write_json(args.out / "bench_moe.json", document)
         (args.out / "bench_moe.md").write_text(markdown)
         print(f"wrote {args.out / 'bench_moe.json'} and {args.out / 'bench_moe.md'}")
     return 0

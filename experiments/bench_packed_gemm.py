@@ -17,8 +17,8 @@ this machine picks by default and the commit.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +27,9 @@ import torch
 from kernels.native import cpu_isa, cpu_model, runnable_isas
 from kernels.packed_gemm import PackedWeight, pack_weight, packed_linear
 from kernels.quant import quantize_int4, quantize_int8
+from specdec.bench.report import benchmark_document
 from specdec.cli_args import positive_int_list
+from specdec.summary import Summary, table_from_rows, write_json
 
 __all__ = ["pack_format", "main"]
 
@@ -116,6 +118,30 @@ def to_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summarize(record: dict) -> Summary:
+    """The results table (GB/s per ISA path, format and row count M) in the results schema."""
+    rows_M = [str(m) for m in record["rows"]]
+    rows = []
+    for isa, formats in record["paths"].items():
+        for fmt, r in formats.items():
+            row = {"isa": isa, "format": fmt, "mb": r["packed_bytes"] / 2**20}
+            row |= {f"gb_s_{m}": r["gb_s"][m] for m in rows_M}
+            row |= {f"of_bw_{m}": r["of_bandwidth"][m] for m in rows_M}
+            row |= {f"rel_{m}": r["rel_to_one_row"][m] for m in rows_M[1:]}
+            rows.append(row)
+    columns = [("isa", "ISA path", ""), ("format", "format", ""), ("mb", "MB", ".0f")]
+    for m in rows_M:
+        columns += [(f"gb_s_{m}", f"$M={m}$ GB/s", ".1f"), (f"of_bw_{m}", "of read bw", ".0%")]
+    columns += [(f"rel_{m}", f"$M={m}$ / $M={rows_M[0]}$", ".2f") for m in rows_M[1:]]
+    caption = (
+        "Packed CPU kernel, one weight matrix streamed from memory: GB/s of packed weight read per "
+        f"product of $M$ rows (median of interleaved rounds), {record['threads']} threads."
+    )
+    return Summary(
+        title="Packed CPU kernel bandwidth", tables=(table_from_rows("bandwidth", caption, columns, rows),)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m experiments.bench_packed_gemm", description=__doc__.split("\n")[0]
@@ -150,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "commit": env["commit"],
         "environment": env,
+        "command": "python -m experiments.bench_packed_gemm "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "rows": args.rows,
         "paths": {isa: _bench_path(isa, args.megabytes, args.rows, args.rounds, print) for isa in isas},
     }
@@ -157,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     print(to_markdown(record))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2))
+        document = benchmark_document(
+            record, experiment="packed-gemm", summarize=summarize, description=__doc__.split("\n")[0]
+        )
+        write_json(args.json, document)
         args.json.with_suffix(".md").write_text(to_markdown(record))
     return 0
 

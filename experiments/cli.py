@@ -208,7 +208,7 @@ def cmd_summarize(argv: Sequence[str]) -> int:
     from experiments.registry import get_experiment
     from experiments.runner import plan_configs, summarize_experiment
     from experiments.store import experiment_dir
-    from experiments.summary import publish_summary
+    from specdec.summary import publish_summary
 
     base, axes = _overrides(args)
     experiment = get_experiment(args.name)

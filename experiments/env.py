@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 import functools
 import os
 import platform
@@ -13,15 +12,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["capture_env", "describe_machine", "utc_now"]
+from specdec.summary import utc_now
+
+__all__ = ["capture_env", "describe_machine"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _PACKAGES = ("torch", "transformers", "triton", "numpy", "scipy", "wandb", "specdec")
-
-
-def utc_now() -> str:
-    """The current UTC time in ISO 8601 with a ``Z`` suffix."""
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def _version(package: str) -> str | None:

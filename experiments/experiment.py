@@ -31,7 +31,7 @@ from experiments.sweep import Sweep, expand
 if TYPE_CHECKING:
     from experiments.runner import RunContext
     from experiments.store import RunRecord
-    from experiments.summary import Summary
+    from specdec.summary import Summary
 
 __all__ = ["Experiment", "RunFn", "SummarizeFn", "PlanFn"]
 

@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 
 from experiments.config import config_to_dict, has_field, run_id
-from experiments.env import capture_env, describe_machine, utc_now
+from experiments.env import capture_env, describe_machine
 from experiments.experiment import Experiment
 from experiments.registry import get_experiment
 from experiments.store import (
@@ -32,9 +32,9 @@ from experiments.store import (
     start_run,
     write_error,
 )
-from experiments.summary import SCHEMA, publish_summary, write_json
 from experiments.sweep import expand, shard
 from experiments.wandb_log import NullRun, open_wandb_run
+from specdec.summary import publish_summary, summary_document, write_json
 
 __all__ = ["RunContext", "RunReport", "run_experiment", "summarize_experiment", "plan_configs"]
 
@@ -249,21 +249,18 @@ def summarize_experiment(
     summary = spec.summarize(records)
     envs = [r.env() for r in records]
     machines = sorted({describe_machine(e) for e in envs})
-    data = {
-        "schema": SCHEMA,
-        "experiment": spec.name,
-        "description": spec.description,
-        "command": f"python -m experiments run {spec.name}" + (" --smoke" if smoke else ""),
-        "created_at": utc_now(),
-        "smoke": smoke,
-        "complete": not missing,
-        "num_runs": len(records),
-        "num_planned_runs": len(configs),
-        "missing_run_ids": missing,
-        "machine": "; ".join(machines),
-        "env": envs[0],
-        **summary.to_dict(),
-    }
+    data = summary_document(
+        experiment=spec.name,
+        summary=summary,
+        command=f"python -m experiments run {spec.name}" + (" --smoke" if smoke else ""),
+        machine="; ".join(machines),
+        env=envs[0],
+        description=spec.description,
+        smoke=smoke,
+        num_runs=len(records),
+        num_planned_runs=len(configs),
+        missing_run_ids=missing,
+    )
     path = exp_dir / SUMMARY_FILE
     write_json(path, data)
     status = (

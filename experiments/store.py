@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.config import config_to_dict, config_type_name, run_id
-from experiments.env import utc_now
-from experiments.summary import atomic_write_text, write_json
+from specdec.summary import atomic_write_text, utc_now, write_json
 
 __all__ = [
     "CONFIG_FILE",

@@ -11,6 +11,7 @@ from _tiny import save_tiny_checkpoint
 
 from specdec import bench
 from specdec.bench import BenchConfig, load_prompts, markdown_table, run_bench
+from specdec.bench.report import bench_document
 
 
 def test_prompt_sets_are_read_from_the_installed_packages():
@@ -73,6 +74,28 @@ def test_bench_compares_everything_in_one_run(ckpts, tiny_sets, tmp_path):
     spec = rows[("all", 0.0, "ours/model")]  # the draft model is the target itself: all accepted
     assert spec["acceptance_rate"] == 1.0 and spec["mean_accepted_tokens"] > 3
     assert spec["predicted_speedup"] > 0 and spec["measured_over_predicted"] > 0
+    # bench.json is in the one results schema (specdec.summary/1): the paper's reader accepts it
+    from paper.results import load_summary
+
+    doc = load_summary(tmp_path / "out" / "bench.json")
+    assert (doc["experiment"], doc["complete"], doc["num_runs"], doc["num_planned_runs"]) == (
+        "specdec-bench",
+        True,
+        2,
+        2,
+    )
+    (table,) = doc["tables"]
+    assert [(r["prompt_set"], r["method"]) for r in table["rows"]] == [
+        (r["prompt_set"], r["method"]) for r in data["summary"]
+    ]
+    assert [r["tokens_per_second"] for r in table["rows"]] == [
+        r["tokens_per_second"] for r in data["summary"]
+    ]
+    assert target in table["caption"] and doc["env"]["git_commit"] == data["environment"]["commit"]
+    partial = bench_document(payload, "specdec-bench", complete_temperatures=1)
+    assert not partial["complete"] and partial["missing_run_ids"] == ["T=0.7"]
+    with pytest.raises(ValueError, match="name must be a"):
+        BenchConfig(name="Bench 1")
     assert "| all | 0.7 | ours/ngram |" in md and "no-such-drafter" in md
     for r in data["runs"]:
         assert len(r["prompts"]) == 4

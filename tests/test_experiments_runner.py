@@ -12,8 +12,8 @@ from experiments.config import run_id, validate_config
 from experiments.experiment import Experiment
 from experiments.runner import plan_configs, run_experiment
 from experiments.store import DONE_FILE, is_finished
-from experiments.summary import SCHEMA, Summary, table_from_rows
 from experiments.sweep import Sweep
+from specdec.summary import SCHEMA, Summary, table_from_rows
 
 CALLS: list[tuple[int, float]] = []
 FAIL_AT: dict[str, object] = {}

@@ -9,8 +9,8 @@ from rich.console import Console
 
 from experiments.registry import EXPERIMENTS, get_experiment
 from experiments.runner import run_experiment
-from experiments.summary import publish_summary
 from paper.build import build
+from specdec.summary import publish_summary
 
 pytestmark = pytest.mark.slow  # every experiment end to end, ~10 s
 

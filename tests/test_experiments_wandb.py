@@ -16,9 +16,9 @@ from rich.console import Console
 from experiments.catalog.leviathan_table1 import PUBLISHED
 from experiments.experiment import Experiment
 from experiments.runner import run_experiment
-from experiments.summary import Summary
 from experiments.sweep import Sweep
 from experiments.wandb_log import NullRun, open_wandb_run, wandb_mode
+from specdec.summary import Summary
 
 REPO = Path(__file__).resolve().parent.parent
 

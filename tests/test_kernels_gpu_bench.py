@@ -30,7 +30,8 @@ def test_gpu_bench_dry_run_writes_a_complete_report(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_moe_bench.json").read_text())
-    assert report["schema"] == "specdec-gpu-moe-bench/1" and report["mode"].startswith("dry-run")
+    assert report["report_schema"] == "specdec-gpu-moe-bench/1" and report["mode"].startswith("dry-run")
+    assert report["schema"] == "specdec.summary/1" and report["smoke"]  # the one results schema
 
     checks = report["checks"]
     names = " ".join(c["name"] for c in checks)

@@ -29,8 +29,8 @@ from experiments.config import validate_config
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
-from experiments.summary import Figure, Series, Summary, series_from_rows, table_from_rows
 from experiments.sweep import Sweep
+from specdec.summary import Figure, Series, Summary, series_from_rows, table_from_rows
 
 __all__ = ["BATCH_SIZES", "BatchConfig", "plan", "run_batch", "crossover", "EXPERIMENT"]
 

@@ -25,7 +25,6 @@ from experiments.config import validate_config
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
-from experiments.summary import Figure, Series, Summary, table_from_rows
 from experiments.sweep import Sweep
 from experiments.theory.ep_scaling import (
     DEEPEP_LOW_LATENCY,
@@ -38,6 +37,7 @@ from experiments.theory.ep_scaling import (
     traffic,
     transfer_time_s,
 )
+from specdec.summary import Figure, Series, Summary, table_from_rows
 
 __all__ = ["EPScalingConfig", "DeepEPCheckConfig", "plan", "run_ep_scaling", "run_deepep_check", "EXPERIMENT"]
 

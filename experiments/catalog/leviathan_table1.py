@@ -17,7 +17,6 @@ from experiments.config import validate_config
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
-from experiments.summary import Figure, Series, Summary, table_from_rows
 from experiments.sweep import Sweep
 from experiments.theory.leviathan import (
     expected_tokens,
@@ -26,6 +25,7 @@ from experiments.theory.leviathan import (
     reproducing_interval,
     walltime_improvement,
 )
+from specdec.summary import Figure, Series, Summary, table_from_rows
 
 __all__ = ["PUBLISHED", "Table1RowConfig", "OptimalGammaConfig", "plan", "EXPERIMENT"]
 

@@ -29,7 +29,6 @@ from experiments.config import run_id, validate_config
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord, experiment_dir, is_finished
-from experiments.summary import Figure, Series, Summary, table_from_rows
 from experiments.sweep import Sweep
 from experiments.text_corpus import load_corpus
 from experiments.theory.moe_routing import (
@@ -50,6 +49,7 @@ from experiments.tiny_moe_lm import (
     train,
 )
 from specdec.registry import Registry
+from specdec.summary import Figure, Series, Summary, table_from_rows
 
 __all__ = [
     "MODEL_SHAPES",

@@ -36,7 +36,6 @@ from experiments.config import validate_config
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
-from experiments.summary import Figure, Series, Summary, table_from_rows
 from experiments.sweep import Sweep
 from experiments.theory.moe_routing import (
     drop_fraction,
@@ -46,6 +45,7 @@ from experiments.theory.moe_routing import (
 )
 from experiments.tiny_moe_lm import TinyTrainConfig
 from specdec.registry import Registry
+from specdec.summary import Figure, Series, Summary, table_from_rows
 
 __all__ = [
     "DropCheckConfig",

@@ -33,7 +33,6 @@ import torch
 from experiments.config import validate_config
 from experiments.runner import RunContext
 from experiments.store import RunRecord
-from experiments.summary import Figure, Series, Table, table_from_rows
 from experiments.sweep import Sweep
 from experiments.text_corpus import load_corpus, sample_batch
 from experiments.tiny_moe_lm import (
@@ -47,6 +46,7 @@ from experiments.tiny_moe_lm import (
     train,
     train_step,
 )
+from specdec.summary import Figure, Series, Table, table_from_rows
 
 __all__ = [
     "EXPERT_COUNTS",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,24 @@ __all__ = [
     "write_results",
     "serialise_run",
     "header",
+    "bench_document",
+    "benchmark_document",
+    "machine_line",
+    "BENCH_COLUMNS",
 ]
+
+BENCH_COLUMNS = (
+    ("prompt_set", "Prompts", ""),
+    ("temperature", "$T$", "g"),
+    ("method", "Method", ""),
+    ("tokens_per_second", "tok/s", ".1f"),
+    ("speedup", "Speedup", ".2f"),
+    ("acceptance_rate", "$\\alpha$", ".2f"),
+    ("mean_accepted_tokens", "$\\tau$", ".2f"),
+    ("predicted_speedup", "Pred.", ".2f"),
+    ("exact_match_rate", "Exact", ".2f"),
+)
+"""The table of ``bench.json`` (key, LaTeX label, format): a subset of each summary row's fields."""
 
 
 @dataclass
@@ -169,6 +186,43 @@ def _commit() -> str | None:
     return done.stdout.strip() or None
 
 
+def machine_line(env: dict) -> str:
+    """The machine of an :func:`environment`: CPU, the kernels' ISA path, threads, torch."""
+    return (
+        f"CPU: {env.get('cpu')} (kernels: {env.get('isa')} path), {env.get('torch_threads')} threads, "
+        f"torch {env.get('torch')}"
+    )
+
+
+def benchmark_document(
+    record: dict,
+    *,
+    experiment: str,
+    summarize: Callable[[dict], Any],
+    description: str,
+    created_at: str | None = None,
+) -> dict:
+    """A benchmark's results file: the ``specdec.summary/1`` part (``summarize(record)``'s tables, the
+    machine and commit of the record's :func:`environment` (its ``environment`` or ``env`` field),
+    ``record["command"]``) with the raw ``record`` beside it. ``summarize`` reads the record as the
+    file holds it (JSON: string keys), so a file already written converts the same way."""
+    from specdec.summary import summary_document
+
+    record = json.loads(json.dumps(record, default=str))
+    env = record.get("environment") or record["env"]
+    env["git_commit"] = env.get("commit")
+    document = summary_document(
+        experiment=experiment,
+        summary=summarize(record),
+        command=record.get("command", ""),
+        machine=machine_line(env),
+        env=env,
+        description=description,
+        created_at=created_at,
+    )
+    return {**document, **record}
+
+
 def header(payload: dict) -> str:
     """One line naming the machine, the ISA path, threads, weights and commit of a results payload."""
     env = payload.get("environment", {})
@@ -178,12 +232,53 @@ def header(payload: dict) -> str:
     )
 
 
+def bench_document(
+    payload: dict, name: str, *, complete_temperatures: int | None = None, created_at: str | None = None
+) -> dict:
+    """``bench.json``'s ``specdec.summary/1`` part for a results ``payload`` (config, environment,
+    summary rows): one table of the summary rows (:data:`BENCH_COLUMNS`), the machine line of
+    :func:`header`, and as runs the temperatures swept (``complete_temperatures`` of them finished;
+    default all). The raw payload goes beside it in the same file."""
+    from specdec.summary import Summary, summary_document, table_from_rows
+
+    cfg, env = payload["config"], payload["environment"]
+    temperatures = len(cfg["temperatures"])
+    done = temperatures if complete_temperatures is None else complete_temperatures
+    sizes = (
+        f"{cfg['num_prompts']} prompt(s) per set ({', '.join(cfg['prompt_sets'])}"
+        f"{', chat template' if cfg.get('chat') else ''}), {cfg['max_new_tokens']} new tokens, "
+        f"$\\gamma = {cfg['gamma']}$ ({cfg.get('gamma_policy', 'fixed')})"
+    )
+    caption = (
+        f"\\texttt{{specdec bench}} on {cfg['target']}: {sizes}. Speedup over \\texttt{{ours/none}} "
+        "measured in the same interleaved run; $\\alpha$ = accepted/proposed; $\\tau$ = tokens per "
+        "target call; Pred.: from the run's own $\\alpha$ and measured costs; Exact: greedy outputs "
+        "equal to \\texttt{ours/none}; the set \\texttt{all} pools every prompt."
+    )
+    rows = [{k: row.get(k) for k, _, _ in BENCH_COLUMNS} for row in payload["summary"]]
+    summary = Summary(
+        title=f"specdec bench: {cfg['target']}",
+        tables=(table_from_rows("speedup", caption, BENCH_COLUMNS, rows),),
+    )
+    return summary_document(
+        experiment=name,
+        summary=summary,
+        command=payload["command"],
+        machine=header(payload),
+        env={**env, "git_commit": env.get("commit")},
+        description="Every method on the same prompts, interleaved (specdec bench)",
+        num_runs=done,
+        num_planned_runs=temperatures,
+        missing_run_ids=[f"T={t:g}" for t in cfg["temperatures"][done:]],
+        created_at=created_at,
+    )
+
+
 def write_results(out_dir: Path, payload: dict, command: str) -> None:
     """Write ``bench.json`` (atomically) and ``bench.md`` to ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "bench.json.tmp"
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(out_dir / "bench.json")  # atomic: a reader never sees half a file
+    from specdec.summary import write_json
+
+    write_json(out_dir / "bench.json", payload, indent=1)  # atomic: a reader never sees half a file
     notes = "".join(f"- {n}\n" for n in payload["notes"])
     peer = payload.get("llama_bench")
     peer_line = f"\nllama-bench: {peer}\n" if peer else ""

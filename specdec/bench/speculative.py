@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,6 +42,7 @@ from specdec.bench.hf_baselines import HF_BASELINES, hf_method
 from specdec.bench.interleave import Prompt, generate_method, run_interleaved
 from specdec.bench.peers import PEERS, llama_bench_figures, llama_cpp_methods
 from specdec.bench.report import (
+    bench_document,
     environment,
     markdown_table,
     pooled_tokens_per_second,
@@ -55,6 +57,7 @@ from specdec.prompt_sets import (
     encode_prompt,
     load_prompts,
 )
+from specdec.summary import utc_now
 from specdec.targets.llama_weights import WEIGHT_MODES
 
 __all__ = [
@@ -99,8 +102,13 @@ class BenchConfig:
     device: str = "cpu"
     warmup: bool = True
     out: str = "results/bench"
+    name: str = "specdec-bench"
+    """The results' experiment name (``bench.json`` is a ``specdec.summary/1`` file: the paper's table
+    labels and a published file's name come from it)."""
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", self.name):
+            raise ValueError(f"name must be a [a-z0-9-] experiment name, got {self.name!r}")
         if self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if self.max_new_tokens < 1:
@@ -231,6 +239,7 @@ class _Recorder:
     ) -> None:
         self.cfg, self.command, self.notes, self.console = cfg, command, notes, console
         self.num_prompts, self.runs, self.done = num_prompts, [], 0
+        self.created_at = utc_now()
         self.payload: dict[str, Any] = {
             "config": asdict(cfg),
             "command": command,
@@ -249,7 +258,11 @@ class _Recorder:
         current = self.runs + self.temperature_runs(temperature, results)
         self.payload["summary"] = summarize(current, self.cfg.prompt_sets)
         self.payload["runs"] = [serialise_run(r) for r in current]
-        write_results(Path(self.cfg.out), self.payload, self.command)
+        finished = self.cfg.temperatures.index(temperature) + (self.done == self.num_prompts)
+        document = bench_document(
+            self.payload, self.cfg.name, complete_temperatures=finished, created_at=self.created_at
+        )
+        write_results(Path(self.cfg.out), {**document, **self.payload}, self.command)
 
     def failed(self, temperature: float, method: str, prompt: Prompt, err: Exception) -> None:
         where = f"{method} T={temperature:g} failed at prompt {prompt.set}/{prompt.index}"
@@ -401,6 +414,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="torch device for every model: cpu, cuda, cuda:1, ...")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per run")
     p.add_argument("--out", default=d.out, help="output folder for bench.json and bench.md")
+    p.add_argument("--name", default=d.name, help="experiment name of the results (schema specdec.summary/1)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -442,6 +456,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         device=args.device,
         warmup=not args.no_warmup,
         out=args.out,
+        name=args.name,
     )
 
 

@@ -22,18 +22,19 @@ The header names the CPU, the kernels' ISA path, the threads and the commit.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from specdec.bench.interleave import time_interleaved
-from specdec.bench.report import environment
+from specdec.bench.report import benchmark_document, environment
 from specdec.cli_args import ArgumentParser, csv, positive_int
+from specdec.summary import Summary, table_from_rows, write_json
 from specdec.targets.llama import LlamaTarget
 
 __all__ = ["greedy_decode", "read_bandwidth", "forward_curves", "main"]
@@ -200,6 +201,36 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summarize(result: dict[str, Any]) -> Summary:
+    """The results table (one row per weight format) in the results schema, read from the JSON form
+    of ``result`` (string block keys)."""
+    hf = result["transformers_tok_s"]
+    blocks = list(next(iter(result["formats"].values()))["verify_ratio"])
+    rows = []
+    for w, r in result["formats"].items():
+        row = {k: r[k] for k in ("weight_mb", "decode_tok_s", "floor_ms", "forward_over_floor")}
+        row |= {"weights": w, "vs_hf": r["decode_tok_s"] / hf, "t1_ms": r["forward_ms"]["1"]}
+        row |= {"greedy": "yes" if r["greedy_equals_transformers"] else "no"}
+        rows.append(row | {f"verify_{T}": r["verify_ratio"][T] for T in blocks})
+    columns = [
+        ("weights", "weights", ""),
+        ("weight_mb", "MB", ".0f"),
+        ("decode_tok_s", "decode tok/s", ".1f"),
+        ("vs_hf", "$\\times$ transformers", ".2f"),
+        ("greedy", "greedy = transformers", ""),
+        ("t1_ms", "$T=1$ ms", ".1f"),
+        ("floor_ms", "floor ms", ".1f"),
+        ("forward_over_floor", "$T=1$ / floor", ".2f"),
+        *((f"verify_{T}", f"$T={T}$", ".2f") for T in blocks),
+    ]
+    caption = (
+        f"The native target per weight format: decode tok/s (transformers fp32: {hf:.1f}), one-token "
+        f"forward against the weight-read floor at {result['read_bandwidth_gb_s']:.1f} GB/s, and the "
+        "forward time of a block of $T$ tokens over one token's."
+    )
+    return Summary(title="Native target", tables=(table_from_rows("formats", caption, columns, rows),))
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m specdec.bench.target``."""
     p = ArgumentParser(prog="python -m specdec.bench.target", description=__doc__.split("\n")[0])
@@ -225,8 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(report(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        document = benchmark_document(
+            result, experiment="target-formats", summarize=summarize, description=__doc__.split("\n")[0]
+        )
+        write_json(Path(args.json), document)
     return 0
 
 

@@ -1,9 +1,11 @@
-"""Experiment summaries: the tables and figure data that ``paper/`` renders, as one JSON file.
+"""The one results schema: tables and figure data, with where and how they were made, as one JSON file.
 
-An experiment's ``summarize`` function turns its finished runs into a :class:`Summary` (tables of
-rows, figures as x/y series). The runner adds where and how it was made and writes
-``<out>/<experiment>/summary.json``; ``--publish`` copies it to ``paper/results/<experiment>.json``,
-which ``python -m paper build`` reads. The JSON layout (``"schema": "specdec.summary/1"``)::
+Every result file of the project is a :func:`summary_document`: an experiment's summary (its
+``summarize`` function turns finished runs into a :class:`Summary`; the runner writes
+``<out>/<experiment>/summary.json`` and ``--publish`` copies it to ``paper/results/``), and the
+benchmarks' files (``specdec bench``'s ``bench.json``, the MoE and kernel benchmarks), which add
+their raw measurements beside the tables. ``python -m paper build`` reads ``paper/results/*.json``.
+The JSON layout (``"schema": "specdec.summary/1"``)::
 
     {"schema", "experiment", "title", "description", "command", "created_at", "smoke", "complete",
      "num_runs", "num_planned_runs", "missing_run_ids", "machine", "env", "notes",
@@ -14,14 +16,17 @@ which ``python -m paper build`` reads. The JSON layout (``"schema": "specdec.sum
 
 ``format`` is a Python format spec (``".2f"``) applied by the paper to numbers; ``style`` is one of
 ``line``, ``dashed``, ``markers``, ``line+markers``, ``step``; series with the same ``group`` share a
-colour.
+colour. ``notes`` is text, or a list of lines (a benchmark's notes). ``env`` holds the versions
+and, as ``git_commit`` / ``git_dirty``, the commit the numbers come from.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,6 +40,8 @@ __all__ = [
     "Series",
     "Figure",
     "Summary",
+    "summary_document",
+    "utc_now",
     "atomic_write_text",
     "write_json",
     "default_publish_dir",
@@ -137,6 +144,48 @@ class Summary:
         }
 
 
+def utc_now() -> str:
+    """The current UTC time in ISO 8601 with a ``Z`` suffix."""
+    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    return now.isoformat().replace("+00:00", "Z")
+
+
+def summary_document(
+    *,
+    experiment: str,
+    summary: Summary,
+    command: str,
+    machine: str,
+    env: Mapping[str, Any],
+    description: str = "",
+    smoke: bool = False,
+    num_runs: int = 1,
+    num_planned_runs: int | None = None,
+    missing_run_ids: Sequence[str] = (),
+    created_at: str | None = None,
+) -> dict[str, Any]:
+    """A results file's contents in the schema: ``summary``'s tables and figures with where they came
+    from (``command``, ``machine``, ``env``, the time) and how complete they are."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", experiment):
+        raise ValueError(f"experiment must be a [a-z0-9-] name (file names come from it), got {experiment!r}")
+    planned = num_runs if num_planned_runs is None else num_planned_runs
+    return {
+        "schema": SCHEMA,
+        "experiment": experiment,
+        "description": description,
+        "command": command,
+        "created_at": created_at or utc_now(),
+        "smoke": smoke,
+        "complete": not missing_run_ids and num_runs >= planned,
+        "num_runs": num_runs,
+        "num_planned_runs": planned,
+        "missing_run_ids": list(missing_run_ids),
+        "machine": machine,
+        "env": dict(env),
+        **summary.to_dict(),
+    }
+
+
 def _formats(value: float, spec: str) -> bool:
     try:
         format(value, spec)
@@ -166,7 +215,10 @@ def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.chmod(tmp, 0o666 & ~umask)  # a plain file's mode, not mkstemp's owner-only 0600
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -177,9 +229,9 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any, *, indent: int = 2) -> None:
     """Atomically write ``data`` as indented, strict JSON (non-finite floats become null)."""
-    atomic_write_text(path, json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n")
+    atomic_write_text(path, json.dumps(_json_safe(data), indent=indent, allow_nan=False) + "\n")
 
 
 def default_publish_dir() -> Path:
