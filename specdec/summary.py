@@ -48,6 +48,7 @@ __all__ = [
     "publish_summary",
     "table_from_rows",
     "series_from_rows",
+    "series_from_points",
 ]
 
 SCHEMA = "specdec.summary/1"
@@ -260,6 +261,17 @@ def table_from_rows(
         for i, (k, label, fmt) in enumerate(columns)
     )
     return Table(name=name, caption=caption, columns=cols, rows=tuple(rows))
+
+
+def series_from_points(
+    points: Sequence[tuple[float, float]],
+    *,
+    label: str,
+    style: str = "line+markers",
+    group: str | None = None,
+) -> Series:
+    """A figure curve through ``(x, y)`` points, in the order given."""
+    return Series(label=label, x=[x for x, _ in points], y=[y for _, y in points], style=style, group=group)
 
 
 def series_from_rows(

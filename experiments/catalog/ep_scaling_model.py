@@ -37,7 +37,7 @@ from experiments.theory.ep_scaling import (
     traffic,
     transfer_time_s,
 )
-from specdec.summary import Figure, Series, Summary, table_from_rows
+from specdec.summary import Figure, Summary, Table, series_from_points, table_from_rows
 
 __all__ = ["EPScalingConfig", "DeepEPCheckConfig", "plan", "run_ep_scaling", "run_deepep_check", "EXPERIMENT"]
 
@@ -188,6 +188,16 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
     checks = sorted(
         (r for r in records if isinstance(r.config, DeepEPCheckConfig)), key=lambda r: r.config.ep_degree
     )
+    return Summary(
+        title="Expert parallelism: a communication model",
+        tables=(_scaling_table(scaling), _check_table(checks)),
+        figures=(_time_figure(scaling),),
+        notes="A model: bytes are counted, times are bytes over assumed bandwidths; no GPU was used.",
+    )
+
+
+def _scaling_table(scaling: Sequence[RunRecord]) -> Table:
+    """One row per (EP degree, scheme, dispatch dtype): bytes, cross-node share, modelled times."""
     rows = [
         {
             "ep": r.config.ep_degree,
@@ -220,7 +230,7 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         "divided by its tokens; cross-node: the RDMA share of them; MC/model: copies counted on random "
         "routing over the closed form."
     )
-    table = table_from_rows(
+    return table_from_rows(
         "ep-scaling",
         caption,
         [
@@ -239,6 +249,10 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         ],
         rows,
     )
+
+
+def _check_table(checks: Sequence[RunRecord]) -> Table:
+    """Our byte count against DeepEP's published latency and bandwidth, per EP degree."""
     check_rows = [
         {
             "ep": r.config.ep_degree,
@@ -251,7 +265,7 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         }
         for r in checks
     ]
-    check_table = table_from_rows(
+    return table_from_rows(
         "deepep-check",
         "Byte accounting against DeepEP's published low-latency kernels (H800, CX7 400 Gb/s; 128 tokens, "
         "hidden 7168, top-8, fp8 dispatch, bf16 combine): their latency and bandwidth, and our slot byte "
@@ -269,16 +283,23 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         ],
         check_rows,
     )
+
+
+def _all_to_all_ms(run: RunRecord) -> float:
+    return run.result["dispatch_ms"] + run.result["combine_ms"]
+
+
+def _time_figure(scaling: Sequence[RunRecord]) -> Figure:
+    """Dispatch + combine time against the EP degree per scheme and dtype, beside the expert GEMMs."""
     series = []
     for scheme in SCHEMES:
         for dtype in DTYPES:
             runs = [r for r in scaling if r.config.scheme == scheme and r.config.dispatch_dtype == dtype]
             if runs:
                 series.append(
-                    Series(
+                    series_from_points(
+                        [(r.config.ep_degree, _all_to_all_ms(r)) for r in runs],
                         label=f"{scheme}, {dtype} dispatch: dispatch + combine",
-                        x=[r.config.ep_degree for r in runs],
-                        y=[r.result["dispatch_ms"] + r.result["combine_ms"] for r in runs],
                         style="line+markers" if dtype == "fp8" else "dashed",
                         group=scheme,
                     )
@@ -286,15 +307,14 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
     expert_runs = [r for r in scaling if r.config.scheme == SCHEMES[0] and r.config.dispatch_dtype == "fp8"]
     if expert_runs:
         series.append(
-            Series(
+            series_from_points(
+                [(r.config.ep_degree, r.result["expert_ms"]) for r in expert_runs],
                 label="expert GEMMs",
-                x=[r.config.ep_degree for r in expert_runs],
-                y=[r.result["expert_ms"] for r in expert_runs],
                 style="step",
                 group="experts",
             )
         )
-    figure = Figure(
+    return Figure(
         name="ep-layer-time",
         caption="\\textbf{Model, not measurement:} all-to-all time (dispatch + combine) of one MoE layer "
         "forward against the EP degree, beside the expert GEMM time, in the setting of the table.",
@@ -302,12 +322,6 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         ylabel="modelled time per layer forward (ms)",
         series=tuple(series),
         ymin=0.0,
-    )
-    return Summary(
-        title="Expert parallelism: a communication model",
-        tables=(table, check_table),
-        figures=(figure,),
-        notes="A model: bytes are counted, times are bytes over assumed bandwidths; no GPU was used.",
     )
 
 

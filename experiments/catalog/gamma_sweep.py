@@ -34,7 +34,7 @@ from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
 from experiments.sweep import Sweep
-from specdec.summary import Figure, Series, Summary, table_from_rows
+from specdec.summary import Figure, Summary, Table, series_from_points, table_from_rows
 
 __all__ = ["DRAFTERS", "GammaSweepConfig", "plan", "run_gamma_sweep", "theory_curve", "EXPERIMENT"]
 
@@ -155,65 +155,52 @@ def run_gamma_sweep(config: GammaSweepConfig, ctx: RunContext) -> dict:
 
 def summarize(records: Sequence[RunRecord]) -> Summary:
     """Table per (drafter, γ); figures: speedup against γ (measured, predicted) and verify cost against T."""
-    rows, speed_series, cost_series = [], [], []
-    for rec in records:
-        d, theory = rec.config.drafter, rec.result["theory"]
-        curve = theory["predicted_speedup"]
-        for r in sorted(rec.result["methods"], key=lambda r: r["gamma"]):
-            g = r["gamma"]
-            rows.append(
-                {
-                    "drafter": d if g else f"plain ({d} run)",
-                    "gamma": g,
-                    "alpha": r.get("acceptance_rate") if g else None,
-                    "alpha_iid": r.get("alpha_iid") if g else None,
-                    "tau": r.get("mean_accepted_tokens"),
-                    "speedup": r.get("speedup"),
-                    "predicted": r.get("predicted_speedup") if g else None,
-                    "theory": curve[g] if g < len(curve) else None,
-                    "exact": r.get("exact_match_rate"),
-                    "tps": r.get("tokens_per_second"),
-                }
-            )
-        measured = sorted((r["gamma"], r["speedup"]) for r in rec.result["methods"] if r.get("speedup"))
-        speed_series += [
-            Series(
-                label=f"{d} measured",
-                x=[g for g, _ in measured],
-                y=[s for _, s in measured],
-                style="markers",
-                group=d,
-            ),
-            Series(
-                label=f"{d} theory ($\\alpha$={theory['alpha_iid']:.2f})",
-                x=theory["gamma"],
-                y=curve,
-                style="line",
-                group=d,
-            ),
-        ]
-        blocks = sorted((int(T), ms) for T, ms in theory["verify_ms_by_block"].items())
-        cost_series.append(
-            Series(
-                label=f"runs with {d}",
-                x=[T for T, _ in blocks],
-                y=[ms / theory["t_target_ms"] for _, ms in blocks],
-                style="line+markers",
-                group=d,
-            )
-        )
+    rows = [row for rec in records for row in _rows(rec)]
     cfg = records[0].config if records else GammaSweepConfig()
     sizes = (
         f"{cfg.num_prompts} prompt(s) each from {', '.join(cfg.prompt_sets)}, "
         f"{cfg.max_new_tokens} new tokens, $T={cfg.temperature:g}$, "
         f"{cfg.num_threads} torch thread(s) (CPU-sized)"
     )
+    exact = [r["exact"] for r in rows if r["exact"] is not None]
+    return Summary(
+        title="Draft length: measured against predicted speedup",
+        tables=(_table(records, rows, cfg, sizes),),
+        figures=_figures(records, sizes) if records else (),
+        notes=f"Exact-match rate of greedy outputs, min over gamma: {min(exact):.3f}." if exact else "",
+    )
+
+
+def _rows(rec: RunRecord) -> list[dict]:
+    """One table row per γ of one drafter's run (γ = 0: the plain decode of that run)."""
+    d, curve = rec.config.drafter, rec.result["theory"]["predicted_speedup"]
+    rows = []
+    for r in sorted(rec.result["methods"], key=lambda r: r["gamma"]):
+        g = r["gamma"]
+        rows.append(
+            {
+                "drafter": d if g else f"plain ({d} run)",
+                "gamma": g,
+                "alpha": r.get("acceptance_rate") if g else None,
+                "alpha_iid": r.get("alpha_iid") if g else None,
+                "tau": r.get("mean_accepted_tokens"),
+                "speedup": r.get("speedup"),
+                "predicted": r.get("predicted_speedup") if g else None,
+                "theory": curve[g] if g < len(curve) else None,
+                "exact": r.get("exact_match_rate"),
+                "tps": r.get("tokens_per_second"),
+            }
+        )
+    return rows
+
+
+def _table(records: Sequence[RunRecord], rows: list[dict], cfg: GammaSweepConfig, sizes: str) -> Table:
     costs = "; ".join(
         f"{r.config.drafter}: $t_\\mathrm{{draft}} = {r.result['theory']['t_draft_ms']:.2f}$ ms, "
         f"$t_\\mathrm{{target}}(1) = {r.result['theory']['t_target_ms']:.1f}$ ms"
         for r in records
     )
-    table = table_from_rows(
+    return table_from_rows(
         "gamma",
         f"Acceptance and speedup against $\\gamma$ on {cfg.target}: {sizes}. $\\alpha$ = accepted/proposed, "
         "$\\alpha_\\mathrm{iid}$ = accepted/(accepted + rejections); speedup over plain decoding measured "
@@ -234,7 +221,29 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         ],
         rows,
     )
-    figures = (
+
+
+def _figures(records: Sequence[RunRecord], sizes: str) -> tuple[Figure, ...]:
+    """Speedup against γ (measured markers, Theorem 3.8 line) and verify cost against T, per drafter."""
+    speed_series, cost_series = [], []
+    for rec in records:
+        d, theory = rec.config.drafter, rec.result["theory"]
+        measured = sorted((r["gamma"], r["speedup"]) for r in rec.result["methods"] if r.get("speedup"))
+        theory_points = list(zip(theory["gamma"], theory["predicted_speedup"], strict=True))
+        speed_series += [
+            series_from_points(measured, label=f"{d} measured", style="markers", group=d),
+            series_from_points(
+                theory_points,
+                label=f"{d} theory ($\\alpha$={theory['alpha_iid']:.2f})",
+                style="line",
+                group=d,
+            ),
+        ]
+        blocks = sorted(
+            (int(T), ms / theory["t_target_ms"]) for T, ms in theory["verify_ms_by_block"].items()
+        )
+        cost_series.append(series_from_points(blocks, label=f"runs with {d}", group=d))
+    return (
         Figure(
             name="speedup-vs-gamma",
             caption="Speedup over plain decoding against $\\gamma$: measured (markers) and predicted from "
@@ -253,13 +262,6 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
             series=tuple(cost_series),
             ymin=0.0,
         ),
-    )
-    exact = [r["exact"] for r in rows if r["exact"] is not None]
-    return Summary(
-        title="Draft length: measured against predicted speedup",
-        tables=(table,),
-        figures=figures if records else (),
-        notes=f"Exact-match rate of greedy outputs, min over gamma: {min(exact):.3f}." if exact else "",
     )
 
 

@@ -25,7 +25,7 @@ from experiments.theory.leviathan import (
     reproducing_interval,
     walltime_improvement,
 )
-from specdec.summary import Figure, Series, Summary, table_from_rows
+from specdec.summary import Figure, Series, Summary, Table, series_from_points, table_from_rows
 
 __all__ = ["PUBLISHED", "Table1RowConfig", "OptimalGammaConfig", "plan", "EXPERIMENT"]
 
@@ -121,6 +121,23 @@ def run_optimal_gamma(config: OptimalGammaConfig, ctx: RunContext) -> dict:
 def summarize(records: Sequence[RunRecord]) -> Summary:
     """Table 1 with the published numbers beside ours, the cost interval that reproduces them, the figure."""
     row_records = [r for r in records if isinstance(r.config, Table1RowConfig)]
+    c_range = reproducing_interval([(a, g, w) for (a, g), (_, w) in PUBLISHED.items()], kind="walltime")
+    c_hat_range = reproducing_interval([(a, g, o) for (a, g), (o, _) in PUBLISHED.items()], kind="operations")
+    curve_records = sorted(
+        (r for r in records if isinstance(r.config, OptimalGammaConfig)), key=lambda r: r.config.c
+    )
+    return Summary(
+        title="Leviathan et al. (2023), Table 1 and the optimal draft length",
+        tables=(_table1(row_records, c_range, c_hat_range),) if row_records else (),
+        figures=_curves(curve_records) if curve_records else (),
+        notes=f"c interval reproducing Table 1: {c_range}; c-hat interval: {c_hat_range}. "
+        "Analytic: no hardware dependence.",
+        extra={"c_interval": c_range, "c_hat_interval": c_hat_range},
+    )
+
+
+def _table1(row_records: Sequence[RunRecord], c_range, c_hat_range) -> Table:
+    """Ours beside the paper's Ops and Speed per (α, γ), and whether the pair matches to 0.005."""
     rows = []
     for record in row_records:
         cfg, res = record.config, record.result
@@ -137,9 +154,6 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
                 "match": "yes" if published and _matches(published, res) else "no",
             }
         )
-    published_rows = [(a, g, w) for (a, g), (_, w) in PUBLISHED.items()]
-    c_range = reproducing_interval(published_rows, kind="walltime")
-    c_hat_range = reproducing_interval([(a, g, o) for (a, g), (o, _) in PUBLISHED.items()], kind="operations")
     costs = sorted({(r.config.c, r.config.c_hat) for r in row_records})
     cost_tex = "; ".join(f"$c = {c:g}$, $\\hat c = {ch:g}$" for c, ch in costs)
     if c_range and c_hat_range:
@@ -150,7 +164,7 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         )
     else:
         interval_tex = "No single cost reproduces all six published pairs."
-    table = table_from_rows(
+    return table_from_rows(
         "table1",
         "Leviathan et al.\\ (2023) Table 1 recomputed from its closed forms (Theorems 3.8 and 3.11) at "
         f"{cost_tex}: expected factor of increase in arithmetic operations (Ops) and expected walltime "
@@ -166,59 +180,42 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         ],
         rows,
     )
-    curve_records = sorted(
-        (r for r in records if isinstance(r.config, OptimalGammaConfig)), key=lambda r: r.config.c
-    )
-    figures = []
-    if curve_records:
-        figures.append(
-            Figure(
-                name="optimal-gamma",
-                caption="Optimal $\\gamma$ (maximising the expected walltime improvement, Theorem 3.8) as a "
-                "function of $\\alpha$ for several draft costs $c$, as in Leviathan et al.\\ (2023) "
-                "Figure 3; "
-                "$\\gamma = 0$ means plain decoding wins.",
-                xlabel="acceptance rate $\\alpha$",
-                ylabel="optimal $\\gamma$",
-                logy=False,
-                series=tuple(
-                    Series(
-                        label=f"c = {r.config.c:g}",
-                        x=r.result["alpha"],
-                        y=r.result["optimal_gamma"],
-                        style="step",
-                    )
-                    for r in curve_records
-                ),
+
+
+def _curves(curve_records: Sequence[RunRecord]) -> tuple[Figure, ...]:
+    """The optimal γ and the walltime improvement at it against α, one curve per draft cost c."""
+
+    def curves(key: str, style: str) -> tuple[Series, ...]:
+        return tuple(
+            series_from_points(
+                list(zip(r.result["alpha"], r.result[key], strict=True)),
+                label=f"c = {r.config.c:g}",
+                style=style,
             )
+            for r in curve_records
         )
-        figures.append(
-            Figure(
-                name="optimal-speedup",
-                caption="Expected walltime improvement at the optimal $\\gamma$ against $\\alpha$, per draft "
-                "cost $c$ (Leviathan et al.\\ 2023, Theorem 3.8).",
-                xlabel="acceptance rate $\\alpha$",
-                ylabel="walltime improvement at optimal $\\gamma$",
-                logy=True,
-                series=tuple(
-                    Series(
-                        label=f"c = {r.config.c:g}", x=r.result["alpha"], y=r.result["walltime_improvement"]
-                    )
-                    for r in curve_records
-                ),
-            )
-        )
-    notes = (
-        f"c interval reproducing Table 1: {c_range}; c-hat interval: {c_hat_range}. "
-        "Analytic: no hardware dependence."
-    )
-    extra = {"c_interval": c_range, "c_hat_interval": c_hat_range}
-    return Summary(
-        title="Leviathan et al. (2023), Table 1 and the optimal draft length",
-        tables=(table,) if rows else (),
-        figures=tuple(figures),
-        notes=notes,
-        extra=extra,
+
+    return (
+        Figure(
+            name="optimal-gamma",
+            caption="Optimal $\\gamma$ (maximising the expected walltime improvement, Theorem 3.8) as a "
+            "function of $\\alpha$ for several draft costs $c$, as in Leviathan et al.\\ (2023) "
+            "Figure 3; "
+            "$\\gamma = 0$ means plain decoding wins.",
+            xlabel="acceptance rate $\\alpha$",
+            ylabel="optimal $\\gamma$",
+            logy=False,
+            series=curves("optimal_gamma", "step"),
+        ),
+        Figure(
+            name="optimal-speedup",
+            caption="Expected walltime improvement at the optimal $\\gamma$ against $\\alpha$, per draft "
+            "cost $c$ (Leviathan et al.\\ 2023, Theorem 3.8).",
+            xlabel="acceptance rate $\\alpha$",
+            ylabel="walltime improvement at optimal $\\gamma$",
+            logy=True,
+            series=curves("walltime_improvement", "line"),
+        ),
     )
 
 

@@ -35,7 +35,7 @@ from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
 from experiments.sweep import Sweep
-from specdec.summary import Figure, Series, Summary, table_from_rows
+from specdec.summary import Figure, Summary, series_from_points, table_from_rows
 
 __all__ = [
     "PUBLISHED",
@@ -171,24 +171,6 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
     order += sorted({d for d, _ in by} - set(order))
     targets = sorted({r.config.target for r in records})
     _, pending = _drafters(targets[0]) if targets else ([], [])
-    rows = []
-    for drafter in order:
-        row = {"drafter": drafter, "analog": PAPER_ANALOG.get(drafter, ("--", []))[0]}
-        for t, key in ((0.0, "t0"), (1.0, "t1")):
-            rec = by.get((drafter, t))
-            if rec is not None:
-                row[f"alpha_{key}"] = rec.result["alpha"]
-                row[f"se_{key}"] = rec.result["alpha_se"]
-                row[f"n_{key}"] = rec.result["num_proposed"]
-        row["paper_t0"] = _paper_cell(drafter, 0)
-        row["paper_t1"] = _paper_cell(drafter, 1)
-        ms = [by[k].result["draft_ms_per_token"] for k in by if k[0] == drafter]
-        row["draft_ms"] = sum(ms) / len(ms) if ms else None
-        rows.append(row)
-    for reason in pending:
-        name, _, why = reason.partition(": ")
-        rows.append({"drafter": name, "analog": why.split(" (")[0]})  # the short reason; notes keep it all
-
     cfg = records[0].config if records else AcceptanceConfig()
     sizes = (
         f"{cfg.num_prompts} prompt(s) each from {', '.join(cfg.prompt_sets)}, "
@@ -215,41 +197,9 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
             ("paper_t1", "Paper $T{=}1$", ""),
             ("draft_ms", "Draft ms", ".2f"),
         ],
-        rows,
+        _rows(by, order, pending),
     )
-    series = []
-    for drafter in order:
-        points = sorted((t, by[(drafter, t)].result["alpha"]) for (d, t) in by if d == drafter)
-        series.append(
-            Series(
-                label=drafter,
-                x=[p[0] for p in points],
-                y=[p[1] for p in points],
-                style="line+markers",
-                group=drafter,
-            )
-        )
-        paper = PAPER_ANALOG.get(drafter, ("", []))[1]
-        if drafter in ("unigram", "bigram") and paper:
-            en_de = PUBLISHED[paper[1]]
-            series.append(
-                Series(
-                    label=f"{drafter} (paper, T5-XXL EnDe)",
-                    x=[0.0, 1.0],
-                    y=list(en_de),
-                    style="dashed",
-                    group=drafter,
-                )
-            )
-    figure = Figure(
-        name="alpha-vs-temperature",
-        caption="$\\alpha$ per drafter at $T=0$ and $T=1$ (solid, ours) and Leviathan et al.'s unigram and "
-        f"bigram on T5-XXL EnDe (dashed). {sizes}.",
-        xlabel="temperature $T$",
-        ylabel="acceptance rate $\\alpha$",
-        series=tuple(series),
-        ymin=0.0,
-    )
+    figure = _alpha_figure(by, order, sizes)
     shape = _shape(by)
     notes = f"Shape unigram < bigram < strongest model drafter: {shape}. " + (
         f"Pending: {'; '.join(pending)}." if pending else ""
@@ -257,9 +207,54 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
     return Summary(
         title="Acceptance rate per drafter (Leviathan et al. 2023, Table 3 analog)",
         tables=(table,),
-        figures=(figure,) if series else (),
+        figures=(figure,) if figure.series else (),
         notes=notes,
         extra={"shape_holds": shape, "pending": pending},
+    )
+
+
+def _rows(by: dict, order: list[str], pending: list[str]) -> list[dict]:
+    """One row per drafter run (α, its standard error and n at T = 0 and 1, the paper's cells), then
+    one per drafter not run, with the reason."""
+    rows = []
+    for drafter in order:
+        row = {"drafter": drafter, "analog": PAPER_ANALOG.get(drafter, ("--", []))[0]}
+        for t, key in ((0.0, "t0"), (1.0, "t1")):
+            rec = by.get((drafter, t))
+            if rec is not None:
+                row[f"alpha_{key}"] = rec.result["alpha"]
+                row[f"se_{key}"] = rec.result["alpha_se"]
+                row[f"n_{key}"] = rec.result["num_proposed"]
+        row["paper_t0"] = _paper_cell(drafter, 0)
+        row["paper_t1"] = _paper_cell(drafter, 1)
+        ms = [by[k].result["draft_ms_per_token"] for k in by if k[0] == drafter]
+        row["draft_ms"] = sum(ms) / len(ms) if ms else None
+        rows.append(row)
+    for reason in pending:
+        name, _, why = reason.partition(": ")
+        rows.append({"drafter": name, "analog": why.split(" (")[0]})  # the short reason; notes keep it all
+    return rows
+
+
+def _alpha_figure(by: dict, order: list[str], sizes: str) -> Figure:
+    """α against T per drafter (ours solid, the paper's unigram and bigram on T5-XXL EnDe dashed)."""
+    series = []
+    for drafter in order:
+        points = sorted((t, by[(drafter, t)].result["alpha"]) for (d, t) in by if d == drafter)
+        series.append(series_from_points(points, label=drafter, group=drafter))
+        paper = PAPER_ANALOG.get(drafter, ("", []))[1]
+        if drafter in ("unigram", "bigram") and paper:
+            points = list(zip((0.0, 1.0), PUBLISHED[paper[1]], strict=True))
+            label = f"{drafter} (paper, T5-XXL EnDe)"
+            series.append(series_from_points(points, label=label, style="dashed", group=drafter))
+    return Figure(
+        name="alpha-vs-temperature",
+        caption="$\\alpha$ per drafter at $T=0$ and $T=1$ (solid, ours) and Leviathan et al.'s unigram and "
+        f"bigram on T5-XXL EnDe (dashed). {sizes}.",
+        xlabel="temperature $T$",
+        ylabel="acceptance rate $\\alpha$",
+        series=tuple(series),
+        ymin=0.0,
     )
 
 

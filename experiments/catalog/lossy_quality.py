@@ -37,7 +37,7 @@ from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
 from experiments.sweep import Sweep
-from specdec.summary import Figure, Series, Summary, table_from_rows
+from specdec.summary import Figure, Summary, Table, series_from_points, table_from_rows
 
 __all__ = ["PUBLISHED_TABLE5", "PUBLISHED_GREEDY", "LossyQualityConfig", "plan", "run_lossy", "EXPERIMENT"]
 
@@ -189,64 +189,59 @@ def _ratio_se(values: Sequence[float], weights: Sequence[int]) -> float | None:
 def summarize(records: Sequence[RunRecord]) -> Summary:
     """Speed against quality per drafter, temperature and lenience; their α beside."""
     records = sorted(records, key=lambda r: (r.config.temperature, r.config.drafter))
-    rows, speed, quality = [], [], []
-    for rec in records:
-        cfg = rec.config
-        methods = rec.result["methods"]
-        plain = next(m for m in methods if m["method"] == "ours/none")
-        for m in methods:
-            l = m["lenience"]  # noqa: E741 (the paper's symbol)
-            analog = _ANALOG.get(cfg.drafter)
-            paper = None
-            if l is not None and cfg.temperature == 1.0 and analog:
-                paper = PUBLISHED_TABLE5[analog].get(l)
-            elif l is not None and cfg.temperature == 0.0 and analog == "T5-small":
-                paper = PUBLISHED_GREEDY.get(l)
-            rows.append(
-                {
-                    "temperature": cfg.temperature,
-                    "drafter": f"plain ({cfg.drafter} run)" if l is None else cfg.drafter,
-                    "lenience": l,
-                    "speedup": m["speedup"],
-                    "alpha": m["alpha"] if l is not None else None,
-                    "paper_alpha": paper,
-                    "tau": m["tau"],
-                    "loglik": m["loglik_per_token"],
-                    "loglik_se": m.get("loglik_se"),
-                    "dloglik": (m["loglik_per_token"] - plain["loglik_per_token"])
-                    if m["loglik_per_token"] is not None and plain["loglik_per_token"] is not None
-                    else None,
-                    "pass1": m["pass_at_1"],
-                    "exact": m["exact_match_rate"],
-                }
-            )
-        lossy = sorted((m for m in methods if m["lenience"] is not None), key=lambda m: -m["lenience"])
-        group = f"{cfg.drafter}, T={cfg.temperature:g}"
-        speed.append(
-            Series(
-                label=group,
-                x=[m["lenience"] for m in lossy],
-                y=[m["speedup"] or 0.0 for m in lossy],
-                style="line+markers",
-                group=group,
-            )
-        )
-        quality.append(
-            Series(
-                label=f"{group}",
-                x=[m["lenience"] for m in lossy],
-                y=[(m["loglik_per_token"] or 0.0) - (plain["loglik_per_token"] or 0.0) for m in lossy],
-                style="line+markers",
-                group=group,
-            )
-        )
     cfg = records[0].config if records else LossyQualityConfig()
     sizes = (
         f"{cfg.num_problems} HumanEval problems (evenly spaced), {_STYLE_TEX.get(cfg.prompt_style, '')}"
         f"up to {cfg.max_new_tokens} new tokens, $\\gamma={cfg.gamma}$, {cfg.num_threads} torch thread(s); "
         f"CPU-sized, so pass@1 moves in steps of {1 / cfg.num_problems:.3f}"
     )
-    table = table_from_rows(
+    return Summary(
+        title="Lossy verification: speed against log-likelihood and pass@1",
+        tables=(_table([row for rec in records for row in _rows(rec)], cfg, sizes),),
+        figures=_figures(records, sizes) if records else (),
+        notes="Lossless methods: see tests/statistical (distribution tests) and the exact-match rates in "
+        "speedup-table and gamma-sweep.",
+    )
+
+
+def _plain(rec: RunRecord) -> dict:
+    return next(m for m in rec.result["methods"] if m["method"] == "ours/none")
+
+
+def _rows(rec: RunRecord) -> list[dict]:
+    """One row per method of one run: speed, α (the paper's beside), log-likelihood, pass@1."""
+    cfg, plain, rows = rec.config, _plain(rec), []
+    for m in rec.result["methods"]:
+        l = m["lenience"]  # noqa: E741 (the paper's symbol)
+        analog = _ANALOG.get(cfg.drafter)
+        paper = None
+        if l is not None and cfg.temperature == 1.0 and analog:
+            paper = PUBLISHED_TABLE5[analog].get(l)
+        elif l is not None and cfg.temperature == 0.0 and analog == "T5-small":
+            paper = PUBLISHED_GREEDY.get(l)
+        rows.append(
+            {
+                "temperature": cfg.temperature,
+                "drafter": f"plain ({cfg.drafter} run)" if l is None else cfg.drafter,
+                "lenience": l,
+                "speedup": m["speedup"],
+                "alpha": m["alpha"] if l is not None else None,
+                "paper_alpha": paper,
+                "tau": m["tau"],
+                "loglik": m["loglik_per_token"],
+                "loglik_se": m.get("loglik_se"),
+                "dloglik": (m["loglik_per_token"] - plain["loglik_per_token"])
+                if m["loglik_per_token"] is not None and plain["loglik_per_token"] is not None
+                else None,
+                "pass1": m["pass_at_1"],
+                "exact": m["exact_match_rate"],
+            }
+        )
+    return rows
+
+
+def _table(rows: list[dict], cfg: LossyQualityConfig, sizes: str) -> Table:
+    return table_from_rows(
         "lenience",
         f"Lenient verification (Leviathan et al.\\ 2023, Appendix A.5) on {cfg.target}: speed against "
         f"quality per drafter, temperature and lenience $l$ ($l = 1$ is exact). {sizes}. Speedup over "
@@ -272,7 +267,25 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         ],
         rows,
     )
-    figures = (
+
+
+def _figures(records: Sequence[RunRecord], sizes: str) -> tuple[Figure, ...]:
+    """Speedup and Δ log-likelihood against the lenience, one curve per (drafter, temperature)."""
+    speed, quality = [], []
+    for rec in records:
+        plain_ll = _plain(rec)["loglik_per_token"] or 0.0
+        lossy = sorted(
+            (m for m in rec.result["methods"] if m["lenience"] is not None), key=lambda m: -m["lenience"]
+        )
+        group = f"{rec.config.drafter}, T={rec.config.temperature:g}"
+        speed.append(
+            series_from_points(
+                [(m["lenience"], m["speedup"] or 0.0) for m in lossy], label=group, group=group
+            )
+        )
+        points = [(m["lenience"], (m["loglik_per_token"] or 0.0) - plain_ll) for m in lossy]
+        quality.append(series_from_points(points, label=group, group=group))
+    return (
         Figure(
             name="speedup-vs-lenience",
             caption=f"Speedup over plain decoding against the lenience $l$ ($l=1$: exact). {sizes}.",
@@ -290,13 +303,6 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
             logx=True,
             series=tuple(quality),
         ),
-    )
-    return Summary(
-        title="Lossy verification: speed against log-likelihood and pass@1",
-        tables=(table,),
-        figures=figures if records else (),
-        notes="Lossless methods: see tests/statistical (distribution tests) and the exact-match rates in "
-        "speedup-table and gamma-sweep.",
     )
 
 

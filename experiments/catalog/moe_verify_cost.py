@@ -49,7 +49,7 @@ from experiments.tiny_moe_lm import (
     train,
 )
 from specdec.registry import Registry
-from specdec.summary import Figure, Series, Summary, table_from_rows
+from specdec.summary import Figure, Series, Summary, Table, series_from_points, table_from_rows
 
 __all__ = [
     "MODEL_SHAPES",
@@ -349,14 +349,22 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
     trained = [r for r in records if isinstance(r.config, TrainedVerifyCostConfig)]
     records = [r for r in records if isinstance(r.config, VerifyCostConfig)]
     trained_tables, trained_figures = _trained_summary(trained) if trained else ([], [])
+    title = "Expert traffic of verifying n tokens on a MoE target"
     if not records:
-        return Summary(
-            title="Expert traffic of verifying n tokens on a MoE target",
-            tables=tuple(trained_tables),
-            figures=tuple(trained_figures),
-        )
+        return Summary(title=title, tables=tuple(trained_tables), figures=tuple(trained_figures))
     by_key = {(r.config.model, r.config.routing): r for r in records}
     models = list(dict.fromkeys(r.config.model for r in records))
+    return Summary(
+        title=title,
+        tables=(_distinct_table(records, by_key, models), *trained_tables),
+        figures=(_distinct_figure(by_key, models), *trained_figures),
+        notes="Public model shapes: simulated routing (Monte-Carlo), no timing, so no hardware dependence. "
+        "Trained: real routing of held-out text by tiny MoE LMs trained on a shared 2-core CPU.",
+    )
+
+
+def _distinct_table(records: Sequence[RunRecord], by_key: dict, models: list[str]) -> Table:
+    """Distinct experts per block of n tokens: the formula beside uniform and skewed measurements."""
     rows = []
     for model in models:
         uniform, skewed = by_key.get((model, "uniform")), by_key.get((model, "skewed"))
@@ -378,7 +386,7 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
                 }
             )
     num_tokens = sorted({r.config.num_tokens for r in records})
-    table = table_from_rows(
+    return table_from_rows(
         "distinct-experts",
         "Distinct experts touched when verifying $n$ tokens in one call: the formula "
         "$E(1-(1-k/E)^n)$ beside Monte-Carlo counts under uniform random top-$k$ routing and under a "
@@ -396,46 +404,31 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         ],
         rows,
     )
+
+
+def _distinct_figure(by_key: dict, models: list[str]) -> Figure:
+    """The fraction of experts touched against n per model: formula, uniform and skewed routing."""
     series = []
     for model in models:
         for routing, style in (("uniform", "markers"), ("skewed", "dashed")):
             record = by_key.get((model, routing))
             if record is None:
                 continue
-            E = record.config.num_experts
+            E, n = record.config.num_experts, record.result["n"]
             if routing == "uniform":
+                formula = [(x, v / E) for x, v in zip(n, record.result["formula"], strict=True)]
                 series.append(
-                    Series(
-                        label=f"{model} formula",
-                        x=record.result["n"],
-                        y=[v / E for v in record.result["formula"]],
-                        style="line",
-                        group=model,
-                    )
+                    series_from_points(formula, label=f"{model} formula", style="line", group=model)
                 )
-            series.append(
-                Series(
-                    label=f"{model} {routing}",
-                    x=record.result["n"],
-                    y=[v / E for v in record.result["measured"]],
-                    style=style,
-                    group=model,
-                )
-            )
-    figure = Figure(
+            measured = [(x, v / E) for x, v in zip(n, record.result["measured"], strict=True)]
+            series.append(series_from_points(measured, label=f"{model} {routing}", style=style, group=model))
+    return Figure(
         name="distinct-experts",
         caption="Fraction of experts touched by a verify block of $n$ tokens: formula (lines), uniform "
         "random routing (markers) and skewed routing (dashed).",
         xlabel="tokens per verify call $n$",
         ylabel="fraction of experts touched",
         series=tuple(series),
-    )
-    return Summary(
-        title="Expert traffic of verifying n tokens on a MoE target",
-        tables=(table, *trained_tables),
-        figures=(figure, *trained_figures),
-        notes="Public model shapes: simulated routing (Monte-Carlo), no timing, so no hardware dependence. "
-        "Trained: real routing of held-out text by tiny MoE LMs trained on a shared 2-core CPU.",
     )
 
 

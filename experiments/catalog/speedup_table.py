@@ -31,7 +31,7 @@ from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
 from experiments.sweep import Sweep
-from specdec.summary import Figure, Series, Summary, table_from_rows
+from specdec.summary import Figure, Summary, Table, series_from_points, table_from_rows
 
 __all__ = ["DRAFTERS", "SpeedupConfig", "plan", "run_speedup", "EXPERIMENT"]
 
@@ -141,6 +141,29 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         records, key=lambda r: CATEGORIES.index(r.config.category) if r.config.category in CATEGORIES else 99
     )
     drafters = list(dict.fromkeys(d for r in records for d in r.config.drafters))
+    cfg = records[0].config if records else SpeedupConfig()
+    _, pending = _available(cfg.target)
+    sizes = (
+        f"{cfg.num_prompts} prompt(s) per category, {cfg.max_new_tokens} new tokens, greedy, "
+        f"$\\gamma = {cfg.gamma}$, {cfg.num_threads} torch thread(s); "
+        "CPU-sized, so each cell is one or a few generations"
+    )
+    summary_rows = [{"drafter": d, **_pooled(records, f"ours/{d}")} for d in drafters]
+    figure = _acceptance_figure(records, drafters, sizes)
+    exact = [r.get("exact_match_rate") for r in summary_rows if r.get("exact_match_rate") is not None]
+    return Summary(
+        title="Speedup per drafter and prompt category (Spec-Bench style)",
+        tables=(_category_table(records, drafters, cfg, sizes, pending), _overall_table(summary_rows)),
+        figures=(figure,) if figure.series else (),
+        notes=f"Exact-match rate of greedy outputs vs plain decode: min {min(exact):.3f}." if exact else "",
+        extra={"pending": pending},
+    )
+
+
+def _category_table(
+    records: Sequence[RunRecord], drafters: list[str], cfg: SpeedupConfig, sizes: str, pending: list[str]
+) -> Table:
+    """One row per category (and the pooled ``overall``): speedup and τ per drafter, plain tok/s."""
     columns = [("category", "Category", "")]
     for d in drafters:
         columns += [(f"{d}__speedup", f"{d} $\\times$", ".2f"), (f"{d}__tau", f"{d} $\\tau$", ".2f")]
@@ -162,13 +185,6 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         overall[f"{d}__speedup"], overall[f"{d}__tau"] = pooled["speedup"], pooled.get("tau")
     overall["plain_tps"] = _pooled(records, "ours/none")["tokens_per_second"]
     rows.append(overall)
-    cfg = records[0].config if records else SpeedupConfig()
-    _, pending = _available(cfg.target)
-    sizes = (
-        f"{cfg.num_prompts} prompt(s) per category, {cfg.max_new_tokens} new tokens, greedy, "
-        f"$\\gamma = {cfg.gamma}$, {cfg.num_threads} torch thread(s); "
-        "CPU-sized, so each cell is one or a few generations"
-    )
     held, total = _eagle_heldout(sorted({r.config.category for r in records}), cfg.num_prompts)
     contamination = (
         f" EAGLE's head was trained on some of these prompts: {held} of {total} are in its held-out split, "
@@ -176,7 +192,7 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         if total and held < total and any("eagle" in d for d in drafters)
         else ""
     )
-    by_category = table_from_rows(
+    return table_from_rows(
         "by-category",
         f"Spec-Bench-style speedup over our plain decode ($\\times$, measured in the same run on the same "
         f"prompts) and mean accepted tokens per target call $\\tau$, per drafter and prompt category "
@@ -187,11 +203,10 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         columns,
         rows,
     )
-    summary_rows = []
-    for d in drafters:
-        pooled = _pooled(records, f"ours/{d}")
-        summary_rows.append({"drafter": d, **pooled})
-    overall_table = table_from_rows(
+
+
+def _overall_table(summary_rows: list[dict]) -> Table:
+    return table_from_rows(
         "overall",
         "Per drafter over all categories: tokens/s, speedup over plain decoding, $\\tau$, the mean ratio of "
         "measured to predicted speedup (prediction from the run's own $\\alpha$ and measured draft and "
@@ -207,6 +222,10 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         ],
         summary_rows,
     )
+
+
+def _acceptance_figure(records: Sequence[RunRecord], drafters: list[str], sizes: str) -> Figure:
+    """P(accepted | proposed) by draft position per drafter, the mean over categories."""
     series = []
     for d in drafters:
         prop = [0] * 16
@@ -217,12 +236,10 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
                     for k, p in enumerate(r.get("acceptance_histogram") or []):
                         prop[k] += 1
                         acc[k] += p
-        ks = [k for k in range(16) if prop[k]]
-        if ks:
-            series.append(
-                Series(label=d, x=[k + 1 for k in ks], y=[acc[k] / prop[k] for k in ks], style="line+markers")
-            )
-    figure = Figure(
+        points = [(k + 1, acc[k] / prop[k]) for k in range(16) if prop[k]]
+        if points:
+            series.append(series_from_points(points, label=d))
+    return Figure(
         name="acceptance-by-position",
         caption="Probability that the draft token at position $k$ is accepted given it was proposed, per "
         f"drafter (mean over categories). {sizes}.",
@@ -231,14 +248,6 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         series=tuple(series),
         ymin=0.0,
         ymax=1.0,
-    )
-    exact = [r.get("exact_match_rate") for r in summary_rows if r.get("exact_match_rate") is not None]
-    return Summary(
-        title="Speedup per drafter and prompt category (Spec-Bench style)",
-        tables=(by_category, overall_table),
-        figures=(figure,) if series else (),
-        notes=f"Exact-match rate of greedy outputs vs plain decode: min {min(exact):.3f}." if exact else "",
-        extra={"pending": pending},
     )
 
 

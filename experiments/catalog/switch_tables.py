@@ -45,7 +45,7 @@ from experiments.theory.moe_routing import (
 )
 from experiments.tiny_moe_lm import TinyTrainConfig
 from specdec.registry import Registry
-from specdec.summary import Figure, Series, Summary, table_from_rows
+from specdec.summary import Figure, Summary, Table, series_from_points, table_from_rows
 
 __all__ = [
     "DropCheckConfig",
@@ -253,105 +253,10 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
     tables = trained_tables(trained) if trained else []
     figures = trained_figures(trained) if trained else []
     if drops:
-        tokens = sorted({r.config.num_tokens for r in drops})
-        batches = sorted({r.config.num_batches for r in drops})
-        tables.append(
-            table_from_rows(
-                "drop-fraction",
-                "Dropped fraction of token-to-expert assignments under uniform random top-$k$ routing with "
-                "capacity $C=\\lceil \\mathrm{cf}\\cdot Tk/E\\rceil$: the binomial tail "
-                "$E\\,\\mathbb{E}[(L-C)^+]/(Tk)$, $L\\sim\\mathrm{Bin}(T,k/E)$, beside a Monte-Carlo "
-                "mean over "
-                f"{'/'.join(map(str, batches))} batches of $T={'/'.join(map(str, tokens))}$ tokens "
-                "($z$: difference in standard errors; -- where every batch drops the same). Simulated "
-                "routing; no hardware dependence.",
-                [
-                    ("experts", "$E$", "d"),
-                    ("top_k", "$k$", "d"),
-                    ("capacity_factor", "cf", ".2f"),
-                    ("capacity", "$C$", "d"),
-                    ("expected", "Binomial", ".3g"),
-                    ("reference", "Monte-Carlo", ".3g"),
-                    ("moe", "\\texttt{moe.MoE}", ".3g"),
-                    ("z", "$z$", "+.1f"),
-                ],
-                [
-                    {
-                        "experts": r.config.num_experts,
-                        "top_k": r.config.top_k,
-                        "capacity_factor": r.config.capacity_factor,
-                        **{k: r.result[k] for k in ("capacity", "expected", "z")},
-                        **r.result["measured"],
-                    }
-                    for r in drops
-                ],
-            )
-        )
-        series = []
-        for key in dict.fromkeys((r.config.num_experts, r.config.top_k) for r in drops):
-            group = sorted(
-                (r for r in drops if (r.config.num_experts, r.config.top_k) == key),
-                key=lambda r: r.config.capacity_factor,
-            )
-            label = f"E={key[0]}, k={key[1]}"
-            x = [r.config.capacity_factor for r in group]
-            T = group[0].config.num_tokens
-            dense = [i / 100 for i in range(int(min(x) * 100), int(max(x) * 100) + 1)]
-            curve = [
-                expected_drop_fraction(T, key[0], key[1], capacity(T, key[0], key[1], cf)) for cf in dense
-            ]
-            series.append(Series(label=f"{label} binomial", x=dense, y=curve, style="line", group=label))
-            series.append(
-                Series(
-                    label=f"{label} Monte-Carlo",
-                    x=x,
-                    y=[r.result["measured"]["reference"] for r in group],
-                    style="markers",
-                    group=label,
-                )
-            )
-        figures.append(
-            Figure(
-                name="drop-fraction",
-                caption="Drop fraction against capacity factor under uniform random routing: binomial tail "
-                "(lines) and Monte-Carlo means (markers). The axis starts at $10^{-6}$, about the "
-                "Monte-Carlo resolution; means of zero cannot show on the log scale.",
-                xlabel="capacity factor",
-                ylabel="dropped fraction of assignments",
-                logy=True,
-                ymin=1e-6,
-                series=tuple(series),
-            )
-        )
+        tables.append(_drop_table(drops))
+        figures.append(_drop_figure(drops))
     if losses:
-        tables.append(
-            table_from_rows(
-                "switch-loss",
-                "Switch load-balancing loss $\\alpha E\\sum_e f_e P_e$ under uniform router probabilities "
-                "equals its coefficient $\\alpha$ whatever the dispatch (here a skewed random dispatch). "
-                "Source: formula = the plain-PyTorch reference; moe = \\texttt{moe.MoE}'s own "
-                "\\texttt{last\\_aux\\_loss} with a zeroed router (its top-$k$ ties send every token to "
-                "the same experts).",
-                [
-                    ("source", "Source", ""),
-                    ("experts", "$E$", "d"),
-                    ("top_k", "$k$", "d"),
-                    ("coefficient", "Coefficient", ".3g"),
-                    ("loss", "Loss", ".6g"),
-                    ("abs_error", "$|\\mathrm{loss}-\\alpha|$", ".1e"),
-                ],
-                [
-                    {
-                        "source": r.config.source,
-                        "experts": r.config.num_experts,
-                        "top_k": r.config.top_k,
-                        "coefficient": r.config.coefficient,
-                        **r.result,
-                    }
-                    for r in losses
-                ],
-            )
-        )
+        tables.append(_loss_table(losses))
     return Summary(
         title="Switch Transformer: a tiny MoE LM trained on a CPU, and exact checks of capacity dropping and "
         "the load-balancing loss",
@@ -359,6 +264,105 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
         figures=tuple(figures),
         notes="Trained tables: a tiny byte-level LM on a shared 2-core CPU (sizes in the captions); exact "
         "checks: simulated routing, no hardware dependence.",
+    )
+
+
+def _drop_table(drops: Sequence[RunRecord]) -> Table:
+    """The binomial drop fraction beside the Monte-Carlo means, per (E, k, capacity factor)."""
+    tokens = sorted({r.config.num_tokens for r in drops})
+    batches = sorted({r.config.num_batches for r in drops})
+    return table_from_rows(
+        "drop-fraction",
+        "Dropped fraction of token-to-expert assignments under uniform random top-$k$ routing with "
+        "capacity $C=\\lceil \\mathrm{cf}\\cdot Tk/E\\rceil$: the binomial tail "
+        "$E\\,\\mathbb{E}[(L-C)^+]/(Tk)$, $L\\sim\\mathrm{Bin}(T,k/E)$, beside a Monte-Carlo "
+        "mean over "
+        f"{'/'.join(map(str, batches))} batches of $T={'/'.join(map(str, tokens))}$ tokens "
+        "($z$: difference in standard errors; -- where every batch drops the same). Simulated "
+        "routing; no hardware dependence.",
+        [
+            ("experts", "$E$", "d"),
+            ("top_k", "$k$", "d"),
+            ("capacity_factor", "cf", ".2f"),
+            ("capacity", "$C$", "d"),
+            ("expected", "Binomial", ".3g"),
+            ("reference", "Monte-Carlo", ".3g"),
+            ("moe", "\\texttt{moe.MoE}", ".3g"),
+            ("z", "$z$", "+.1f"),
+        ],
+        [
+            {
+                "experts": r.config.num_experts,
+                "top_k": r.config.top_k,
+                "capacity_factor": r.config.capacity_factor,
+                **{k: r.result[k] for k in ("capacity", "expected", "z")},
+                **r.result["measured"],
+            }
+            for r in drops
+        ],
+    )
+
+
+def _drop_figure(drops: Sequence[RunRecord]) -> Figure:
+    """Drop fraction against the capacity factor per (E, k): the binomial curve and Monte-Carlo points."""
+    series = []
+    for key in dict.fromkeys((r.config.num_experts, r.config.top_k) for r in drops):
+        group = sorted(
+            (r for r in drops if (r.config.num_experts, r.config.top_k) == key),
+            key=lambda r: r.config.capacity_factor,
+        )
+        label = f"E={key[0]}, k={key[1]}"
+        x = [r.config.capacity_factor for r in group]
+        T = group[0].config.num_tokens
+        dense = [i / 100 for i in range(int(min(x) * 100), int(max(x) * 100) + 1)]
+        curve = [
+            (cf, expected_drop_fraction(T, key[0], key[1], capacity(T, key[0], key[1], cf))) for cf in dense
+        ]
+        measured = [(r.config.capacity_factor, r.result["measured"]["reference"]) for r in group]
+        series.append(series_from_points(curve, label=f"{label} binomial", style="line", group=label))
+        series.append(
+            series_from_points(measured, label=f"{label} Monte-Carlo", style="markers", group=label)
+        )
+    return Figure(
+        name="drop-fraction",
+        caption="Drop fraction against capacity factor under uniform random routing: binomial tail "
+        "(lines) and Monte-Carlo means (markers). The axis starts at $10^{-6}$, about the "
+        "Monte-Carlo resolution; means of zero cannot show on the log scale.",
+        xlabel="capacity factor",
+        ylabel="dropped fraction of assignments",
+        logy=True,
+        ymin=1e-6,
+        series=tuple(series),
+    )
+
+
+def _loss_table(losses: Sequence[RunRecord]) -> Table:
+    """The Switch loss under uniform router probabilities against its coefficient, per source."""
+    return table_from_rows(
+        "switch-loss",
+        "Switch load-balancing loss $\\alpha E\\sum_e f_e P_e$ under uniform router probabilities "
+        "equals its coefficient $\\alpha$ whatever the dispatch (here a skewed random dispatch). "
+        "Source: formula = the plain-PyTorch reference; moe = \\texttt{moe.MoE}'s own "
+        "\\texttt{last\\_aux\\_loss} with a zeroed router (its top-$k$ ties send every token to "
+        "the same experts).",
+        [
+            ("source", "Source", ""),
+            ("experts", "$E$", "d"),
+            ("top_k", "$k$", "d"),
+            ("coefficient", "Coefficient", ".3g"),
+            ("loss", "Loss", ".6g"),
+            ("abs_error", "$|\\mathrm{loss}-\\alpha|$", ".1e"),
+        ],
+        [
+            {
+                "source": r.config.source,
+                "experts": r.config.num_experts,
+                "top_k": r.config.top_k,
+                "coefficient": r.config.coefficient,
+                **r.result,
+            }
+            for r in losses
+        ],
     )
 
 

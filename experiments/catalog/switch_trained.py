@@ -329,134 +329,140 @@ def _throughput(records: Sequence[RunRecord]) -> tuple[dict[str, float], dict[st
 
 def trained_tables(records: Sequence[RunRecord]) -> list[Table]:
     """Tables (a) experts at fixed active FLOPs, (b) capacity factor, (c) aux-loss coefficient."""
-    rates, ratios, rate_note = _throughput(records)
+    throughput = _throughput(records)
     points = _mean_over_seeds([r for r in records if isinstance(r.config, TinyTrainConfig)])
-    tables = []
-    experts = _experts_points(points)
+    experts, capacity, aux = _experts_points(points), _capacity_points(points), _aux_points(points)
+    return (
+        ([_experts_table(experts, throughput)] if experts else [])
+        + ([_capacity_table(capacity, throughput)] if capacity else [])
+        + ([_aux_table(aux)] if aux else [])
+    )
+
+
+def _experts_table(experts: list[dict], throughput: tuple[dict, dict, str]) -> Table:
+    """(a) Loss, load balance and speed against the number of experts at fixed active FLOPs."""
+    rates, ratios, rate_note = throughput
     dense = next((p for p in experts if p["config"].model.dense), None)
-    if experts:
-        rows = []
-        for p in experts:
-            m = p["config"].model
-            rows.append(
-                {
-                    "model": "dense" if m.dense else f"Switch top-{m.top_k}",
-                    "experts": None if m.dense else m.num_experts,
-                    "params": p["params_total"] / 1e6,
-                    "active": p["params_active"] / 1e6,
-                    "flops": p["flops"] / 1e6,
-                    "loss": p["loss"],
-                    "loss_std": p["loss_std"],
-                    "ppl": p["ppl"],
-                    "delta": p["loss"] - dense["loss"] if dense else None,
-                    "cv": p["cv"],
-                    "tokens_per_s": rates.get(f"E={m.num_experts}"),
-                    "speed": ratios.get(f"E={m.num_experts}"),
-                }
-            )
-        columns = [
-            ("model", "Model", ""),
-            ("experts", "$E$", "d"),
-            ("params", "Params (M)", ".3f"),
-            ("flops", "MFLOP/tok", ".3f"),
-            ("loss", "Loss", ".4f"),
-            ("ppl", "PPL", ".3f"),
-            ("delta", "$\\Delta$", "+.4f"),
-            ("cv", "Load CV", ".2f"),
-            ("tokens_per_s", "Tok/s", ".0f"),
-            ("speed", "Speed", ".2f"),
-        ]
-        tables.append(
-            table_from_rows(
-                "experts",
-                "Loss against the number of experts at fixed active FLOPs (the shape of Switch "
-                "Transformer's scaling comparison, arXiv 2101.03961): a dense SwiGLU FFN against top-1 "
-                "Switch routing over $E$ experts of the same hidden size, dropless, load-balancing "
-                "coefficient $10^{-2}$. MFLOP/tok: forward matmul FLOPs per token, i.e. active FLOPs (the "
-                f"router adds $2dE$). Tiny sizes: {_sizes(experts[0])}. Loss: held-out, nats/byte; PPL: per "
-                "byte; $\\Delta$: loss minus the dense loss. Load CV: coefficient of variation of the "
-                f"held-out expert load, mean over layers. {rate_note} Speed: tokens/s over the dense "
-                "model's. " + _seed_note(experts),
-                _with_std(columns, experts),
-                rows,
-            )
+    rows = []
+    for p in experts:
+        m = p["config"].model
+        rows.append(
+            {
+                "model": "dense" if m.dense else f"Switch top-{m.top_k}",
+                "experts": None if m.dense else m.num_experts,
+                "params": p["params_total"] / 1e6,
+                "active": p["params_active"] / 1e6,
+                "flops": p["flops"] / 1e6,
+                "loss": p["loss"],
+                "loss_std": p["loss_std"],
+                "ppl": p["ppl"],
+                "delta": p["loss"] - dense["loss"] if dense else None,
+                "cv": p["cv"],
+                "tokens_per_s": rates.get(f"E={m.num_experts}"),
+                "speed": ratios.get(f"E={m.num_experts}"),
+            }
         )
-    capacity = _capacity_points(points)
+    columns = [
+        ("model", "Model", ""),
+        ("experts", "$E$", "d"),
+        ("params", "Params (M)", ".3f"),
+        ("flops", "MFLOP/tok", ".3f"),
+        ("loss", "Loss", ".4f"),
+        ("ppl", "PPL", ".3f"),
+        ("delta", "$\\Delta$", "+.4f"),
+        ("cv", "Load CV", ".2f"),
+        ("tokens_per_s", "Tok/s", ".0f"),
+        ("speed", "Speed", ".2f"),
+    ]
+    return table_from_rows(
+        "experts",
+        "Loss against the number of experts at fixed active FLOPs (the shape of Switch "
+        "Transformer's scaling comparison, arXiv 2101.03961): a dense SwiGLU FFN against top-1 "
+        "Switch routing over $E$ experts of the same hidden size, dropless, load-balancing "
+        "coefficient $10^{-2}$. MFLOP/tok: forward matmul FLOPs per token, i.e. active FLOPs (the "
+        f"router adds $2dE$). Tiny sizes: {_sizes(experts[0])}. Loss: held-out, nats/byte; PPL: per "
+        "byte; $\\Delta$: loss minus the dense loss. Load CV: coefficient of variation of the "
+        f"held-out expert load, mean over layers. {rate_note} Speed: tokens/s over the dense "
+        "model's. " + _seed_note(experts),
+        _with_std(columns, experts),
+        rows,
+    )
+
+
+def _capacity_table(capacity: list[dict], throughput: tuple[dict, dict, str]) -> Table:
+    """(b) Dropped tokens and loss against the capacity factor."""
+    rates, ratios, rate_note = throughput
     dropless = next((p for p in capacity if p["config"].model.capacity_factor is None), None)
-    if capacity:
-        c = capacity[0]["config"]
-        tokens = c.batch_size * c.model.seq_len
-        columns = [
-            ("cf", "cf", ""),
-            ("capacity", "$C$", "d"),
-            ("train_drop", "Drop (train)", ".4f"),
-            ("eval_drop", "Drop (held-out)", ".4f"),
-            ("loss", "Loss", ".4f"),
-            ("delta", "$\\Delta$", "+.4f"),
-            ("tokens_per_s", "Tok/s", ".0f"),
-            ("speed", "Speed", ".2f"),
-        ]
-        tables.append(
-            table_from_rows(
-                "capacity",
-                f"Capacity factor against dropped tokens and loss ($E={BASE_EXPERTS}$, top-1 Switch, "
-                "coefficient $10^{-2}$; the shape of Switch Transformer's Table 1): each expert takes at "
-                f"most $C=\\lceil \\mathrm{{cf}}\\cdot T/E\\rceil$ of the $T={tokens}$ tokens of a batch "
-                "(held-out batches have the same size); a dropped token skips the FFN through the residual. "
-                "Drop: dropped fraction of tokens, mean over training steps and over the held-out batches. "
-                "Loss: held-out, nats/byte; $\\Delta$: loss minus the dropless loss. Same tiny model and "
-                f"data as the experts table. {rate_note} Speed: tokens/s over the dense model's. "
-                + _seed_note(capacity),
-                _with_std(columns, capacity),
-                [
-                    {
-                        "cf": _factor_text(p["config"].model.capacity_factor),
-                        "capacity": _capacity(p["config"].model.capacity_factor, tokens),
-                        "train_drop": p["train_drop"],
-                        "eval_drop": p["eval_drop"],
-                        "loss": p["loss"],
-                        "loss_std": p["loss_std"],
-                        "delta": p["loss"] - dropless["loss"] if dropless else None,
-                        "tokens_per_s": rates.get(_variant(p["config"].model)),
-                        "speed": ratios.get(_variant(p["config"].model)),
-                    }
-                    for p in capacity
-                ],
-            )
-        )
-    aux = _aux_points(points)
-    if aux:
-        columns = [
-            ("coef", "Coefficient", "g"),
-            ("max_over_mean", "Max/mean load", ".2f"),
-            ("cv", "Load CV", ".3f"),
-            ("eval_drop", "Drop (held-out)", ".4f"),
-            ("loss", "Loss", ".4f"),
-        ]
-        tables.append(
-            table_from_rows(
-                "aux-loss",
-                "Switch load-balancing loss coefficient against load imbalance and loss "
-                f"($E={BASE_EXPERTS}$, top-1, capacity factor {AUX_SWEEP_CAPACITY_FACTOR:g}, so imbalance "
-                "costs dropped tokens). Max/mean and CV (population std/mean) of the tokens the router sends "
-                "to each expert (before dropping) over the held-out windows, mean over layers; 1 and 0 are "
-                "perfect balance. "
-                "Same tiny model and data as the experts table. " + _seed_note(aux),
-                _with_std(columns, aux),
-                [
-                    {
-                        "coef": p["config"].model.aux_loss_coef,
-                        "max_over_mean": p["max_over_mean"],
-                        "cv": p["cv"],
-                        "eval_drop": p["eval_drop"],
-                        "loss": p["loss"],
-                        "loss_std": p["loss_std"],
-                    }
-                    for p in aux
-                ],
-            )
-        )
-    return tables
+    c = capacity[0]["config"]
+    tokens = c.batch_size * c.model.seq_len
+    columns = [
+        ("cf", "cf", ""),
+        ("capacity", "$C$", "d"),
+        ("train_drop", "Drop (train)", ".4f"),
+        ("eval_drop", "Drop (held-out)", ".4f"),
+        ("loss", "Loss", ".4f"),
+        ("delta", "$\\Delta$", "+.4f"),
+        ("tokens_per_s", "Tok/s", ".0f"),
+        ("speed", "Speed", ".2f"),
+    ]
+    return table_from_rows(
+        "capacity",
+        f"Capacity factor against dropped tokens and loss ($E={BASE_EXPERTS}$, top-1 Switch, "
+        "coefficient $10^{-2}$; the shape of Switch Transformer's Table 1): each expert takes at "
+        f"most $C=\\lceil \\mathrm{{cf}}\\cdot T/E\\rceil$ of the $T={tokens}$ tokens of a batch "
+        "(held-out batches have the same size); a dropped token skips the FFN through the residual. "
+        "Drop: dropped fraction of tokens, mean over training steps and over the held-out batches. "
+        "Loss: held-out, nats/byte; $\\Delta$: loss minus the dropless loss. Same tiny model and "
+        f"data as the experts table. {rate_note} Speed: tokens/s over the dense model's. "
+        + _seed_note(capacity),
+        _with_std(columns, capacity),
+        [
+            {
+                "cf": _factor_text(p["config"].model.capacity_factor),
+                "capacity": _capacity(p["config"].model.capacity_factor, tokens),
+                "train_drop": p["train_drop"],
+                "eval_drop": p["eval_drop"],
+                "loss": p["loss"],
+                "loss_std": p["loss_std"],
+                "delta": p["loss"] - dropless["loss"] if dropless else None,
+                "tokens_per_s": rates.get(_variant(p["config"].model)),
+                "speed": ratios.get(_variant(p["config"].model)),
+            }
+            for p in capacity
+        ],
+    )
+
+
+def _aux_table(aux: list[dict]) -> Table:
+    """(c) Load imbalance and loss against the load-balancing coefficient."""
+    columns = [
+        ("coef", "Coefficient", "g"),
+        ("max_over_mean", "Max/mean load", ".2f"),
+        ("cv", "Load CV", ".3f"),
+        ("eval_drop", "Drop (held-out)", ".4f"),
+        ("loss", "Loss", ".4f"),
+    ]
+    return table_from_rows(
+        "aux-loss",
+        "Switch load-balancing loss coefficient against load imbalance and loss "
+        f"($E={BASE_EXPERTS}$, top-1, capacity factor {AUX_SWEEP_CAPACITY_FACTOR:g}, so imbalance "
+        "costs dropped tokens). Max/mean and CV (population std/mean) of the tokens the router sends "
+        "to each expert (before dropping) over the held-out windows, mean over layers; 1 and 0 are "
+        "perfect balance. "
+        "Same tiny model and data as the experts table. " + _seed_note(aux),
+        _with_std(columns, aux),
+        [
+            {
+                "coef": p["config"].model.aux_loss_coef,
+                "max_over_mean": p["max_over_mean"],
+                "cv": p["cv"],
+                "eval_drop": p["eval_drop"],
+                "loss": p["loss"],
+                "loss_std": p["loss_std"],
+            }
+            for p in aux
+        ],
+    )
 
 
 def trained_figures(records: Sequence[RunRecord]) -> list[Figure]:
