@@ -131,6 +131,26 @@ def export_head(
     vocab_N = head.draft_vocab_N.to(torch.long).cpu()
     if not bool((vocab_N[1:] > vocab_N[:-1]).all()):
         raise ValueError("the head's draft vocabulary must be sorted by id (attach the head first)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": fmt,
+        "config": json.dumps(asdict(c)),
+        "target": target_name,
+        "target_fingerprint": target_fingerprint,
+    }
+    save_file(_export_tensors(head, fmt, vocab_N, dtype), str(out / "model.safetensors"), metadata=meta)
+    config = _export_config(c, fmt, str(dtype).removeprefix("torch."), speculative_tokens, verifier)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _export_tensors(
+    head: Eagle3Head, fmt: str, vocab_N: torch.Tensor, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The format's tensors: fc, the layer under the format's prefix (q/k/v and gate/up split), norm,
+    lm_head in ``dtype``; ``d2t`` offsets and the ``t2d`` mask of the draft vocabulary ``vocab_N``."""
+    c = head.config
     state = {k: v.detach().cpu() for k, v in head.state_dict().items()}
     tensors: dict[str, torch.Tensor] = {"fc.weight": state["fc.weight"], "norm.weight": state["norm"]}
     tensors["lm_head.weight"] = state["lm_head"]
@@ -151,19 +171,16 @@ def export_head(
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[vocab_N] = True
     tensors["t2d"] = t2d
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "format": fmt,
-        "config": json.dumps(asdict(c)),
-        "target": target_name,
-        "target_fingerprint": target_fingerprint,
-    }
-    save_file(tensors, str(out / "model.safetensors"), metadata=meta)
-    dtype_name = str(dtype).removeprefix("torch.")
+    return tensors
+
+
+def _export_config(
+    c: EagleConfig, fmt: str, dtype_name: str, speculative_tokens: int, verifier: str | None
+) -> dict[str, Any]:
+    """The format's ``config.json``: speculators' (aux ids in vLLM's numbering) or SGLang's."""
     layer = _layer_config(c)
     if fmt == "speculators":
-        config = {
+        return {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
             "transformer_layer_config": layer,
@@ -179,20 +196,17 @@ def export_head(
             },
             "torch_dtype": dtype_name,
         }
-    else:
-        config = {
-            **layer,
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "draft_vocab_size": c.draft_vocab_size,
-            "target_hidden_size": c.hidden_size,
-            "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
-                "use_aux_hidden_state": True,
-            },
-            "torch_dtype": dtype_name,
-        }
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    return {
+        **layer,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.hidden_size,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+            "use_aux_hidden_state": True,
+        },
+        "torch_dtype": dtype_name,
+    }
 
 
 def export_head_file(
