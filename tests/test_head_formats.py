@@ -247,3 +247,36 @@ def test_a_smaller_draft_vocabulary_keeps_the_heads_rows(setup):
     assert torch.equal(small.lm_head, stored.lm_head[rows]) and torch.equal(stored.lm_head, head.lm_head)
     with pytest.raises(ValueError, match="subset of the head's stored draft vocabulary"):
         Eagle3Head(head.config).attach(parts, torch.tensor([0, 1, 2])).attach(parts, torch.tensor([3]))
+
+
+@pytest.mark.model
+def test_the_shipped_exportable_head_decodes_exactly_and_exports(smollm2_greedy, tmp_path):
+    """``eagle3-smollm2-135m.safetensors`` (the ``--compat speculators`` recipe): EAGLE-3's layer over
+    the engines' default aux layers of SmolLM2, greedy output equal to transformers', and an export
+    to vLLM's format whose aux ids are vLLM's own default for 30 layers."""
+    from specdec.targets import load_target
+
+    target = load_target("smollm2-135m")
+    head, meta = load_eagle_head("eagle3-smollm2-135m.safetensors", target.parts())
+    assert isinstance(head, Eagle3Head) and head.config.aux_layers == (1, 14, 26)
+    assert json.loads(meta["extra"])["config"]["compat"] == "speculators"
+    prompts = smollm2_greedy.prompts()[:2]
+    out = specdec.generate(
+        target,
+        prompts,
+        drafter="eagle",
+        drafter_options={"weights": "eagle3-smollm2-135m.safetensors"},
+        max_new_tokens=24,
+        temperature=0.0,
+        gamma=4,
+        ignore_eos=True,
+    )
+    for p, got in zip(prompts, out.token_ids, strict=True):
+        assert got == smollm2_greedy(p, 24, stop_at_eos=False)
+    assert out.metrics.mean_accepted_tokens > 1.2  # it drafts: more than one token per target call
+    from specdec.cli import main as specdec_main
+
+    spec = tmp_path / "spec"
+    assert specdec_main(["export-head", "eagle3-smollm2-135m.safetensors", "--format", "speculators",
+                         "--out", str(spec)]) == 0  # fmt: skip
+    assert json.loads((spec / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]

@@ -43,6 +43,7 @@ def _benchmark(name: str):
         "specdec-bench",
         "specdec-bench-qself",
         "specdec-bench-gpu",
+        "specdec-bench-heads",
         "bench-moe",
         "packed-gemm",
         "target-formats",
