@@ -39,10 +39,6 @@ import statistics
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from specdec.summary import Summary
 
 # (model, E, top_k, D, F): expert shapes of public MoE models; each gives two GEMMs per expert:
 # gate_up (K=D, N=2F, fused gate and up projections) and down (K=F, N=D).
@@ -118,6 +114,7 @@ class Bench:
     def save(self) -> None:
         self.report["elapsed_s"] = round(time.time() - self.start, 1)
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        from experiments.gpu_moe_report import gpu_document
         from specdec.summary import write_json
 
         write_json(
@@ -575,58 +572,6 @@ def _gemm_line(row: dict) -> str:
         + f" | x cuBLAS {_fmt(vs_cublas, 0)} ({goal_cublas}) x _grouped_mm {_fmt(vs_gmm, 0)} ({goal_gmm})"
         + f" x peak {_fmt(r['triton_fraction_of_peak'], 0)}"
     )
-
-
-def summarize(report: dict) -> Summary:
-    """The grouped-GEMM table (TFLOP/s of ours, ``torch._grouped_mm``'s better layout and cuBLAS on the
-    same FLOPs, and the goal ratios) in the results schema."""
-    from specdec.summary import Summary, table_from_rows
-
-    rows = []
-    for row in report["gemm"]:
-        if "skipped" in row:
-            continue
-        tf = row["tflops"]
-        best_gmm = max(tf.get("grouped_mm", 0.0), tf.get("grouped_mm_ENK", 0.0)) or None
-        cells = {"triton": tf.get("triton"), "grouped_mm": best_gmm, "cublas": tf.get("cublas_dense")}
-        rows.append({k: row[k] for k in ("model", "T", "gemm")} | cells | row["ratios"])
-    columns = [
-        ("model", "shape", ""),
-        ("T", "$T$", "d"),
-        ("gemm", "GEMM", ""),
-        ("triton", "triton", ".1f"),
-        ("grouped_mm", "\\texttt{\\_grouped\\_mm}", ".1f"),
-        ("cublas", "cuBLAS", ".1f"),
-        ("triton_vs_cublas", "$\\times$ cuBLAS", ".2f"),
-        ("triton_vs_grouped_mm", "$\\times$ \\texttt{\\_grouped\\_mm}", ".2f"),
-        ("triton_fraction_of_peak", "$\\times$ peak", ".2f"),
-    ]
-    peak = (report.get("peak") or {}).get("tflops")
-    caption = (
-        f"Grouped GEMM of MoE expert shapes on {report['device']}, bf16, TFLOP/s (CUDA events, L2 "
-        "flushed): our Triton kernel against \\texttt{torch.\\_grouped\\_mm} (the better of its two "
-        "weight layouts) and one cuBLAS GEMM of the same FLOPs"
-        + (f"; measured bf16 peak {peak:.0f}." if peak else ".")
-    )
-    return Summary(title="Grouped GEMM on the GPU", tables=(table_from_rows("gemm", caption, columns, rows),))
-
-
-def gpu_document(report: dict, command: str) -> dict:
-    """The results file: ``report`` beside its ``specdec.summary/1`` part (a dry run is a smoke run)."""
-    from specdec.summary import summary_document
-
-    env = {k: report.get(k) for k in ("device", "torch", "triton", "cuda")} | {"git_commit": None}
-    document = summary_document(
-        experiment="gpu-moe-bench",
-        summary=summarize(report),
-        command=command,
-        machine=f"{report['device']}, torch {report['torch']}, triton {report['triton']}, "
-        f"CUDA {report['cuda']}",
-        env=env,
-        description="Grouped GEMM and routing kernels on the GPU against torch and cuBLAS",
-        smoke=report["mode"] != "gpu",
-    )
-    return {**report, **document}
 
 
 def _summary(report: dict) -> str:

@@ -19,14 +19,14 @@ ENVELOPE = set(summary_document(experiment="x", summary=Summary(title=""), comma
 
 def _benchmark(name: str):
     """(summarize, document builder) of the benchmark that wrote ``paper/results/<name>.json``."""
-    from experiments import bench_moe, bench_packed_gemm, gpu_moe_bench
+    from experiments import bench_moe, bench_packed_gemm, gpu_moe_report
     from specdec.bench import target
     from specdec.bench.report import bench_document, benchmark_document
 
     if name.startswith("specdec-bench"):
         return lambda raw, doc: bench_document(raw, name, created_at=doc["created_at"])
     if name == "gpu-moe-bench":
-        return lambda raw, doc: gpu_moe_bench.gpu_document(raw, doc["command"])
+        return lambda raw, doc: gpu_moe_report.gpu_document(raw, doc["command"])
     summarize = {"bench-moe": bench_moe, "packed-gemm": bench_packed_gemm, "target-formats": target}[name]
     return lambda raw, doc: benchmark_document(
         raw,
