@@ -20,13 +20,13 @@ from experiments.train_drafter import TrainConfig, build_draft_vocab, main, reso
 
 pytestmark = pytest.mark.slow
 
-PER_SET = 12  # HumanEval tasks and MT-Bench questions used
+PER_SET = 8  # HumanEval tasks and MT-Bench questions used
 VOCAB, LAYERS, DIM = 259, 8, 64  # the tiny checkpoint: byte tokenizer, 8 decoder layers
 DRAFT_VOCAB = 96
 FLAGS = [
-    "--greedy-tokens", "12", "--sample-tokens", "8", "--sample-continuations", "1",
+    "--greedy-tokens", "10", "--sample-tokens", "0",
     "--function-prompts", "3", "--self-instruct", "4", "--self-instruct-tokens", "24",
-    "--text-tokens", "3000", "--repeat-sequences", "2", "--seq-len", "48", "--batch-size", "4",
+    "--text-tokens", "2000", "--repeat-sequences", "2", "--seq-len", "48", "--batch-size", "4",
     "--draft-vocab-size", str(DRAFT_VOCAB), "--no-autocast-bf16", "--eval-prompts", "2",
     "--eval-new-tokens", "16", "--eval-every", "20", "--ckpt-every", "20",
 ]  # fmt: skip
