@@ -5,6 +5,7 @@ Legend: B batch, T tokens, D hidden size, N draft vocabulary, H heads, S unrolle
 Usage::
 
     python -m experiments train-drafter [--steps N] [--out specdec/weights/eagle-smollm2-135m.safetensors]
+    python -m experiments train-drafter --target /path/to/llama-checkpoint   # any Llama-family target
     python -m experiments.train_drafter --help
 
 Recipe (EAGLE, arXiv 2401.15077, with EAGLE-3's draft vocabulary and training-time test,
