@@ -242,9 +242,6 @@ def to_markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
-IMPLS = ("ours", "ours_general", "ours_mkl", "hf_eager", "hf_grouped", "dense", "dense_mkl")
-
-
 def summarize(record: dict) -> Summary:
     """The results table (GFLOP/s per implementation and T, the goal ratios) in the results schema."""
     c, env = record["config"], record["env"]

@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.prompt_sets import encode_prompt, has_chat_template
+
 __all__ = [
     "DataConfig",
     "Prompt",
@@ -67,7 +69,6 @@ __all__ = [
     "extract_layer_features",
     "FeatureData",
     "target_cache_name",
-    "has_chat_template",
 ]
 
 HELDOUT_MAX_BENCH_PROMPTS = 8
@@ -140,17 +141,10 @@ def is_heldout(source: str, index: int) -> bool:
     return any(index == (i * size) // n for n in range(1, HELDOUT_MAX_BENCH_PROMPTS + 1) for i in range(n))
 
 
-def has_chat_template(tokenizer) -> bool:
-    """Whether the tokenizer has a chat template (a base model's has none: its data has no chat
-    prompts and no self-instructed requests)."""
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
 def chat_ids(tokenizer, text: str) -> list[int]:
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
-    return tokenizer(rendered, add_special_tokens=False).input_ids
+    """``text`` as a user turn in the tokenizer's chat template (a tokenizer without one gets no chat
+    prompts: :func:`load_prompts`, :func:`function_prompts`)."""
+    return encode_prompt(tokenizer, text, chat=True)
 
 
 def load_prompts(tokenizer) -> list[Prompt]:
@@ -268,7 +262,7 @@ def self_instruct_requests(
     import specdec
 
     tokenizer = target.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise ValueError("self_instruct needs a target whose tokenizer has a chat template")
     marker = "\x00REQUEST\x00"
     rendered = tokenizer.apply_chat_template(

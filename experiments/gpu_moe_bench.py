@@ -73,21 +73,25 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: use --dry-run for the CPU interpreter mode")
-    bench = Bench(torch, dry_run=args.dry_run, out_dir=pathlib.Path(args.out), budget_s=args.budget_s)
-    bench.argv = list(argv if argv is not None else sys.argv[1:])
+    command = " ".join(["python -m experiments.gpu_moe_bench", *(argv if argv is not None else sys.argv[1:])])
+    bench = Bench(
+        torch, dry_run=args.dry_run, out_dir=pathlib.Path(args.out), budget_s=args.budget_s, command=command
+    )
     return bench.run()
 
 
 class Bench:
     """State of one run: the device, the report being built, and the timer."""
 
-    def __init__(self, torch, *, dry_run: bool, out_dir: pathlib.Path, budget_s: float) -> None:
+    def __init__(
+        self, torch, *, dry_run: bool, out_dir: pathlib.Path, budget_s: float, command: str = ""
+    ) -> None:
         import kernels
 
         self.torch, self.kernels, self.dry_run = torch, kernels, dry_run
         self.device = torch.device("cpu" if dry_run else "cuda")
         self.out_path = out_dir / "gpu_moe_bench.json"
-        self.argv: list[str] = []  # the command line, for the results file
+        self.command = command  # for the results file
         self.start, self.budget_s = time.time(), budget_s
         self.gen = torch.Generator(device=self.device).manual_seed(0)
         self.flush_buffer = (
@@ -117,10 +121,7 @@ class Bench:
         from experiments.gpu_moe_report import gpu_document
         from specdec.summary import write_json
 
-        write_json(
-            self.out_path,
-            gpu_document(self.report, " ".join(["python -m experiments.gpu_moe_bench", *self.argv])),
-        )
+        write_json(self.out_path, gpu_document(self.report, self.command), indent=1)
 
     def randn(self, *shape, dtype=None, scale: float = 1.0):
         t = self.torch.randn(*shape, generator=self.gen, device=self.device, dtype=self.torch.float32)

@@ -29,6 +29,7 @@ __all__ = [
     "mtbench_questions",
     "load_prompts",
     "encode_prompt",
+    "has_chat_template",
 ]
 
 
@@ -90,10 +91,15 @@ def load_prompts(name: str, num_prompts: int) -> list[str]:
     return [prompts[(i * len(prompts)) // num_prompts] for i in range(num_prompts)]
 
 
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether the tokenizer has a chat template (a base model's has none)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
     """Token ids of a raw prompt, or of a user turn in the tokenizer's chat template."""
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_chat_template(tokenizer):
             raise ValueError("chat=True (--chat) needs a tokenizer with a chat template; this one has none")
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False

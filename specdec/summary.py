@@ -41,6 +41,7 @@ __all__ = [
     "Figure",
     "Summary",
     "summary_document",
+    "check_experiment_name",
     "utc_now",
     "atomic_write_text",
     "write_json",
@@ -151,6 +152,16 @@ def utc_now() -> str:
     return now.isoformat().replace("+00:00", "Z")
 
 
+EXPERIMENT_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
+"""An experiment's name: the paper's file names and LaTeX labels come from it."""
+
+
+def check_experiment_name(name: str, argument: str) -> None:
+    """``ValueError`` naming ``argument`` unless ``name`` is an :data:`EXPERIMENT_NAME`."""
+    if not EXPERIMENT_NAME.fullmatch(name):
+        raise ValueError(f"{argument} must be a [a-z0-9-] name (file names come from it), got {name!r}")
+
+
 def summary_document(
     *,
     experiment: str,
@@ -167,8 +178,7 @@ def summary_document(
 ) -> dict[str, Any]:
     """A results file's contents in the schema: ``summary``'s tables and figures with where they came
     from (``command``, ``machine``, ``env``, the time) and how complete they are."""
-    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", experiment):
-        raise ValueError(f"experiment must be a [a-z0-9-] name (file names come from it), got {experiment!r}")
+    check_experiment_name(experiment, "experiment")
     planned = num_runs if num_planned_runs is None else num_planned_runs
     return {
         "schema": SCHEMA,
@@ -285,4 +295,4 @@ def series_from_rows(
 ) -> Series:
     """A figure curve from table rows: the points ``(row[x], row[y])`` of the rows where both are set."""
     pts = [(r[x], r[y]) for r in rows if r.get(x) is not None and r.get(y) is not None]
-    return Series(label=label, x=[a for a, _ in pts], y=[b for _, b in pts], style=style, group=group)
+    return series_from_points(pts, label=label, style=style, group=group)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -57,7 +56,7 @@ from specdec.prompt_sets import (
     encode_prompt,
     load_prompts,
 )
-from specdec.summary import utc_now
+from specdec.summary import check_experiment_name, utc_now
 from specdec.targets.llama_weights import WEIGHT_MODES
 
 __all__ = [
@@ -107,8 +106,7 @@ class BenchConfig:
     labels and a published file's name come from it)."""
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", self.name):
-            raise ValueError(f"name must be a [a-z0-9-] experiment name, got {self.name!r}")
+        check_experiment_name(self.name, "name")
         if self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if self.max_new_tokens < 1:
