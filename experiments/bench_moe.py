@@ -40,7 +40,7 @@ import torch
 
 from specdec.bench.interleave import time_interleaved
 from specdec.bench.report import benchmark_document
-from specdec.cli_args import positive_int_list
+from specdec.cli_args import positive_int_list, seed_int
 from specdec.summary import Summary, table_from_rows, write_json
 
 IMPLS = ("ours", "ours_general", "ours_mkl", "hf_eager", "hf_grouped", "dense", "dense_mkl")
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-reps", type=int, default=5, help="minimum interleaved repetitions (5)")
     p.add_argument("--max-reps", type=int, default=300, help="maximum interleaved repetitions (300)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--out", type=Path, default=None, help="directory for bench_moe.json / bench_moe.md")
     return p
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -142,6 +143,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wandb-project", default="specdec", help="W&B project (default: specdec)")
     parser.add_argument("--publish", action="store_true", help="copy the summary to paper/results/NAME.json")
     parser.add_argument("--publish-dir", type=Path, help="where --publish copies to (default: paper/results)")
+    parser.add_argument(
+        "--allow-large", action="store_true", help="accept a plan of over 10,000 runs (refused otherwise)"
+    )
 
 
 def _announce_wandb(out: Path) -> None:
@@ -160,11 +164,15 @@ def cmd_run(argv: Sequence[str]) -> int:
     _common(parser)
     parser.add_argument("--shard", help="run only shard i of n (0 <= i < n), e.g. --shard 0/4")
     parser.add_argument("--keep-going", action="store_true", help="report a failing run and continue")
-    parser.add_argument("--dry-run", action="store_true", help="print the runs of (this shard of) the plan")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan's size (stderr), then its runs as they are built (this shard's, with --shard)",
+    )
     args = parser.parse_args(argv)
     from experiments.registry import get_experiment
-    from experiments.runner import plan_configs, run_experiment
-    from experiments.sweep import parse_shard, shard
+    from experiments.runner import run_experiment
+    from experiments.sweep import parse_shard
 
     shard_spec = parse_shard(args.shard) if args.shard else None
     base, axes = _overrides(args)  # a ValueError here is a user error: main() prints it on one line
@@ -172,12 +180,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     if args.publish and args.smoke:
         raise ValueError("--publish with --smoke would overwrite the paper's results with a smoke run")
     if args.dry_run:
-        from experiments.config import config_to_dict, run_id
-
-        configs = plan_configs(experiment, smoke=args.smoke, base_overrides=base, axis_overrides=axes)
-        for config in shard(configs, *shard_spec) if shard_spec else configs:
-            print(run_id(config), type(config).__name__, json.dumps(config_to_dict(config)))
-        return 0
+        return _dry_run(experiment, args.smoke, base, axes, shard_spec)
     if args.wandb:
         _announce_wandb(args.out)
     report = run_experiment(
@@ -190,6 +193,7 @@ def cmd_run(argv: Sequence[str]) -> int:
         base_overrides=base,
         axis_overrides=axes,
         keep_going=args.keep_going,
+        allow_large=args.allow_large,
         publish=args.publish,
         publish_dir=args.publish_dir,
     )
@@ -198,6 +202,36 @@ def cmd_run(argv: Sequence[str]) -> int:
         f"failed {len(report.failed)}"
     )
     return 1 if report.failed else 0
+
+
+def _dry_run(
+    experiment: Any,
+    smoke: bool,
+    base: dict[str, Any],
+    axes: dict[str, Any],
+    shard_spec: tuple[int, int] | None,
+) -> int:
+    """``run --dry-run``: the plan's size on stderr (from the axis lengths, before anything is built),
+    then ``run_id ConfigType {config JSON}`` per run on stdout as each is built (a shard needs every
+    run id first). Any size is printed, as a dry run runs nothing."""
+    from experiments.config import config_to_dict, run_id
+    from experiments.runner import LARGE_PLAN_RUNS, plan_sweeps
+    from experiments.sweep import iter_expand, plan_size, shard
+
+    sweeps = plan_sweeps(experiment, smoke=smoke, base_overrides=base, axis_overrides=axes)
+    size = plan_size(sweeps)
+    note = f" (over {LARGE_PLAN_RUNS:,}: `run` needs --allow-large)" if size > LARGE_PLAN_RUNS else ""
+    print(f"{experiment.name}: {size:,} runs in the plan{note}", file=sys.stderr, flush=True)
+    configs = iter_expand(sweeps)
+    if shard_spec:
+        configs = iter(shard(list(configs), *shard_spec))
+    try:
+        for config in configs:
+            print(run_id(config), type(config).__name__, json.dumps(config_to_dict(config)))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader has gone; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def cmd_summarize(argv: Sequence[str]) -> int:
@@ -212,7 +246,9 @@ def cmd_summarize(argv: Sequence[str]) -> int:
 
     base, axes = _overrides(args)
     experiment = get_experiment(args.name)
-    configs = plan_configs(experiment, smoke=args.smoke, base_overrides=base, axis_overrides=axes)
+    configs = plan_configs(
+        experiment, smoke=args.smoke, base_overrides=base, axis_overrides=axes, allow_large=args.allow_large
+    )
     if args.wandb:
         _announce_wandb(args.out)
     path = summarize_experiment(

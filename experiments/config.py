@@ -19,6 +19,7 @@ no whitespace), so the same config always lands in the same run directory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -27,6 +28,8 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union
+
+from specdec.seeds import check_seed
 
 __all__ = [
     "validate_config",
@@ -119,6 +122,13 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     )
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, once per class: it dominates building a config, and a sweep of
+    many points builds one per point."""
+    return typing.get_type_hints(cls)
+
+
 def _describe(annotation: Any) -> str:
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
@@ -127,13 +137,16 @@ def validate_config(config: Any) -> None:
     """Check every field of a frozen config dataclass against its annotation, coercing in place.
 
     Ints become floats in float fields and lists become tuples, so equal configs hash equally.
+    A field named ``seed`` is a seed: an int in [0, 2**64) (:func:`specdec.seeds.check_seed`).
     Raises ``ValueError`` naming ``ClassName.field`` on a wrong type or a non-finite float.
     """
     _check_config(config)
-    hints = typing.get_type_hints(type(config))
+    hints = _type_hints(type(config))
     for f in dataclasses.fields(config):
         where = f"{type(config).__name__}.{f.name}"
         value = _coerce(getattr(config, f.name), hints[f.name], where)
+        if f.name == "seed" and value is not None:
+            value = check_seed(value, where)
         object.__setattr__(config, f.name, value)
 
 
@@ -177,7 +190,7 @@ def config_from_dict(cls: type, data: Mapping[str, Any]) -> Any:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ValueError(f"unknown field(s) {unknown} for {cls.__name__}; fields: {list(known)}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     kwargs = {}
     for name, value in data.items():
         annotation = hints[name]

@@ -10,13 +10,13 @@ set; experts, top-k, capacity factor, router.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from experiments.config import field_names, has_field, replace_fields, run_id
 
-__all__ = ["Axis", "Sweep", "expand", "parse_shard", "shard"]
+__all__ = ["Axis", "Sweep", "expand", "iter_expand", "plan_size", "parse_shard", "shard"]
 
 
 @dataclass(frozen=True)
@@ -84,15 +84,17 @@ class Sweep:
                 seen.add(name)
         object.__setattr__(self, "axes", axes)
 
-    def configs(self) -> list[Any]:
-        """Every grid point as a config (validated by its constructor), in grid order."""
-        out = []
+    def iter_configs(self) -> Iterator[Any]:
+        """Every grid point as a config (validated by its constructor), in grid order, one at a time."""
         for point in itertools.product(*(axis.values for axis in self.axes)):
             overrides: dict[str, Any] = {}
             for axis, values in zip(self.axes, point, strict=True):
                 overrides.update(zip(axis.fields, values, strict=True))
-            out.append(replace_fields(self.base, overrides))
-        return out
+            yield replace_fields(self.base, overrides)
+
+    def configs(self) -> list[Any]:
+        """Every grid point as a config, in grid order (:meth:`iter_configs` as a list)."""
+        return list(self.iter_configs())
 
     def __len__(self) -> int:
         n = 1
@@ -112,20 +114,35 @@ class Sweep:
         return Sweep(new_base, tuple(new_axes))
 
 
-def expand(plan: Sweep | Sequence[Sweep]) -> list[Any]:
-    """All configs of one sweep or of several (concatenated), each run id once, in order."""
+def _sweeps(plan: Sweep | Sequence[Sweep]) -> tuple[Sweep, ...]:
     sweeps = (plan,) if isinstance(plan, Sweep) else tuple(plan)
     if not all(isinstance(s, Sweep) for s in sweeps):
         raise ValueError("an experiment plan must be a Sweep or a sequence of Sweeps")
+    return sweeps
+
+
+def plan_size(plan: Sweep | Sequence[Sweep]) -> int:
+    """The number of grid points of a plan, from the axis lengths alone (nothing is built).
+
+    An upper bound on the number of runs: :func:`expand` drops a point whose run id came earlier.
+    """
+    return sum(len(sweep) for sweep in _sweeps(plan))
+
+
+def iter_expand(plan: Sweep | Sequence[Sweep]) -> Iterator[Any]:
+    """All configs of one sweep or of several (concatenated), each run id once, in order, lazily."""
     seen: set[str] = set()
-    out = []
-    for sweep in sweeps:
-        for config in sweep.configs():
+    for sweep in _sweeps(plan):
+        for config in sweep.iter_configs():
             rid = run_id(config)
             if rid not in seen:
                 seen.add(rid)
-                out.append(config)
-    return out
+                yield config
+
+
+def expand(plan: Sweep | Sequence[Sweep]) -> list[Any]:
+    """All configs of one sweep or of several (concatenated), each run id once, in order."""
+    return list(iter_expand(plan))
 
 
 def parse_shard(text: str) -> tuple[int, int]:
