@@ -19,8 +19,9 @@ _DTYPES = ("bfloat16", "float16", "float32")
 def cmd_export_head(args: argparse.Namespace) -> int:
     import torch
 
-    from specdec.drafters.eagle.formats import export_head_file
+    from specdec.drafters.eagle.formats import check_output_dir, export_head_file
 
+    check_output_dir(args.out, "--out")  # before reading the head, so the error names the flag
     out = export_head_file(
         args.head, args.format, args.out, dtype=getattr(torch, args.dtype), verifier=args.verifier
     )

@@ -35,9 +35,26 @@ import torch
 
 from specdec.drafters.eagle.config import EagleConfig
 from specdec.drafters.eagle.eagle3 import Eagle3Head
+from specdec.drafters.eagle.headdir import (
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX,
+    check_shapes,
+    draft_vocab,
+    read_weights,
+)
 from specdec.protocols import TargetParts
 
-__all__ = ["FORMATS", "export_head", "export_head_file", "import_head", "detect_format", "unexportable"]
+__all__ = [
+    "FORMATS",
+    "WEIGHTS_FILE",
+    "WEIGHTS_INDEX",
+    "export_head",
+    "export_head_file",
+    "import_head",
+    "detect_format",
+    "unexportable",
+    "check_output_dir",
+]
 
 FORMATS = ("speculators", "sglang")
 _PREFIX = {"speculators": "layers.0.", "sglang": "midlayer."}
@@ -50,6 +67,12 @@ _LAYER_KEYS = {  # ours -> the formats' (under the layer prefix), split where we
     "gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "down_proj.weight": ["mlp.down_proj.weight"],
 }
+
+
+def _split_sizes(c: EagleConfig) -> dict[str, list[int]]:
+    """Rows of each part of our fused matrices, in the order of :data:`_LAYER_KEYS`."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"qkv_proj.weight": [q, kv, kv], "gate_up_proj.weight": [c.intermediate_size] * 2}
 
 
 def _check_format(fmt: str) -> str:
@@ -131,17 +154,37 @@ def export_head(
     vocab_N = head.draft_vocab_N.to(torch.long).cpu()
     if not bool((vocab_N[1:] > vocab_N[:-1]).all()):
         raise ValueError("the head's draft vocabulary must be sorted by id (attach the head first)")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_output_dir(out, "out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"out {str(out)!r}: cannot create the directory ({err.strerror})") from None
     meta = {
         "format": fmt,
         "config": json.dumps(asdict(c)),
         "target": target_name,
         "target_fingerprint": target_fingerprint,
     }
-    save_file(_export_tensors(head, fmt, vocab_N, dtype), str(out / "model.safetensors"), metadata=meta)
+    save_file(_export_tensors(head, fmt, vocab_N, dtype), str(out / WEIGHTS_FILE), metadata=meta)
     config = _export_config(c, fmt, str(dtype).removeprefix("torch."), speculative_tokens, verifier)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def check_output_dir(out: str | Path, name: str = "out") -> Path:
+    """``out`` as a Path, where a head directory can be written (it is a directory or absent);
+    ``ValueError`` naming the argument ``name`` (``"--out"`` on the command line) when ``out``, or a
+    folder above it, is an existing file."""
+    out = Path(out)
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is an existing file" if p == out else f"lies under {str(p)!r}, an existing file"
+                raise ValueError(
+                    f"{name} {str(out)!r} {what}; a head is written as a directory "
+                    f"(config.json + {WEIGHTS_FILE}): give a new or existing directory"
+                )
+            break
     return out
 
 
@@ -154,14 +197,7 @@ def _export_tensors(
     state = {k: v.detach().cpu() for k, v in head.state_dict().items()}
     tensors: dict[str, torch.Tensor] = {"fc.weight": state["fc.weight"], "norm.weight": state["norm"]}
     tensors["lm_head.weight"] = state["lm_head"]
-    sizes = {
-        "qkv_proj.weight": [
-            c.num_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
-        ],
-        "gate_up_proj.weight": [c.intermediate_size, c.intermediate_size],
-    }
+    sizes = _split_sizes(c)
     for ours, theirs in _LAYER_KEYS.items():
         parts = state[ours].split(sizes[ours], dim=0) if ours in sizes else [state[ours]]
         for name, t in zip(theirs, parts, strict=True):
@@ -266,13 +302,33 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not file.is_file():
         raise ValueError(f"head directory {path}: no config.json")
     try:
-        return json.loads(file.read_text())
+        config = json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def _import_config(config: dict[str, Any], fmt: str, parts: TargetParts, path: Path) -> EagleConfig:
+    """Our :class:`EagleConfig` from the format's ``config.json``; ``ValueError`` naming the file and
+    the field that is missing, malformed or does not fit the target."""
+    try:
+        return _translate_config(config, fmt, parts, path)
+    except KeyError as err:
+        raise ValueError(
+            f"{path / 'config.json'}: no field {err.args[0]!r}, which the {fmt} format needs"
+        ) from None
+    except (TypeError, ValueError) as err:
+        if str(path) in str(err):  # already names the folder (a mismatch with the target)
+            raise
+        raise ValueError(f"{path / 'config.json'}: {err}") from None
+
+
+def _translate_config(config: dict[str, Any], fmt: str, parts: TargetParts, path: Path) -> EagleConfig:
     layer = config["transformer_layer_config"] if fmt == "speculators" else config
+    if not isinstance(layer, dict):
+        raise ValueError(f"transformer_layer_config must be a JSON object, got {type(layer).__name__}")
     target = parts.config
     L = int(getattr(target, "num_hidden_layers", 0) or 0)
     problems = []
@@ -322,33 +378,51 @@ def _import_config(config: dict[str, Any], fmt: str, parts: TargetParts, path: P
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
         rope_parameters=rope,
         vocab_size=layer["vocab_size"],
-        draft_vocab_size=int(config.get("draft_vocab_size") or layer["vocab_size"]),
+        draft_vocab_size=_draft_vocab_size(config, layer["vocab_size"]),
         aux_layers=tuple(aux),
         aux_scales=(1.0,) * len(aux),
         norm_before_residual=bool(config.get("norm_before_residual", False)),
     )
 
 
+def _draft_vocab_size(config: dict[str, Any], vocab_size: int) -> int:
+    """``draft_vocab_size`` (absent: the whole target vocabulary), an int in [1, ``vocab_size``]."""
+    N = config.get("draft_vocab_size", vocab_size)
+    if isinstance(N, bool) or not isinstance(N, int) or not 1 <= N <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be an integer in [1, vocab_size={vocab_size}], got {N!r}")
+    return N
+
+
+def _format_shapes(head: Eagle3Head, fmt: str) -> dict[str, tuple[int, ...]]:
+    """The format's weight tensors and their shapes for a head shaped like ``head`` (what
+    :func:`_export_tensors` writes, without ``d2t`` / ``t2d``)."""
+    state = head.state_dict()
+    shapes = {
+        k: tuple(state[ours].shape) for ours, k in (("fc.weight", "fc.weight"), ("norm", "norm.weight"))
+    }
+    shapes["lm_head.weight"] = tuple(state["lm_head"].shape)
+    sizes = _split_sizes(head.config)
+    for ours, theirs in _LAYER_KEYS.items():
+        rows = sizes.get(ours, [state[ours].shape[0]])
+        for name, n in zip(theirs, rows, strict=True):
+            shapes[_PREFIX[fmt] + name] = (n, *state[ours].shape[1:])
+    return shapes
+
+
 def import_head(
     path: str | Path, parts: TargetParts, *, dtype: torch.dtype = torch.float32
 ) -> tuple[Eagle3Head, dict]:
     """Load a speculators- or SGLang-format head directory for the target whose tensors are
-    ``parts``; returns (attached :class:`Eagle3Head`, metadata). ``ValueError`` saying which of
-    hidden size, vocabulary, layer count or embedding fingerprint does not match."""
-    from specdec.drafters.eagle.weights import read_head_file, target_mismatch
+    ``parts``; returns (attached :class:`Eagle3Head`, metadata). ``ValueError`` naming the folder,
+    the file and the field or tensor: which of hidden size, vocabulary, layer count or embedding
+    fingerprint does not match the target, and where the directory breaks its format's contract
+    (files, tensor shapes, ``d2t`` / ``t2d``; docs/formats.md)."""
+    from specdec.drafters.eagle.weights import target_mismatch
 
     path = Path(path)
     fmt = detect_format(path)
     config = _import_config(_read_config(path), fmt, parts, path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"head directory {path}: no *.safetensors file")
-    state: dict[str, torch.Tensor] = {}
-    meta: dict[str, str] = {}
-    for file in files:
-        s, m = read_head_file(file)
-        state.update({k.removeprefix("model."): v for k, v in s.items()})
-        meta.update(m)
+    state, meta, source = read_weights(path)
     reason = target_mismatch(meta, parts.embed_VD, path)
     if reason is not None:
         raise ValueError(reason)
@@ -361,28 +435,19 @@ def import_head(
                 f"head {path}: its embed_tokens differ from the target's embedding (another target?)"
             )
     head = Eagle3Head(config)
-    ours = {"fc.weight": "fc.weight", "norm": "norm.weight", "lm_head": "lm_head.weight"}
-    loaded: dict[str, torch.Tensor] = {}
-    try:
-        for k, theirs in ours.items():
-            loaded[k] = state[theirs]
-        for k, theirs in _LAYER_KEYS.items():
-            loaded[k] = torch.cat([state[_PREFIX[fmt] + t] for t in theirs], dim=0)
-    except KeyError as err:
-        raise ValueError(f"head {path}: missing tensor {err.args[0]!r} of the {fmt} format") from None
-    N = config.draft_vocab_size
-    offsets = state.get("d2t")
-    vocab_N = torch.arange(N) if offsets is None else torch.arange(N) + offsets.to(torch.long)
-    if vocab_N.shape != (N,) or int(vocab_N.min()) < 0 or int(vocab_N.max()) >= config.vocab_size:
-        raise ValueError(f"head {path}: d2t does not map its {N} draft ids into the target vocabulary")
+    check_shapes(state, source, _format_shapes(head, fmt), config, path)
+    loaded = {
+        "fc.weight": state["fc.weight"],
+        "norm": state["norm.weight"],
+        "lm_head": state["lm_head.weight"],
+    }
+    for k, theirs in _LAYER_KEYS.items():
+        loaded[k] = torch.cat([state[_PREFIX[fmt] + t] for t in theirs], dim=0)
+    vocab_N = draft_vocab(state, source, config, path)
     order = torch.argsort(vocab_N)  # ours: rows sorted by target id
     loaded["lm_head"] = loaded["lm_head"][order]
     loaded["draft_vocab_N"] = vocab_N[order]
-    try:
-        head.load_state_dict(loaded, strict=True)
-    except RuntimeError as err:
-        detail = " ".join(line.strip() for line in str(err).splitlines()[1:])[:400]
-        raise ValueError(f"head {path} does not fit its own config.json: {detail}") from None
+    head.load_state_dict(loaded, strict=True)  # shapes checked above
     head = head.to(device=parts.embed_VD.device, dtype=dtype).eval().requires_grad_(False)
     meta = {**meta, "format": fmt, "source": str(path)}
     return head.attach(parts), meta

@@ -76,6 +76,14 @@ def resolve_weights(weights: str | Path | None) -> Path:
     shipped = resources.files("specdec") / "weights" / str(weights)
     if shipped.is_file():
         return Path(str(shipped))
+    if path.is_dir():
+        from specdec.drafters.eagle.headdir import WEIGHTS_FILE, WEIGHTS_INDEX
+
+        raise ValueError(
+            f"weights {str(weights)!r}: the folder has no config.json; a head folder (vLLM's speculators "
+            f"or SGLang's format, docs/formats.md) holds config.json and {WEIGHTS_FILE} (or "
+            f"{WEIGHTS_INDEX} and its shards)"
+        )
     raise ValueError(
         f"weights {str(weights)!r}: no such file, and not a shipped file in specdec/weights/ "
         "(train one with: python -m experiments train-drafter)"
@@ -118,12 +126,37 @@ def build_head(config: EagleConfig, state: dict[str, torch.Tensor], path: Path) 
     head = head_class(config)(config)
     if "draft_vocab_N" not in state:
         raise ValueError(f"head file {path} has no draft_vocab_N tensor")
+    _check_draft_vocab(state["draft_vocab_N"], config, path)
     try:
         head.load_state_dict({**state, "draft_vocab_N": state["draft_vocab_N"].to(torch.long)}, strict=True)
     except RuntimeError as err:  # missing / unexpected keys, or shapes that do not fit the config
         detail = " ".join(line.strip() for line in str(err).splitlines()[1:])[:500]
         raise ValueError(f"head file {path} does not fit its own config: {detail}") from None
     return head
+
+
+def _check_draft_vocab(vocab_N: torch.Tensor, config: EagleConfig, path: Path) -> None:
+    """A head file's ``draft_vocab_N``: ``draft_vocab_size`` distinct integer ids in [0,
+    ``vocab_size``); ``ValueError`` naming the file, the field and both sizes otherwise."""
+    N, V = config.draft_vocab_size, config.vocab_size
+    if vocab_N.dtype.is_floating_point or vocab_N.dtype.is_complex or vocab_N.dtype == torch.bool:
+        raise ValueError(f"head file {path}: draft_vocab_N is {vocab_N.dtype}; expected integer token ids")
+    if vocab_N.dim() != 1 or vocab_N.numel() != N:
+        raise ValueError(
+            f"head file {path}: its config's draft_vocab_size is {N}, but draft_vocab_N has shape "
+            f"{list(vocab_N.shape)} (expected [{N}])"
+        )
+    vocab_N = vocab_N.to(torch.long)
+    if int(vocab_N.min()) < 0 or int(vocab_N.max()) >= V:
+        raise ValueError(
+            f"head file {path}: draft_vocab_N holds ids outside the target vocabulary [0, {V}) "
+            f"(min {int(vocab_N.min())}, max {int(vocab_N.max())})"
+        )
+    if torch.unique(vocab_N).numel() != N:
+        raise ValueError(
+            f"head file {path}: draft_vocab_N repeats token ids ({torch.unique(vocab_N).numel()} "
+            f"distinct of {N}); expected each id once"
+        )
 
 
 def stored_draft_vocab(weights: str | Path | None) -> torch.Tensor:
