@@ -18,9 +18,11 @@ from specdec.cli_args import (
     ArgumentParser,
     check_text,
     finite_float,
+    interrupt_watch,
     nonnegative_int,
     parse_options,
     positive_int,
+    seed_int,
     stderr_line,
 )
 
@@ -77,9 +79,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.policies import make_policy
     from specdec.prompt_sets import encode_prompt
     from specdec.registry import DRAFTERS, create_drafter
+    from specdec.sampling import validate_sampling
     from specdec.targets import open_target
 
     prompt = check_text(args.prompt, "--prompt")
+    validate_sampling(args.temperature, args.top_k, args.top_p)  # before the model loads
     drafter_options = parse_options(args.drafter_option, "--drafter-option")
     policy = make_policy(args.gamma_policy, gamma=args.gamma)
     target = open_target(
@@ -161,7 +165,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--gamma", type=nonnegative_int, default=4, help="draft length (fixed, or the policy's start)"
     )
     p.add_argument("--gamma-policy", default="fixed", help="fixed | heuristic | cost (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed_int, default=None, help="an integer in [0, 2**64)")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument(
@@ -209,15 +213,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specdec`` command: a user-caused error (``ValueError``: a bad argument,
-    file or field) is one line on stderr and exit status 2; an internal error keeps its traceback."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as e:
-        stderr_line("specdec", e)
-        return 2
-    except KeyboardInterrupt:
+    file or field) is one line on stderr and exit status 2; an internal error keeps its traceback.
+    Ctrl-C at any point, the heavy imports (torch, transformers) included, is one line and exit
+    status 130: this module imports only the standard library and :mod:`specdec.cli_args` at load,
+    everything else inside the ``try`` below (and an error after a Ctrl-C that a library swallowed
+    counts as the interrupt: :func:`specdec.cli_args.interrupt_watch`)."""
+    with interrupt_watch() as interrupted:
+        try:
+            parser = build_parser()  # imports torch (specdec.bench)
+            if interrupted():  # a Ctrl-C that an import swallowed
+                raise KeyboardInterrupt
+            args = parser.parse_args(argv)
+            status = int(args.func(args) or 0)
+            if interrupted():
+                raise KeyboardInterrupt
+            return status
+        except KeyboardInterrupt:
+            pass
+        except ValueError as e:
+            if not interrupted():
+                stderr_line("specdec", e)
+                return 2
+        except Exception:
+            if not interrupted():  # else a library swallowed the interrupt and failed after it
+                raise
         print("specdec: interrupted", file=sys.stderr)
         return 130
 

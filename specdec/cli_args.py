@@ -8,10 +8,15 @@ types here refuse NaN, infinities and malformed ``KEY=VALUE`` options up front.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
+
+from specdec.seeds import check_seed
 
 __all__ = [
     "ArgumentParser",
@@ -19,10 +24,12 @@ __all__ = [
     "positive_int",
     "nonnegative_int",
     "positive_int_list",
+    "seed_int",
     "csv",
     "parse_options",
     "check_text",
     "stderr_line",
+    "interrupt_watch",
 ]
 
 
@@ -62,6 +69,18 @@ def positive_int(text: str) -> int:
 def nonnegative_int(text: str) -> int:
     """An integer >= 0."""
     return _int(text, 0)
+
+
+def seed_int(text: str) -> int:
+    """A seed: an integer in [0, 2**64) (:func:`specdec.seeds.check_seed`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}") from None
+    try:
+        return check_seed(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}") from None
 
 
 def csv(cast: Callable[[str], Any]) -> Callable[[str], tuple]:
@@ -120,3 +139,34 @@ def check_text(value: str, flag: str) -> str:
 def stderr_line(prog: str, err: BaseException) -> None:
     """Print ``prog: error: <message>`` on one line."""
     print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def interrupt_watch() -> Iterator[Callable[[], bool]]:
+    """Remember Ctrl-C (SIGINT) while active; yields ``interrupted() -> bool``.
+
+    SIGINT still raises ``KeyboardInterrupt`` as Python's default handler does. Some libraries
+    swallow it when it lands inside an import (a C extension that clears the error while importing
+    numpy for torch, say), and the run then fails later with an unrelated error: a command asks
+    ``interrupted()`` to report that failure as the interrupt it was (one line, status 130). A
+    handler other than Python's default (an ignored SIGINT, a caller's own) is left alone, as is
+    SIGINT outside the main thread.
+    """
+    seen = False
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        nonlocal seen
+        seen = True
+        raise KeyboardInterrupt
+
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield lambda: False
+        return
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield lambda: seen
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -13,12 +13,22 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "logits_to_probs", "sample_from_probs", "validate_sampling"]
+__all__ = ["MIN_TEMPERATURE", "SamplingParams", "logits_to_probs", "sample_from_probs", "validate_sampling"]
+
+MIN_TEMPERATURE = 2.0**-149
+"""The smallest usable positive temperature: the smallest positive float32 (≈ 1.4e-45). Logits are
+divided by the temperature in float32, where anything smaller rounds to 0 (0 / 0 = NaN)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How logits become a distribution: temperature, then top-k, then top-p."""
+    """How logits become a distribution: temperature, then top-k, then top-p.
+
+    ``temperature`` is 0 (greedy: the argmax) or a finite number >= :data:`MIN_TEMPERATURE`
+    (≈ 1.4e-45, the smallest positive float32); a positive temperature below that is refused
+    (``ValueError`` naming the smallest usable value), not rounded to greedy: near 0 a positive
+    temperature gives the uniform distribution over tied maximal logits, greedy the lowest id.
+    """
 
     temperature: float = 1.0
     top_k: int | None = None
@@ -33,11 +43,26 @@ class SamplingParams:
 
 
 def validate_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ``ValueError`` naming the argument when a sampling parameter is out of range."""
-    if not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:
+    """Raise ``ValueError`` naming the argument when a sampling parameter is out of range.
+
+    ``temperature``: 0 (greedy) or a finite number >= :data:`MIN_TEMPERATURE` (the smallest positive
+    float32, ≈ 1.4e-45; a smaller positive value would round to 0 in the float32 division and give
+    NaN probabilities, so it is refused). ``top_k``: None or an int >= 1. ``top_p``: None or (0, 1].
+    """
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or math.isnan(temperature)
+        or temperature < 0
+    ):
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
     if math.isinf(temperature):
         raise ValueError(f"temperature must be finite, got {temperature!r}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE!r} (the smallest positive "
+            f"float32; logits are divided by it in float32), got {temperature!r}"
+        )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and (

@@ -21,6 +21,28 @@ As in §A.5, lenience then applies *before* standardisation, to the raw target d
 p = softmax(logits): draft x is accepted when p(x) ≥ l · max p (the paper's text prints the
 inequality reversed; accepting only tokens at least l times as likely as the argmax is its
 intent, and l = 1 gives plain argmax matching). Recovered and bonus tokens are the target's argmax.
+
+**Token trees** (the rule's tree policy, ``LenientVerify.verify_tree``; lossy for l < 1, exact for
+l = 1, where it is :func:`specdec.tree.tree_rejection_sample` / :func:`~specdec.tree.tree_greedy_verify`).
+Legend there: N tree nodes (node 0 the root), A accepted path length + 1.
+
+- sampling (:func:`lenient_tree_sample`): SpecInfer's multi-candidate recursive rejection sampling
+  (:mod:`specdec.tree`) with the draft measure scaled by l, so that a chain tree is the rule above. At
+  a node, with residual r (first the target) and children c_1..c_k tried in drawing order, c_i is
+  accepted with probability min(1, r(c_i) / (l · draft_i(c_i))); on rejection
+  r ← norm(max(r − l · draft_i, 0)) (point masses: r without c_i); all rejected: the recovered token
+  is drawn from r; at a leaf the bonus token from the target. ``draft_i`` is the draft
+  distribution, with earlier candidates removed when children were drawn without replacement.
+  The paper's guarantee carries over per node: given the path so far, no token is emitted with
+  probability above target(x) / l. By induction from the last candidate: if what follows a
+  rejection emits x with probability at most r'(x) / l, the node emits x with probability at most
+  min(draft(x), r(x)/l) + β · max(r(x) − l·draft(x), 0) / (l · Z) ≤ r(x) / l, since the rejection
+  probability β = 1 − Σ min(draft, r/l) is at most the residual's mass Z = 1 − l + l·β.
+- greedy (:func:`lenient_tree_greedy`): at each node the child the target's raw softmax p finds
+  most likely (the first on ties) is accepted when p(child) ≥ l · max p; the recovered or bonus
+  token is the argmax. A child holding the argmax always passes and is the one taken (up to exact
+  ties in probability), so wherever exact greedy accepts a child this rule accepts the same one; on
+  a chain tree this is the chain rule above.
 """
 
 from __future__ import annotations
@@ -29,10 +51,28 @@ import math
 
 import torch
 
-from specdec.sampling import SamplingParams, sample_from_probs
+from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from specdec.tree import (
+    TokenTree,
+    TreeProposal,
+    TreeVerifyResult,
+    _normalise_rows,
+    tree_greedy_verify,
+    tree_rejection_sample,
+)
 from specdec.verify import VerifyResult, rejection_sample, validate_verify_inputs
 
-__all__ = ["LenientVerify", "lenient_sample"]
+__all__ = ["LenientVerify", "lenient_sample", "lenient_tree_sample", "lenient_tree_greedy"]
+
+
+def _check_lenience(lenience: float) -> None:
+    if (
+        isinstance(lenience, bool)
+        or not isinstance(lenience, (int, float))
+        or math.isnan(lenience)
+        or not 0.0 < lenience <= 1.0
+    ):
+        raise ValueError(f"lenience must be a number in (0, 1], got {lenience!r}")
 
 
 def lenient_sample(
@@ -51,8 +91,7 @@ def lenient_sample(
     ``greedy=True`` uses the temperature-0 rule on ``target_logits_BKV`` (required then).
     Leviathan et al. 2023 (arXiv 2211.17192), Appendix A.5.
     """
-    if not (isinstance(lenience, (int, float)) and not isinstance(lenience, bool) and 0.0 < lenience <= 1.0):
-        raise ValueError(f"lenience must be a number in (0, 1], got {lenience!r}")
+    _check_lenience(lenience)
     if lenience == 1.0:
         return rejection_sample(
             target_probs_BKV, draft_tokens_BK, draft_probs_BKV, generator=generator, validate=validate
@@ -120,16 +159,14 @@ def lenient_sample(
 
 
 class LenientVerify:
-    """The ``lenient`` verification rule (a :class:`specdec.verify_rules.VerifyRule`).
+    """The ``lenient`` verification rule (a :class:`specdec.verify_rules.TreeVerifyRule`): chains
+    and token trees (see the module doc for both policies).
 
     Option: ``lenience`` l ∈ (0, 1] (default 0.5); l = 1 is exact. Lossy for l < 1.
     """
 
     def __init__(self, *, lenience: float = 0.5) -> None:
-        if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or math.isnan(lenience):
-            raise ValueError(f"lenience must be a number in (0, 1], got {lenience!r}")
-        if not 0.0 < lenience <= 1.0:
-            raise ValueError(f"lenience must be a number in (0, 1], got {lenience!r}")
+        _check_lenience(lenience)
         self.lenience = float(lenience)
         self.lossless = self.lenience == 1.0
 
@@ -157,3 +194,207 @@ class LenientVerify:
 
     def __repr__(self) -> str:
         return f"LenientVerify(lenience={self.lenience:g})"
+
+    def verify_tree(
+        self,
+        target_logits_BNV: torch.Tensor,
+        proposal: TreeProposal,
+        *,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> TreeVerifyResult:
+        """The lenient tree policy (module doc): lossy for l < 1, the exact rule's for l = 1."""
+        if sampling.greedy:
+            return lenient_tree_greedy(
+                target_logits_BNV, proposal.tree, proposal.tokens_BN, lenience=self.lenience
+            )
+        target_probs_BNV = logits_to_probs(
+            target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p
+        )
+        return lenient_tree_sample(
+            target_probs_BNV,
+            proposal.tree,
+            proposal.tokens_BN,
+            proposal.draft_probs_BNV,
+            lenience=self.lenience,
+            replacement=proposal.replacement,
+            generator=generator,
+            validate=False,  # the loop checked the proposal (specdec.checks) and the logits
+        )
+
+
+# --- token trees ----------------------------------------------------------------------------------
+
+
+def _check_tree_inputs(
+    target_BNV: torch.Tensor, tree: TokenTree, tokens_BN: torch.Tensor, draft_probs_BNV: torch.Tensor | None
+) -> None:
+    if (
+        target_BNV.ndim != 3
+        or target_BNV.shape[1] != tree.num_nodes
+        or tokens_BN.shape != target_BNV.shape[:2]
+    ):
+        raise ValueError(
+            f"tree has {tree.num_nodes} nodes: the target tensor must be [B, {tree.num_nodes}, V] and "
+            f"tokens_BN [B, {tree.num_nodes}], got {tuple(target_BNV.shape)}, {tuple(tokens_BN.shape)}"
+        )
+    if draft_probs_BNV is not None and draft_probs_BNV.shape != target_BNV.shape:
+        raise ValueError(
+            f"draft_probs_BNV must be [B, N, V]={tuple(target_BNV.shape)}, got {tuple(draft_probs_BNV.shape)}"
+        )
+    V = target_BNV.shape[-1]
+    if tokens_BN[:, 1:].numel() and (tokens_BN[:, 1:].min() < 0 or tokens_BN[:, 1:].max() >= V):
+        raise ValueError(f"tokens_BN must lie in [0, V={V})")
+
+
+def lenient_tree_sample(
+    target_probs_BNV: torch.Tensor,
+    tree: TokenTree,
+    tokens_BN: torch.Tensor,
+    draft_probs_BNV: torch.Tensor | None = None,
+    *,
+    lenience: float,
+    replacement: bool = False,
+    generator: torch.Generator | None = None,
+    validate: bool = True,
+) -> TreeVerifyResult:
+    """Lenient multi-candidate recursive rejection sampling down a token tree (module doc, "Token
+    trees"); same inputs and output as :func:`specdec.tree.tree_rejection_sample`, which l = 1 calls.
+
+    Lossy for l < 1: per node, no token is emitted with probability above target(x) / l.
+    Leviathan et al. 2023 (arXiv 2211.17192), Appendix A.5, applied to SpecInfer's (arXiv
+    2305.09781) multi-candidate rule.
+    """
+    _check_lenience(lenience)
+    if lenience == 1.0:
+        return tree_rejection_sample(
+            target_probs_BNV,
+            tree,
+            tokens_BN,
+            draft_probs_BNV,
+            replacement=replacement,
+            generator=generator,
+            validate=validate,
+        )
+    if validate:
+        _check_tree_inputs(target_probs_BNV, tree, tokens_BN, draft_probs_BNV)
+        for name, probs in (("target_probs_BNV", target_probs_BNV), ("draft_probs_BNV", draft_probs_BNV)):
+            if probs is not None and (torch.isnan(probs).any() or (probs < 0).any()):
+                raise ValueError(f"{name} must be non-negative and free of NaN")
+    return _lenient_tree_walk(
+        target_probs_BNV,
+        tree,
+        tokens_BN,
+        draft_probs_BNV,
+        lenience=float(lenience),
+        replacement=replacement,
+        generator=generator,
+    )
+
+
+def _lenient_tree_walk(
+    target_probs_BNV: torch.Tensor,
+    tree: TokenTree,
+    tokens_BN: torch.Tensor,
+    draft_probs_BNV: torch.Tensor | None,
+    *,
+    lenience: float,
+    replacement: bool,
+    generator: torch.Generator | None,
+) -> TreeVerifyResult:
+    """The walk of :func:`specdec.tree.tree_rejection_sample` (same random draws, in the same order)
+    with the draft measure scaled by ``lenience``; at l = 1 it returns the same tokens."""
+    B, N, _ = target_probs_BNV.shape
+    device = target_probs_BNV.device
+    work = torch.float64 if target_probs_BNV.dtype == torch.float64 else torch.float32
+    tokens_BN = tokens_BN.to(device=device, dtype=torch.long)
+    kids_NC = tree.children_table(device)  # [N, max children], −1 padded
+    rows_B = torch.arange(B, device=device)
+    A = tree.max_depth + 1
+    out_tokens = torch.full((B, A), -1, dtype=torch.long, device=device)
+    out_nodes = torch.full((B, A), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
+    u_BN = torch.rand((B, N), generator=generator, device=device, dtype=work)  # one per candidate node
+    node_B = torch.zeros(B, dtype=torch.long, device=device)
+    live_B = torch.ones(B, dtype=torch.bool, device=device)
+    for depth in range(A):
+        residual_BV = target_probs_BNV[rows_B, node_B].to(work)
+        draft_BV = None if draft_probs_BNV is None else draft_probs_BNV[rows_B, node_B].to(work)
+        chosen_B = torch.full((B,), -1, dtype=torch.long, device=device)
+        for i in range(kids_NC.shape[1]):
+            c_B = kids_NC[node_B, i]
+            trying_B = live_B & (c_B >= 0) & (chosen_B < 0)
+            if not bool(trying_B.any()):
+                break
+            c_B = c_B.clamp(min=0)
+            x_B1 = tokens_BN[rows_B, c_B].unsqueeze(1)
+            r_x_B = residual_BV.gather(1, x_B1).squeeze(1)
+            q_x_B = torch.ones_like(r_x_B) if draft_BV is None else draft_BV.gather(1, x_B1).squeeze(1)
+            # u < r / (l·q)  <=>  u·(l·q) < r: accepted with probability min(1, r / (l·q)); q = 0 rejected.
+            accept_B = trying_B & (q_x_B > 0) & (u_BN[rows_B, c_B] * (lenience * q_x_B) < r_x_B)
+            chosen_B = torch.where(accept_B, c_B, chosen_B)
+            reject_B1 = (trying_B & ~accept_B).unsqueeze(1)
+            if draft_BV is None:
+                # Point mass: a rejected x had r(x) < l, so max(r − l·δ_x, 0) is r without x.
+                next_BV = residual_BV.scatter(1, x_B1, 0.0)
+            else:
+                next_BV = (residual_BV - lenience * draft_BV).clamp_(min=0.0)
+            next_BV, ok_B = _normalise_rows(next_BV)
+            residual_BV = torch.where(reject_B1 & ok_B.unsqueeze(1), next_BV, residual_BV)
+            if draft_BV is not None and not replacement:
+                removed_BV, _ = _normalise_rows(draft_BV.scatter(1, x_B1, 0.0))
+                draft_BV = torch.where(reject_B1, removed_BV, draft_BV)
+        finish_B = live_B & (chosen_B < 0)
+        if bool(finish_B.any()):
+            # Recovered token (all candidates rejected) or bonus token (a leaf).
+            out_tokens[finish_B, depth] = sample_from_probs(residual_BV[finish_B].float(), generator)
+            num_accepted[finish_B] = depth
+        go_B = live_B & (chosen_B >= 0)
+        out_tokens[go_B, depth] = tokens_BN[rows_B, chosen_B.clamp(min=0)][go_B]
+        out_nodes[go_B, depth] = chosen_B[go_B]
+        node_B = torch.where(go_B, chosen_B, node_B)
+        live_B = go_B
+        if not bool(live_B.any()):
+            break
+    return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
+
+
+def lenient_tree_greedy(
+    target_logits_BNV: torch.Tensor, tree: TokenTree, tokens_BN: torch.Tensor, *, lenience: float
+) -> TreeVerifyResult:
+    """Greedy lenient verification of a token tree (module doc, "Token trees"): at each node the
+    child most likely under the raw softmax of the target's logits, if its probability is at least
+    l times the largest; then the argmax. l = 1 calls :func:`specdec.tree.tree_greedy_verify`."""
+    _check_lenience(lenience)
+    _check_tree_inputs(target_logits_BNV, tree, tokens_BN, None)
+    argmax_BN = target_logits_BNV.argmax(dim=-1).cpu()
+    if lenience == 1.0:
+        return tree_greedy_verify(argmax_BN, tree, tokens_BN.cpu())
+    B, N, _ = target_logits_BNV.shape
+    work = torch.float64 if target_logits_BNV.dtype == torch.float64 else torch.float32
+    raw_BNV = torch.softmax(target_logits_BNV.to(work), dim=-1)
+    device = raw_BNV.device
+    parents_N1 = torch.tensor(tree.parents[1:], dtype=torch.long, device=device)
+    rows_B1 = torch.arange(B, device=device).unsqueeze(1)
+    # For every non-root node: its token's probability under its parent, and whether it passes.
+    p_BN1 = raw_BNV[rows_B1, parents_N1.unsqueeze(0), tokens_BN[:, 1:].to(device=device, dtype=torch.long)]
+    ok_BN1 = p_BN1 >= lenience * raw_BNV.amax(dim=-1)[:, parents_N1]
+    p, ok, argmax = p_BN1.tolist(), ok_BN1.tolist(), argmax_BN.tolist()
+    tokens = tokens_BN.tolist()
+    A = tree.max_depth + 1
+    out_tokens = torch.full((B, A), -1, dtype=torch.long)
+    out_nodes = torch.full((B, A), -1, dtype=torch.long)
+    num_accepted = torch.zeros(B, dtype=torch.long)
+    for b in range(B):
+        node, depth = 0, 0
+        while True:
+            passing = [c for c in tree.children[node] if ok[b][c - 1]]
+            if not passing:
+                out_tokens[b, depth] = argmax[b][node]
+                num_accepted[b] = depth
+                break
+            nxt = max(passing, key=lambda c: p[b][c - 1])  # max keeps the first of equal ones
+            out_tokens[b, depth] = tokens[b][nxt]
+            out_nodes[b, depth] = nxt
+            node, depth = nxt, depth + 1
+    return TreeVerifyResult(out_tokens, num_accepted, out_nodes)

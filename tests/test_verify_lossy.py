@@ -36,7 +36,7 @@ def test_registry_builds_rules_by_name():
     assert isinstance(rule, LenientVerify) and rule.lenience == 0.25 and not rule.lossless
     assert make_verify_rule("lenient", {"lenience": 1}).lossless
     assert make_verify_rule(rule) is rule
-    with pytest.raises(ValueError, match="known verification rules: exact, lenient"):
+    with pytest.raises(ValueError, match="known verification rules: exact, gumbel, lenient"):
         make_verify_rule("typical-ish")
     with pytest.raises(ValueError, match="verify_options only apply"):
         make_verify_rule(rule, {"lenience": 0.5})

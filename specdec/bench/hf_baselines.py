@@ -8,6 +8,7 @@ from typing import Any
 
 from specdec.bench.interleave import MethodFn, Prompt
 from specdec.bench.report import PromptResult
+from specdec.seeds import check_seed
 
 __all__ = ["HF_BASELINES", "hf_method"]
 
@@ -43,7 +44,7 @@ def hf_method(model: Any, mode: str, temperature: float, gamma: int, assistant: 
 
     def run(prompt: Prompt, seed: int, max_new_tokens: int) -> PromptResult:
         x = torch.tensor([prompt.ids], device=model.device)
-        torch.manual_seed(seed)
+        torch.manual_seed(check_seed(seed))
         sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
