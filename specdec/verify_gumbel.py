@@ -1,0 +1,306 @@
+"""Drafter-invariant verification (``gumbel``) and the position-keyed exact rule, as plugins.
+
+Legend: B batch, K draft length (γ), N tree nodes, V vocabulary.
+
+**gumbel** (Daliri, Musco and Suresh 2024, "Coupling without Communication and Drafter-Invariant
+Speculative Decoding", arXiv 2408.07978). At each position p the target's token is its keyed
+Gumbel-max sample ``y_p = argmax_v log target_probs_p(v) + G(seed, p, "sample")``
+(:func:`specdec.noise.sample_keyed`). A draft token is accepted iff it equals ``y_p``; the first
+mismatch commits ``y_p`` (the recovered token), and after K matches the bonus ``y_{K+1}``. Every
+committed token is therefore the token plain keyed decoding would have produced at that position,
+given the same prefix: the output is **the same as decoding without a drafter**, for any drafter and
+any draft depth, and so follows the target's distribution exactly. The price is acceptance: a draft
+drawn independently of the target is accepted with probability Σ_v draft(v)·target(v) (below exact
+rejection sampling's Σ_v min(draft, target)); a drafter that draws with the same public noise
+(:func:`specdec.noise.draft_keyed`) is accepted with probability ≥ (1 − TV) / (1 + TV).
+
+For trees: at each node the target's sample ``y`` at that node's position (its depth) is computed,
+and the walk descends into the child whose token equals it; the committed path is the longest root
+path whose node tokens equal y at each depth, then y after it. Again the output is plain keyed
+decoding's.
+
+**exact, keyed**: :func:`specdec.verify_keyed.rejection_sample_keyed`; the output depends on the
+seed and the drafter's proposals, not on batch neighbours or step boundaries.
+
+Both rules take the public randomness as keyword arguments: ``noise=`` (a
+:class:`specdec.noise.PositionNoise`, one seed per row) and ``positions_BK=`` (``[B, K+1]`` for
+chains, ``[B, N]`` for trees: the sequence position of the token each target row decides; a tree
+node at depth d decides position ``start + d``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specdec.noise import PositionNoise, sample_keyed
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.tree import TokenTree, TreeProposal, TreeVerifyResult, tree_greedy_verify
+from specdec.verify import VerifyResult, greedy_verify, validate_verify_inputs
+from specdec.verify_keyed import rejection_sample_keyed, validate_keyed_inputs
+from specdec.verify_rules import ExactVerify
+
+__all__ = ["gumbel_verify", "gumbel_verify_tree", "GumbelVerify", "KeyedExactVerify"]
+
+
+def gumbel_verify(
+    target_probs_BKV: torch.Tensor,
+    draft_tokens_BK: torch.Tensor,
+    draft_probs_BKV: torch.Tensor | None = None,
+    *,
+    noise: PositionNoise,
+    positions_BK: torch.Tensor,
+    validate: bool = True,
+) -> VerifyResult:
+    """Drafter-invariant verification of K draft tokens per row (arXiv 2408.07978; module doc).
+
+    Same inputs and output as :func:`specdec.verify_keyed.rejection_sample_keyed`; ``draft_probs_BKV``
+    is not used (only whether a draft equals the target's keyed sample matters). The target's sample
+    is computed only at positions a row reaches: up to its first mismatch.
+    """
+    if validate:
+        validate_verify_inputs(target_probs_BKV, draft_tokens_BK, draft_probs_BKV)
+        validate_keyed_inputs(noise, positions_BK, target_probs_BKV)
+    B, K1, _ = target_probs_BKV.shape
+    K = K1 - 1
+    device = target_probs_BKV.device
+    draft_tokens_BK = draft_tokens_BK.to(device=device, dtype=torch.long)
+    tokens_BK1 = torch.full((B, K1), -1, dtype=torch.long, device=device)
+    num_accepted_B = torch.zeros(B, dtype=torch.long, device=device)
+    live_R = torch.arange(B, device=device)
+    for k in range(K1):
+        y_R = sample_keyed(
+            target_probs_BKV[live_R, k], noise.select(live_R), positions_BK[live_R, k], validate=False
+        )
+        tokens_BK1[live_R, k] = y_R
+        if k == K:
+            break
+        match_R = draft_tokens_BK[live_R, k] == y_R
+        live_R = live_R[match_R]
+        num_accepted_B[live_R] += 1
+        if live_R.numel() == 0:
+            break
+    return VerifyResult(tokens_BK1, num_accepted_B)
+
+
+def gumbel_verify_tree(
+    target_probs_BNV: torch.Tensor,
+    tree: TokenTree,
+    tokens_BN: torch.Tensor,
+    *,
+    noise: PositionNoise,
+    positions_BN: torch.Tensor,
+    validate: bool = True,
+) -> TreeVerifyResult:
+    """Drafter-invariant verification of a token tree: the longest root path whose node tokens equal
+    the target's keyed sample at each depth, then that sample after it (module doc).
+
+    Args:
+        target_probs_BNV: the target's processed distribution after each node, ``[B, N, V]``.
+        tree: the shape; node i's token is ``tokens_BN[:, i]`` (node 0, the root, is ignored).
+        noise: the rows' public randomness.
+        positions_BN: ``[B, N]``: the sequence position of the token node i's target row decides
+            (``start + depth(i)``).
+
+    When two children of a node carry the same token, the first in drawing order is followed (their
+    target rows see the same prefix).
+    """
+    B, N, V = target_probs_BNV.shape
+    device = target_probs_BNV.device
+    if validate:
+        if N != tree.num_nodes or tuple(tokens_BN.shape) != (B, N):
+            raise ValueError(
+                f"tree has {tree.num_nodes} nodes: target_probs_BNV must be [B, {tree.num_nodes}, V] and "
+                f"tokens_BN [B, {tree.num_nodes}], got {tuple(target_probs_BNV.shape)}, "
+                f"{tuple(tokens_BN.shape)}"
+            )
+        if tokens_BN[:, 1:].numel() and (int(tokens_BN[:, 1:].min()) < 0 or int(tokens_BN[:, 1:].max()) >= V):
+            raise ValueError(f"tokens_BN must lie in [0, V={V})")
+        validate_keyed_inputs(noise, positions_BN, target_probs_BNV)
+    tokens_BN = tokens_BN.to(device=device, dtype=torch.long)
+    kids_NC = tree.children_table(device)  # [N, max children], −1 padded
+    A = tree.max_depth + 1
+    out_tokens = torch.full((B, A), -1, dtype=torch.long, device=device)
+    out_nodes = torch.full((B, A), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
+    live_R = torch.arange(B, device=device)
+    node_R = torch.zeros(B, dtype=torch.long, device=device)
+    for depth in range(A):
+        y_R = sample_keyed(
+            target_probs_BNV[live_R, node_R],
+            noise.select(live_R),
+            positions_BN[live_R, node_R],
+            validate=False,
+        )
+        out_tokens[live_R, depth] = y_R
+        kids_RC = kids_NC[node_R]
+        match_RC = (kids_RC >= 0) & (tokens_BN[live_R.unsqueeze(1), kids_RC.clamp(min=0)] == y_R.unsqueeze(1))
+        go_R = match_RC.any(dim=1)
+        num_accepted[live_R[~go_R]] = depth
+        chosen_R = kids_RC.gather(1, match_RC.long().argmax(dim=1, keepdim=True)).squeeze(1)
+        live_R, node_R = live_R[go_R], chosen_R[go_R]
+        out_nodes[live_R, depth] = node_R
+        if live_R.numel() == 0:
+            break
+    return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
+
+
+def _need_noise(rule: str, noise: PositionNoise | None, positions: torch.Tensor | None) -> None:
+    if noise is None or positions is None:
+        raise ValueError(
+            f"verification rule {rule!r} draws from public randomness keyed by seed and position: call it "
+            "with noise= (a specdec.noise.PositionNoise, one seed per row) and positions_BK= (the sequence "
+            "position of the token each target row decides); greedy runs need neither"
+        )
+
+
+class GumbelVerify:
+    """The ``gumbel`` verification rule: drafter-invariant, lossless (:func:`gumbel_verify`).
+
+    Sampled runs need ``noise=`` and ``positions_BK=``; a greedy run (one-hot targets) is argmax
+    matching and needs neither. No options.
+    """
+
+    lossless = True
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise ValueError(f"verification rule 'gumbel' takes no options, got {sorted(options)}")
+
+    def __call__(
+        self,
+        target_probs_BKV: torch.Tensor,
+        draft_tokens_BK: torch.Tensor,
+        draft_probs_BKV: torch.Tensor | None,
+        *,
+        target_logits_BKV: torch.Tensor,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+        validate: bool = True,
+        noise: PositionNoise | None = None,
+        positions_BK: torch.Tensor | None = None,
+    ) -> VerifyResult:
+        if sampling.greedy and noise is None:
+            return greedy_verify(target_logits_BKV, draft_tokens_BK)
+        _need_noise("gumbel", noise, positions_BK)
+        return gumbel_verify(
+            target_probs_BKV,
+            draft_tokens_BK,
+            draft_probs_BKV,
+            noise=noise,  # type: ignore[arg-type]
+            positions_BK=positions_BK,  # type: ignore[arg-type]
+            validate=validate,
+        )
+
+    def verify_greedy(
+        self,
+        target_logits_BKV: torch.Tensor,
+        draft_tokens_BK: torch.Tensor,
+        draft_probs_BKV: torch.Tensor | None,
+    ) -> VerifyResult:
+        """Greedy runs: argmax matching (the keyed sample of a one-hot row is its argmax)."""
+        return greedy_verify(target_logits_BKV, draft_tokens_BK)
+
+    def verify_tree(
+        self,
+        target_logits_BNV: torch.Tensor,
+        proposal: TreeProposal,
+        *,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+        noise: PositionNoise | None = None,
+        positions_BK: torch.Tensor | None = None,
+    ) -> TreeVerifyResult:
+        """:func:`gumbel_verify_tree` (``positions_BK`` is ``[B, N]``, per node); greedy: argmax matching."""
+        if sampling.greedy:
+            argmax_BN = target_logits_BNV.argmax(dim=-1).cpu()
+            return tree_greedy_verify(argmax_BN, proposal.tree, proposal.tokens_BN.cpu())
+        _need_noise("gumbel", noise, positions_BK)
+        target_probs_BNV = logits_to_probs(
+            target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p
+        )
+        return gumbel_verify_tree(
+            target_probs_BNV,
+            proposal.tree,
+            proposal.tokens_BN,
+            noise=noise,  # type: ignore[arg-type]
+            positions_BN=positions_BK,  # type: ignore[arg-type]
+        )
+
+    def __repr__(self) -> str:
+        return "GumbelVerify()"
+
+
+class KeyedExactVerify(ExactVerify):
+    """``exact`` with keyed randomness: :func:`specdec.verify_keyed.rejection_sample_keyed` when called
+    with ``noise=`` and ``positions_BK=``, else :class:`specdec.verify_rules.ExactVerify` unchanged (a
+    generator consumed in call order), so it can stand in for ``exact`` in today's loop.
+
+    Trees: greedy and generator runs as ``exact``; keyed tree rejection sampling is not implemented
+    (``ValueError`` when ``noise`` is given to ``verify_tree`` in a sampled run).
+    """
+
+    def __call__(
+        self,
+        target_probs_BKV: torch.Tensor,
+        draft_tokens_BK: torch.Tensor,
+        draft_probs_BKV: torch.Tensor | None,
+        *,
+        target_logits_BKV: torch.Tensor,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+        validate: bool = True,
+        noise: PositionNoise | None = None,
+        positions_BK: torch.Tensor | None = None,
+    ) -> VerifyResult:
+        if noise is None and positions_BK is None:
+            return super().__call__(
+                target_probs_BKV,
+                draft_tokens_BK,
+                draft_probs_BKV,
+                target_logits_BKV=target_logits_BKV,
+                sampling=sampling,
+                generator=generator,
+                validate=validate,
+            )
+        _need_noise("exact", noise, positions_BK)
+        return rejection_sample_keyed(
+            target_probs_BKV,
+            draft_tokens_BK,
+            draft_probs_BKV,
+            noise=noise,  # type: ignore[arg-type]
+            positions_BK=positions_BK,  # type: ignore[arg-type]
+            validate=validate,
+        )
+
+    def verify_greedy(
+        self,
+        target_logits_BKV: torch.Tensor,
+        draft_tokens_BK: torch.Tensor,
+        draft_probs_BKV: torch.Tensor | None,
+    ) -> VerifyResult | None:
+        """As ``exact``: argmax matching for point-mass proposals (no random draw is made)."""
+        if draft_probs_BKV is not None:
+            return None
+        return greedy_verify(target_logits_BKV, draft_tokens_BK)
+
+    def verify_tree(
+        self,
+        target_logits_BNV: torch.Tensor,
+        proposal: TreeProposal,
+        *,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+        noise: PositionNoise | None = None,
+        positions_BK: torch.Tensor | None = None,
+    ) -> TreeVerifyResult:
+        if noise is not None and not sampling.greedy:
+            raise ValueError(
+                "verification rule 'exact' has no keyed tree policy yet: verify token trees with a generator "
+                "(noise=None), or use verify='gumbel', whose tree walk is keyed"
+            )
+        return super().verify_tree(target_logits_BNV, proposal, sampling=sampling, generator=generator)
+
+    def __repr__(self) -> str:
+        return "KeyedExactVerify()"
