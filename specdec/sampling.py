@@ -24,8 +24,8 @@ divided by the temperature in float32, where anything smaller rounds to 0 (0 / 0
 class SamplingParams:
     """How logits become a distribution: temperature, then top-k, then top-p.
 
-    ``temperature`` is 0 (greedy: the argmax) or a finite number >= :data:`MIN_TEMPERATURE`
-    (≈ 1.4e-45, the smallest positive float32); a positive temperature below that is refused
+    ``temperature`` is 0 (greedy: the argmax) or a finite number that is not 0 in float32 (from
+    about :data:`MIN_TEMPERATURE` ≈ 1.4e-45, the smallest positive float32); one that rounds to 0 is refused
     (``ValueError`` naming the smallest usable value), not rounded to greedy: near 0 a positive
     temperature gives the uniform distribution over tied maximal logits, greedy the lowest id.
     """
@@ -45,9 +45,10 @@ class SamplingParams:
 def validate_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise ``ValueError`` naming the argument when a sampling parameter is out of range.
 
-    ``temperature``: 0 (greedy) or a finite number >= :data:`MIN_TEMPERATURE` (the smallest positive
-    float32, ≈ 1.4e-45; a smaller positive value would round to 0 in the float32 division and give
-    NaN probabilities, so it is refused). ``top_k``: None or an int >= 1. ``top_p``: None or (0, 1].
+    ``temperature``: 0 (greedy) or a finite positive number that is not 0 in float32 (the smallest
+    positive float32 is :data:`MIN_TEMPERATURE`, ≈ 1.4e-45; a value that rounds to 0 there would give
+    NaN probabilities in the float32 division, so it is refused). ``top_k``: None or an int >= 1.
+    ``top_p``: None or (0, 1].
     """
     if (
         isinstance(temperature, bool)
@@ -58,10 +59,10 @@ def validate_sampling(temperature: float, top_k: int | None, top_p: float | None
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
     if math.isinf(temperature):
         raise ValueError(f"temperature must be finite, got {temperature!r}")
-    if 0 < temperature < MIN_TEMPERATURE:
+    if 0 < temperature < MIN_TEMPERATURE and float(torch.tensor(temperature, dtype=torch.float32)) == 0:
         raise ValueError(
             f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE!r} (the smallest positive "
-            f"float32; logits are divided by it in float32), got {temperature!r}"
+            f"float32; logits are divided by it in float32, where {temperature!r} is 0)"
         )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
