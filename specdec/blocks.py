@@ -9,7 +9,8 @@ Every step of the loop (``specdec.loop``) goes the same way through a block:
    ``lengths_B - 1 ...`` (a chain ``[root, d_1..d_K]``, or a tree's nodes with its ancestor mask
    and depths);
 2. ``verify(rule, logits_BTV, ...)``: the verification rule's :class:`Verdict`, the committed
-   tokens per row;
+   tokens per row (the block only calls the rule: :func:`specdec.verify_rules.verify_chain` /
+   :func:`~specdec.verify_rules.verify_tree`; greedy shortcuts and tree policies are the rule's);
 3. ``settle(target, out, verdict, start_B, lengths_B)``: the cache made to read like the committed
    text (a chain needs nothing; a tree's accepted path is compacted into chain order) and rolled
    back to ``lengths_B - 1``; returns the verify output along the committed path, which the
@@ -28,10 +29,9 @@ from typing import Any, NamedTuple
 import torch
 
 from specdec.protocols import Proposal, TargetOutput, TreeTarget
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams
 from specdec.tree import TreeProposal
-from specdec.verify import greedy_verify
-from specdec.verify_rules import ExactVerify, TreeVerifyRule, VerifyRule
+from specdec.verify_rules import VerifyRule, verify_chain, verify_tree
 
 __all__ = ["Verdict", "ChainBlock", "TreeBlock", "make_block"]
 
@@ -48,7 +48,8 @@ class Verdict(NamedTuple):
 
 @dataclass
 class ChainBlock:
-    """A chain proposal ``[root, d_1 .. d_K]``, verified by the rule's ``__call__``."""
+    """A chain proposal ``[root, d_1 .. d_K]``, verified by the rule (:func:`verify_chain`: its greedy
+    fast path if it offers one, else its ``__call__``)."""
 
     draft_tokens_BK: torch.Tensor
     draft_probs_BKV: torch.Tensor | None
@@ -73,33 +74,37 @@ class ChainBlock:
         logits_BTV: torch.Tensor,
         sampling: SamplingParams,
         generator: torch.Generator | None,
+        **rule_kwargs: Any,
     ) -> Verdict:
-        tokens_BK = self.draft_tokens_BK.to(logits_BTV.device)
-        if sampling.greedy and self.draft_probs_BKV is None and isinstance(rule, ExactVerify):
-            # The exact rule's result for a one-hot target and a point-mass proposal, from the argmax.
-            return Verdict(*greedy_verify(logits_BTV, tokens_BK))
-        target_probs_BTV = logits_to_probs(logits_BTV, sampling.temperature, sampling.top_k, sampling.top_p)
-        result = rule(
-            target_probs_BTV,
-            tokens_BK,
+        result = verify_chain(
+            rule,
+            logits_BTV,
+            self.draft_tokens_BK.to(logits_BTV.device),
             self.draft_probs_BKV,
-            target_logits_BKV=logits_BTV,
             sampling=sampling,
             generator=generator,
             validate=False,  # the loop checked the proposal (specdec.checks) and the logits
+            **rule_kwargs,
         )
         return Verdict(result.tokens, result.num_accepted)
 
     def settle(
-        self, target: Any, out: TargetOutput, verdict: Verdict, start_B: torch.Tensor, lengths_B: torch.Tensor
+        self,
+        target: Any,
+        out: TargetOutput,
+        verdict: Verdict,
+        start_B: torch.Tensor,
+        lengths_B: torch.Tensor,
+        rows_B: torch.Tensor | None = None,
     ) -> TargetOutput:
-        target.rollback(lengths_B - 1)
+        target.rollback(lengths_B - 1, **_rows(rows_B))
         return out
 
 
 @dataclass
 class TreeBlock:
-    """A token tree (SpecInfer, arXiv 2305.09781), verified by the rule's ``verify_tree``."""
+    """A token tree (SpecInfer, arXiv 2305.09781), verified by the rule's tree policy (``verify_tree``;
+    :func:`verify_tree` refuses a rule without one)."""
 
     proposal: TreeProposal
 
@@ -126,12 +131,11 @@ class TreeBlock:
         logits_BTV: torch.Tensor,
         sampling: SamplingParams,
         generator: torch.Generator | None,
+        **rule_kwargs: Any,
     ) -> Verdict:
-        if not isinstance(rule, TreeVerifyRule) or not rule.lossless:
-            raise ValueError(
-                f"tree proposals need a lossless verification rule with verify_tree, got verify={rule!r}"
-            )
-        result = rule.verify_tree(logits_BTV, self.proposal, sampling=sampling, generator=generator)
+        result = verify_tree(
+            rule, logits_BTV, self.proposal, sampling=sampling, generator=generator, **rule_kwargs
+        )
         device = logits_BTV.device
         num_accepted_B = result.num_accepted.to(device)
         # The root and the accepted nodes, in path order; past a row's acceptance, repeat its last
@@ -144,11 +148,17 @@ class TreeBlock:
         return Verdict(result.tokens.to(device), num_accepted_B, torch.where(keep_BA, path_BA, last_B1))
 
     def settle(
-        self, target: Any, out: TargetOutput, verdict: Verdict, start_B: torch.Tensor, lengths_B: torch.Tensor
+        self,
+        target: Any,
+        out: TargetOutput,
+        verdict: Verdict,
+        start_B: torch.Tensor,
+        lengths_B: torch.Tensor,
+        rows_B: torch.Tensor | None = None,
     ) -> TargetOutput:
         path_BA = verdict.path_BA
-        target.copy_slots(start_B.unsqueeze(1) + path_BA[:, 1:], start_B + 1)
-        target.rollback(lengths_B - 1)
+        target.copy_slots(start_B.unsqueeze(1) + path_BA[:, 1:], start_B + 1, **_rows(rows_B))
+        target.rollback(lengths_B - 1, **_rows(rows_B))
 
         def on_path(h_BND: torch.Tensor) -> torch.Tensor:
             index = path_BA.to(h_BND.device).unsqueeze(-1).expand(-1, -1, h_BND.shape[-1])
@@ -161,6 +171,12 @@ class TreeBlock:
             if not out.aux_hidden_BTD
             else {i: on_path(h) for i, h in out.aux_hidden_BTD.items()},
         )
+
+
+def _rows(rows_B: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The ``rows_B`` keyword for a target call over some of its cache rows (the engine's slots);
+    nothing for a call over every row, so targets without the slot API keep working."""
+    return {} if rows_B is None else {"rows_B": rows_B}
 
 
 def make_block(proposal: Proposal, target: Any) -> ChainBlock | TreeBlock:

@@ -39,6 +39,8 @@ from specdec.policies import GammaPolicy, as_policy
 from specdec.protocols import DecodeState, Drafter, Target
 from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from specdec.seeds import check_seed
+from specdec.stop_strings import StopStrings
 from specdec.verify_rules import VerifyRule, make_verify_rule
 
 __all__ = ["GenerationOutput", "generate"]
@@ -118,33 +120,6 @@ def _as_drafter(drafter: Drafter | str, target: Target, options: Mapping[str, An
     return drafter
 
 
-class _StopStrings:
-    """Finds the first generated token whose text completes a stop string.
-
-    Decodes only a window of recent tokens: a stop string of n characters ending at the newest token
-    lies within its last ``4n + 8`` tokens (every token decodes to at least one character).
-    """
-
-    def __init__(self, tokenizer: Any, stop_strings: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop_strings = tuple(stop_strings)
-        self.window = 4 * max(len(s) for s in self.stop_strings) + 8
-
-    def _contains(self, ids: list[int]) -> bool:
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        return any(s in text for s in self.stop_strings)
-
-    def first_stop(self, ids: list[int], num_old: int) -> int | None:
-        """Given a row's generated ids of which the first ``num_old`` were already checked, the
-        length of the shortest prefix whose text contains a stop string, or None."""
-        if not self._contains(ids[max(0, num_old - self.window) :]):
-            return None
-        for end in range(num_old + 1, len(ids) + 1):
-            if self._contains(ids[max(0, end - self.window) : end]):
-                return end
-        return None
-
-
 def _clock(device: torch.device) -> Callable[[], float]:
     if device.type == "cuda":
 
@@ -197,7 +172,8 @@ def generate(
             built as ``create_drafter(name, target, **drafter_options)``.
         gamma: fixed draft length γ, a policy name (``fixed``, ``heuristic``, ``cost``) or a
             :class:`specdec.policies.GammaPolicy`.
-        seed: seeds a ``torch.Generator`` (same seed, same tokens); or pass ``generator``.
+        seed: an int in [0, 2**64) (numpy ints too) seeding a ``torch.Generator`` (same seed, same
+            tokens); or pass ``generator``.
         eos_token_ids: default ``target.eos_token_ids``; ``ignore_eos=True`` disables EOS.
         stop_strings: stop a row once its generated text contains one of them (needs a tokenizer:
             ``tokenizer`` or ``target.tokenizer``).
@@ -232,8 +208,8 @@ def generate(
         )
     if seed is not None and generator is not None:
         raise ValueError("pass either seed or generator, not both")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    if seed is not None:
+        seed = check_seed(seed)
     eos = (
         frozenset()
         if ignore_eos
@@ -246,7 +222,7 @@ def generate(
         tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         if tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer= (the target has none)")
-        stops = _StopStrings(tokenizer, stop_strings)
+        stops = StopStrings(tokenizer, stop_strings)
     shared_drafter = None if isinstance(drafter, str) else drafter
     verify_rule = make_verify_rule(verify, verify_options)
     device = torch.device(getattr(target, "device", "cpu"))
@@ -271,7 +247,7 @@ class _Decoder:
         sampling: SamplingParams,
         generator: torch.Generator | None,
         eos: frozenset[int],
-        stops: _StopStrings | None,
+        stops: StopStrings | None,
         on_commit: Callable[[int, list[int]], None] | None,
         device: torch.device,
         verify_rule: VerifyRule,

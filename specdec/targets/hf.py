@@ -130,16 +130,18 @@ class HFTarget:
         start_B: torch.Tensor,
         *,
         logits_index_BN: torch.Tensor | None = None,
+        rows_B: torch.Tensor | None = None,
     ) -> TargetOutput:
+        """Run each row's block on its own cache; ``rows_B``: the caches (request slots) the B rows
+        use, distinct (default: every cache in order)."""
         B, T = tokens_BT.shape
-        if B != len(self._caches):
-            raise ValueError(f"tokens_BT has B={B} rows but reset() prepared {len(self._caches)}")
+        rows = self._rows(rows_B, B)
         logits_rows, hidden_rows, aux_rows = [], [], []
-        for b in range(B):
+        for b, r in enumerate(rows):
             start = int(start_B[b])
-            have = self._cache_len(b)
+            have = self._cache_len(r)
             if have > start:
-                self._caches[b].crop(start - have)  # transformers >= 5: crop(-k) drops k tokens
+                self._caches[r].crop(start - have)  # transformers >= 5: crop(-k) drops k tokens
             elif have < start:
                 raise ValueError(f"row {b}: cache holds {have} tokens, block starts at slot {start}")
             positions = torch.arange(start, start + T, device=self.device).unsqueeze(0)
@@ -149,7 +151,7 @@ class HFTarget:
                 input_ids=tokens_BT[b : b + 1].to(self.device),
                 position_ids=positions,
                 use_cache=True,
-                **{self._cache_kwarg: self._caches[b]},
+                **{self._cache_kwarg: self._caches[r]},
             )
             logits_rows.append(out.logits[0].float())
             if self._hidden is not None:
@@ -167,8 +169,21 @@ class HFTarget:
             logits_BTV = logits_BTV.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits_BTV.shape[-1]))
         return TargetOutput(logits_BTV=logits_BTV, hidden_BTD=hidden_BTD, aux_hidden_BTD=aux)
 
-    def rollback(self, lengths_B: torch.Tensor) -> None:
-        for b, cache in enumerate(self._caches):
+    def _rows(self, rows_B: torch.Tensor | None, B: int) -> list[int]:
+        if rows_B is None:
+            if B != len(self._caches):
+                raise ValueError(f"tokens_BT has B={B} rows but reset() prepared {len(self._caches)}")
+            return list(range(B))
+        rows = [int(r) for r in torch.as_tensor(rows_B).reshape(-1).tolist()]
+        if len(rows) != B or len(set(rows)) != B or not all(0 <= r < len(self._caches) for r in rows):
+            raise ValueError(f"rows_B must hold {B} distinct caches in [0, {len(self._caches)}), got {rows}")
+        return rows
+
+    def rollback(self, lengths_B: torch.Tensor, rows_B: torch.Tensor | None = None) -> None:
+        """Crop each cache to ``lengths_B``; ``rows_B``: which caches (default: all, in order)."""
+        rows = self._rows(rows_B, len(lengths_B) if rows_B is not None else len(self._caches))
+        for b, r in enumerate(rows):
+            cache = self._caches[r]
             n = int(lengths_B[b])
             have = cache.get_seq_length()
             if have > n:

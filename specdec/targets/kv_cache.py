@@ -47,15 +47,22 @@ class StaticKVCache:
         v_BTHD: torch.Tensor,
         start_B: torch.Tensor,
         uniform_start: int | None,
+        rows_B: torch.Tensor | None = None,
     ) -> None:
         """Store a block's keys/values at slots ``start_B[b] + arange(T)`` of ``layer``.
 
         ``uniform_start`` is the common start when every row starts at the same slot (one slice
-        copy instead of an indexed scatter), else None.
+        copy instead of an indexed scatter), else None. ``rows_B``: the cache row of each block row
+        (a subset of the cache's rows); None: block row b is cache row b, every row.
         """
         T = k_BTHD.shape[1]
         k_BHLD, v_BHLD = self.k_NBHLD[layer], self.v_NBHLD[layer]
-        if uniform_start is not None:
+        if rows_B is not None:
+            slots_BT = start_B[:, None] + torch.arange(T, device=start_B.device)
+            rows_B1 = rows_B.to(k_BHLD.device)[:, None]
+            k_BHLD[rows_B1, :, slots_BT] = k_BTHD
+            v_BHLD[rows_B1, :, slots_BT] = v_BTHD
+        elif uniform_start is not None:
             k_BHLD[:, :, uniform_start : uniform_start + T] = k_BTHD.transpose(1, 2)
             v_BHLD[:, :, uniform_start : uniform_start + T] = v_BTHD.transpose(1, 2)
         else:
@@ -64,19 +71,23 @@ class StaticKVCache:
             k_BHLD[self._rows_B1, :, slots_BT] = k_BTHD
             v_BHLD[self._rows_B1, :, slots_BT] = v_BTHD
 
-    def copy_slots(self, src_slots_BK: torch.Tensor, dst_start_B: torch.Tensor) -> None:
+    def copy_slots(
+        self, src_slots_BK: torch.Tensor, dst_start_B: torch.Tensor, rows_B: torch.Tensor | None = None
+    ) -> None:
         """Move the keys/values at slots ``src_slots_BK[b]`` to slots ``dst_start_B[b] + arange(K)``.
 
         Every layer at once; the source is gathered before anything is written, so the ranges may
         overlap. Lengths are not changed: declare the new length with ``rollback`` afterwards.
+        ``rows_B``: the cache rows of the B rows (default: every row, in order).
         """
         K = src_slots_BK.shape[1]
         if K == 0:
             return
+        rows_B1 = self._rows_B1 if rows_B is None else rows_B.to(self.k_NBHLD.device)[:, None]
         dst_BK = dst_start_B[:, None] + torch.arange(K, device=dst_start_B.device)
         for cache in (self.k_NBHLD, self.v_NBHLD):
-            gathered_BKNHD = cache[:, self._rows_B1, :, src_slots_BK]
-            cache[:, self._rows_B1, :, dst_BK] = gathered_BKNHD
+            gathered_BKNHD = cache[:, rows_B1, :, src_slots_BK]
+            cache[:, rows_B1, :, dst_BK] = gathered_BKNHD
 
 
 def block_attention_mask(start_B: torch.Tensor, num_slots: int, block_mask_TT: torch.Tensor) -> torch.Tensor:

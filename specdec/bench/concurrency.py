@@ -1,0 +1,270 @@
+"""Speculation under load: the engine at several concurrencies against the static batch, one run.
+
+``specdec bench --concurrency 1,2,4,8 --drafters none,ngram,eagle,default`` (or ``python -m
+specdec.bench.concurrency``). For every concurrency c and drafter, interleaved in that order:
+
+- ``engine/together``: c requests arrive at once, the next c when all have finished;
+- ``engine/staggered``: a closed loop that keeps c requests in flight (a new one joins the step
+  after one leaves, so requests arrive and leave at different steps);
+- ``static``: ``specdec.generate`` on the same c prompts as one static batch (every row prefilled
+  together, the batch runs until its last row ends).
+
+Per row: system tokens per second (every generated token / wall time of the level, prefill
+included), per-request TPOT P50 / P99 (``(last token − first token) / (tokens − 1)``), α and τ pooled
+over the level's requests, and for greedy runs the share of engine requests whose tokens equal the
+same prompt decoded alone (``= solo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_concurrency", "add_concurrency_arguments", "from_bench_args", "main"]
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def _drive(engine: Any, prompts: list[list[int]], c: int, mode: str, params: dict[str, Any]) -> dict:
+    """Run ``prompts`` through ``engine`` at concurrency ``c``; returns the level's figures and tokens."""
+    engine.reset_target()
+    outputs: dict[int, Any] = {}
+    ids: dict[str, int] = {}
+    todo = list(range(len(prompts)))
+    t0 = time.perf_counter()
+
+    def submit(i: int) -> None:
+        ids[engine.add_request(prompts[i], **params)] = i
+
+    while todo or engine.has_unfinished():
+        if mode == "together" and not engine.has_unfinished():
+            for i in todo[:c]:
+                submit(i)
+            todo = todo[c:]
+        while mode == "staggered" and todo and engine.num_running + engine.num_waiting < c:
+            submit(todo.pop(0))
+        for out in engine.step():
+            if out.finished:
+                outputs[ids[out.request_id]] = out
+    wall = time.perf_counter() - t0
+    metrics = [o.metrics for o in outputs.values()]
+    tokens = sum(len(o.token_ids) for o in outputs.values())
+    tpots = [m.tpot_s for m in metrics if m.tpot_s is not None]
+    drafted = sum(m.num_drafted for m in metrics)
+    accepted = sum(m.num_accepted for m in metrics)
+    steps = sum(m.num_steps for m in metrics)
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_second": tokens / wall,
+        "tpot_p50_s": _percentile(tpots, 0.5),
+        "tpot_p99_s": _percentile(tpots, 0.99),
+        "alpha": accepted / drafted if drafted else 0.0,
+        "tau": (accepted + steps) / steps if steps else 1.0,
+        "token_ids": {i: o.token_ids for i, o in outputs.items()},
+    }
+
+
+def _static(target: Any, drafter: str, prompts: list[list[int]], c: int, params: dict[str, Any]) -> dict:
+    """``specdec.generate`` in static batches of c prompts."""
+    import specdec
+
+    t0 = time.perf_counter()
+    tokens, token_ids, drafted_tau = 0, {}, []
+    for s in range(0, len(prompts), c):
+        out = specdec.generate(
+            target,
+            prompts[s : s + c],
+            drafter=drafter,
+            max_new_tokens=params["max_new_tokens"],
+            temperature=params["temperature"],
+            seed=params["seed"],
+            gamma=4,
+        )
+        for j, ids in enumerate(out.token_ids):
+            token_ids[s + j] = ids
+            tokens += len(ids)
+        drafted_tau.append((out.metrics.acceptance_rate, out.metrics.mean_accepted_tokens))
+    wall = time.perf_counter() - t0
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_second": tokens / wall,
+        "tpot_p50_s": None,
+        "tpot_p99_s": None,
+        "alpha": statistics.fmean(a for a, _ in drafted_tau),
+        "tau": statistics.fmean(t for _, t in drafted_tau),
+        "token_ids": token_ids,
+    }
+
+
+def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, Any]:
+    """The benchmark (module doc); writes ``concurrency.json`` and ``concurrency.md`` under ``--out``
+    after every level, so an interrupted run keeps what finished."""
+    import torch
+
+    from specdec.bench.report import environment
+    from specdec.engine import Engine
+    from specdec.prompt_sets import encode_prompt, load_prompts
+    from specdec.targets import open_target
+
+    levels = list(args.concurrency)
+    target = open_target(args.target, backend=args.backend, weights=args.weights)
+    prompts: list[list[int]] = []
+    for name in args.prompt_set:
+        texts = load_prompts(name, args.num_prompts)
+        prompts += [encode_prompt(target.tokenizer, t, chat=args.chat) for t in texts]
+    params = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "ignore_eos": False,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engines = {
+        d: Engine(target, drafter=d, max_num_seqs=max(levels), gamma=args.engine_gamma, max_model_len=1024)
+        for d in args.drafters
+    }
+    solo: dict[str, dict[int, list[int]]] = {}
+    rows: list[dict[str, Any]] = []
+    payload: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "environment": environment(),
+        "levels": levels,
+        "num_requests": len(prompts),
+        "rows": rows,
+        "cost_models": {d: (e.cost.to_dict() if e.cost else None) for d, e in engines.items()},
+    }
+    for c in levels:
+        for d, engine in engines.items():
+            runs = {
+                "engine/together": lambda e=engine, c=c: _drive(e, prompts, c, "together", params),
+                "engine/staggered": lambda e=engine, c=c: _drive(e, prompts, c, "staggered", params),
+                "static": lambda d=d, c=c: _static(target, d, prompts, c, params),
+            }
+            for path, run in runs.items():
+                with torch.inference_mode():
+                    figures = run()
+                ids = figures.pop("token_ids")
+                if path == "engine/together" and c == levels[0]:
+                    solo.setdefault(d, ids)
+                same = None
+                if args.temperature == 0 and d in solo:
+                    same = sum(ids[i] == solo[d][i] for i in ids) / len(ids)
+                row = {"concurrency": c, "drafter": d, "path": path, "equal_solo": same, **figures}
+                rows.append(row)
+                if console is not None:
+                    console.print(
+                        f"c={c} {d:>8} {path:<17} {row['tokens_per_second']:7.1f} tok/s  "
+                        f"tau {row['tau']:.2f}  = solo {same if same is None else f'{same:.0%}'}"
+                    )
+                _write(out_dir, payload)
+    return payload
+
+
+def _write(out_dir: Path, payload: dict[str, Any]) -> None:
+    (out_dir / "concurrency.json").write_text(json.dumps(payload, indent=1))
+    env = payload["environment"]
+    lines = [
+        f"# Speculation under load ({env['cpu']}, ISA path {env['isa']}, {env['torch_threads']} threads, "
+        f"commit {env['commit']})",
+        "",
+        f"`{payload['command']}`; {payload['num_requests']} requests per level.",
+        "",
+        "| c | drafter | path | tok/s | × none (same path) | TPOT P50 ms | TPOT P99 ms | α | τ | = solo |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = {
+        (r["concurrency"], r["path"]): r["tokens_per_second"]
+        for r in payload["rows"]
+        if r["drafter"] == "none"
+    }
+    for r in payload["rows"]:
+        ref = base.get((r["concurrency"], r["path"]))
+        ratio = f"{r['tokens_per_second'] / ref:.2f}" if ref else "–"
+        p50 = "–" if r["tpot_p50_s"] is None else f"{1e3 * r['tpot_p50_s']:.1f}"
+        p99 = "–" if r["tpot_p99_s"] is None else f"{1e3 * r['tpot_p99_s']:.1f}"
+        same = "–" if r["equal_solo"] is None else f"{r['equal_solo']:.0%}"
+        lines.append(
+            f"| {r['concurrency']} | {r['drafter']} | {r['path']} | {r['tokens_per_second']:.1f} | {ratio} | "
+            f"{p50} | {p99} | {r['alpha']:.2f} | {r['tau']:.2f} | {same} |"
+        )
+    (out_dir / "concurrency.md").write_text("\n".join(lines) + "\n")
+
+
+def add_concurrency_arguments(p: argparse.ArgumentParser) -> None:
+    from specdec.cli_args import csv, positive_int, seed_int
+
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--weights", default=None)
+    p.add_argument("--prompt-set", type=csv(str), default=("humaneval", "mtbench"))
+    p.add_argument("--num-prompts", type=positive_int, default=8, help="per prompt set")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--chat", action="store_true")
+    p.add_argument("--drafters", type=csv(str), default=("none", "ngram", "eagle", "default"))
+    p.add_argument("--concurrency", type=csv(positive_int), default=(1, 2, 4, 8))
+    p.add_argument("--engine-gamma", default="auto", help="the engine's depth policy (auto, fixed, ...)")
+    p.add_argument("--out", default="results/concurrency")
+
+
+def from_bench_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``specdec bench --concurrency ...``: this benchmark's options from the bench's (the first
+    temperature; the engine's ``auto`` depth policy; results under ``--out``)."""
+    return argparse.Namespace(
+        target=args.target,
+        backend=args.backend,
+        weights=args.weights,
+        prompt_set=args.prompt_set,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperatures[0],
+        seed=args.seed,
+        chat=args.chat,
+        drafters=args.drafters,
+        concurrency=args.concurrency,
+        engine_gamma="auto",
+        out=args.out,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m specdec.bench.concurrency``."""
+    from rich.console import Console
+
+    parser = argparse.ArgumentParser(
+        prog="python -m specdec.bench.concurrency", description=__doc__.split("\n\n")[0]
+    )
+    add_concurrency_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.engine_gamma.isdigit():
+        args.engine_gamma = int(args.engine_gamma)
+    try:
+        run_concurrency(args, Console(stderr=True))
+    except ValueError as e:
+        print(f"python -m specdec.bench.concurrency: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"results: {Path(args.out) / 'concurrency.json'}, {Path(args.out) / 'concurrency.md'}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""What a verify block costs on this machine, as a function of rows and tokens per row.
+
+Legend: B rows in the block (requests decoding together), T tokens per row (draft depth K + 1).
+
+:class:`VerifyCostModel` is measured once, when the engine starts (:func:`measure_verify_cost`:
+a few timed forwards over a small grid of (B, T) on the engine's own cache, before any request
+holds a slot, then rolled back), and read by interpolation afterwards. It is never re-timed on a live
+cache, and it only chooses draft depths: what tokens come out does not depend on it
+(:mod:`specdec.engine.depth` says which rows may use it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["VerifyCostModel", "measure_verify_cost"]
+
+
+@dataclass(frozen=True)
+class VerifyCostModel:
+    """Seconds per block on a grid: ``seconds[i][j]`` for ``rows[i]`` rows of ``tokens[j]`` tokens."""
+
+    rows: tuple[int, ...]
+    tokens: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.rows or not self.tokens or len(self.seconds) != len(self.rows):
+            raise ValueError("a cost model needs a non-empty grid of rows x tokens")
+        if any(len(r) != len(self.tokens) for r in self.seconds):
+            raise ValueError("seconds must have one entry per (rows, tokens) point")
+
+    @staticmethod
+    def _bracket(grid: Sequence[int], x: float) -> tuple[int, int, float]:
+        """Indices i, j of the grid points around x and the weight of j (flat outside the grid)."""
+        if x <= grid[0]:
+            return 0, 0, 0.0
+        if x >= grid[-1]:
+            return len(grid) - 1, len(grid) - 1, 0.0
+        j = bisect.bisect_left(grid, x)
+        i = j - 1
+        return i, j, (x - grid[i]) / (grid[j] - grid[i])
+
+    def cost(self, rows: int, tokens: int) -> float:
+        """Seconds of one forward over ``rows`` rows of ``tokens`` tokens (bilinear; beyond the
+        grid's largest block, linear in the tokens past it at the last measured slope)."""
+        i0, i1, wi = self._bracket(self.rows, rows)
+        s = self.seconds
+        per_row = [s[i0][j] * (1 - wi) + s[i1][j] * wi for j in range(len(self.tokens))]
+        t = self.tokens
+        if tokens > t[-1] and len(t) > 1:
+            slope = (per_row[-1] - per_row[-2]) / (t[-1] - t[-2])
+            return per_row[-1] + max(slope, 0.0) * (tokens - t[-1])
+        j0, j1, wj = self._bracket(t, tokens)
+        return per_row[j0] * (1 - wj) + per_row[j1] * wj
+
+    def to_dict(self) -> dict[str, Any]:
+        seconds = [list(r) for r in self.seconds]
+        return {"rows": list(self.rows), "tokens": list(self.tokens), "seconds": seconds}
+
+
+@torch.inference_mode()
+def measure_verify_cost(
+    target: Any,
+    *,
+    max_rows: int,
+    tokens: Sequence[int] = (1, 2, 3, 5, 8),
+    context: int = 64,
+    repeats: int = 3,
+) -> VerifyCostModel:
+    """Time forwards of every (B, T) on a grid on the target's cache (it must be reset and empty),
+    then roll every row back to 0. ``context`` tokens are prefilled first so attention has a
+    realistic length; each point keeps its fastest of ``repeats`` rounds over the grid (a shared machine
+    only adds time), and the grid is made non-decreasing in rows and in tokens."""
+    rows = tuple(sorted({r for r in (1, 2, 4, 8, 16, 32) if r < max_rows} | {max_rows}))
+    tokens = tuple(sorted(set(tokens)))
+    rows_all = torch.arange(max_rows)
+    vocab = int(target.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (max_rows, context), generator=gen)
+    target.forward(prompt, torch.zeros(max_rows, dtype=torch.long), rows_B=rows_all)
+    # Rounds over the whole grid, keeping each point's fastest run: a burst of load on a shared
+    # machine then spoils one run of a point, not the point.
+    best = [[float("inf")] * len(tokens) for _ in rows]
+    blocks = {T: torch.randint(0, vocab, (max_rows, T), generator=gen) for T in tokens}
+    start = torch.full((max_rows,), context, dtype=torch.long)
+    for round_ in range(repeats + 1):  # round 0 warms up
+        for i, B in enumerate(rows):
+            for j, T in enumerate(tokens):
+                t0 = time.perf_counter()
+                target.forward(blocks[T][:B], start[:B], rows_B=rows_all[:B])
+                if round_:
+                    best[i][j] = min(best[i][j], time.perf_counter() - t0)
+                target.rollback(start[:B], rows_B=rows_all[:B])
+    # A block with more rows or more tokens does not cost less: what says otherwise is noise.
+    for i in range(len(rows)):
+        for j in range(len(tokens)):
+            floor = max(best[i - 1][j] if i else 0.0, best[i][j - 1] if j else 0.0)
+            best[i][j] = max(best[i][j], floor)
+    grid = [tuple(line) for line in best]
+    target.rollback(torch.zeros(max_rows, dtype=torch.long), rows_B=rows_all)
+    return VerifyCostModel(rows, tokens, tuple(grid))

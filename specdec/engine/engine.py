@@ -1,0 +1,469 @@
+"""The continuous-batching engine: requests join and leave at every step.
+
+Legend: B rows decoding in a step, K a row's draft depth, T = K + 1 its verify block, T_max the
+step's longest block, V vocabulary, D hidden size, L cache slots per row (``max_model_len``).
+
+Each :meth:`Engine.step`:
+
+1. **admit** waiting requests into free cache rows (first come, first served; the queue is
+   unbounded: a full engine queues, it never drops a request);
+2. **depths**: one controller (:mod:`specdec.engine.depth`) gives every decoding request its draft
+   depth (0 = a plain step) from the measured verify cost of the whole step
+   (:mod:`specdec.engine.cost_model`) and that request's own acceptance;
+3. **decode**: every decoding request's drafter proposes (one drafter instance per request,
+   :mod:`specdec.engine.drafting`); the chains go through **one** target forward, each row at its
+   own cache row and position, padded to T_max (the padding lands past the row's length and is
+   never attended); a token tree goes through a forward of its own (its mask is per tree); each
+   row is verified by the rule with its own sampling settings and public randomness keyed by its
+   seed and sequence positions (:mod:`specdec.noise`), committed, cut at its stops, its cache row
+   rolled back, and its drafter observes;
+4. **prefill**: with the token budget left (``max_num_batched_tokens``), prompts are prefilled in
+   chunks of ``prefill_chunk`` tokens at fixed boundaries (a chunk is the same forward whatever else
+   runs in the step); a prompt's last chunk samples its first token, and its drafter begins.
+
+A finished or aborted request leaves at once and its row is reused; finished rows are never
+computed again. What a request emits depends on its prompt, settings, seed and drafter only
+(never on its neighbours or on timings): greedy rows take the target's argmax whatever their
+depth, ``gumbel`` rows reproduce plain keyed decoding whatever their depth, and the depth of a
+sampled ``exact`` row depends on its own acceptance only. This needs the target's forward to give a
+row the same logits whatever the other rows of the block are (batch invariance).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import secrets
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from specdec.blocks import ChainBlock, TreeBlock, make_block
+from specdec.checks import check_logits, check_proposal
+from specdec.engine.cost_model import VerifyCostModel, measure_verify_cost
+from specdec.engine.depth import DepthPolicy, FixedDepth, RowView, make_depth_policy
+from specdec.engine.drafting import DrafterPool, join_outputs, row_state
+from specdec.engine.request import Request, RequestOutput, RequestStatus, make_params
+from specdec.noise import PositionNoise, sample_keyed
+from specdec.protocols import Proposal, Target, TargetOutput, TreeTarget
+from specdec.sampling import logits_to_probs
+from specdec.stop_strings import StopStrings
+from specdec.verify_rules import make_verify_rule
+
+__all__ = ["Engine"]
+
+_DECAY, _PRIOR, _PRIOR_WEIGHT = 0.97, 0.6, 3.0  # acceptance estimates a_k per request
+
+
+def _mix(seed: int, position: int, salt: int) -> int:
+    """A 64-bit seed for a torch.Generator from (request seed, position, use): splitmix64."""
+    z = (seed + 0x9E3779B97F4A7C15 * (position + 1) + salt) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class Engine:
+    """Continuous batching with speculative decoding over one target (see the module doc).
+
+    Args:
+        target: a :class:`specdec.protocols.Target` whose ``forward`` / ``rollback`` take ``rows_B``
+            (the native ``llama`` target and the ``hf`` target do).
+        drafter: a registered drafter name; each request gets its own instance built with
+            ``drafter_options``. ``default``: the shipped EAGLE head with prompt lookup where the target
+            has one, else prompt lookup.
+        gamma: ``auto`` (the default), a depth policy name (``fixed``, ``batch-table``, ``goodput``)
+            built with ``gamma_options``, an int (every row drafts that many), or a ``DepthPolicy``.
+        max_num_seqs: requests decoding at once (cache rows).
+        max_num_batched_tokens: the token budget of a step (decode blocks plus prefill chunks).
+        verify: ``exact`` (rejection sampling, position-keyed), ``gumbel`` (drafter-invariant), or
+            another rule of :data:`specdec.verify_rules.VERIFY_RULES`.
+        max_model_len: cache slots per request (prompt + new tokens + γ + 1 must fit); default
+            ``min(target.max_context_length, 2048)``.
+        prefill_chunk: tokens per prefill forward (fixed chunk boundaries).
+        measure_cost: time the verify-cost grid at start (policies that read it); False uses none.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        drafter: str = "default",
+        drafter_options: Mapping[str, Any] | None = None,
+        gamma: int | str | DepthPolicy = "auto",
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 512,
+        verify: str = "exact",
+        verify_options: Mapping[str, Any] | None = None,
+        gamma_options: Mapping[str, Any] | None = None,
+        max_model_len: int | None = None,
+        prefill_chunk: int = 32,
+        measure_cost: bool = True,
+    ) -> None:
+        if not isinstance(target, Target):
+            raise ValueError(f"target must implement specdec.protocols.Target, got {type(target).__name__}")
+        if "rows_B" not in inspect.signature(target.forward).parameters:
+            raise ValueError(
+                f"target {type(target).__name__} has no slot API (forward/rollback over rows_B): the engine "
+                "needs it to run requests at their own cache rows"
+            )
+        self.max_num_seqs = _positive_int(max_num_seqs, "max_num_seqs")
+        self.budget = _positive_int(max_num_batched_tokens, "max_num_batched_tokens")
+        self.prefill_chunk = _positive_int(prefill_chunk, "prefill_chunk")
+        self.policy = make_depth_policy(gamma, gamma_options)
+        self.gamma_max = self.policy.gamma
+        decode_max = self.max_num_seqs * (self.gamma_max + 1)
+        if self.budget < self.prefill_chunk + decode_max:
+            raise ValueError(
+                f"max_num_batched_tokens={self.budget} must hold one prefill chunk ({self.prefill_chunk}) "
+                f"beside every row's deepest chain (max_num_seqs x (gamma + 1) = {decode_max}), "
+                f"so at least {self.prefill_chunk + decode_max}"
+            )
+        limit = getattr(target, "max_context_length", None) or 2048
+        self.max_model_len = _positive_int(
+            min(limit, 2048) if max_model_len is None else max_model_len, "max_model_len"
+        )
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the target's context length {limit}"
+            )
+        self.target = target
+        self.vocab_size = int(target.vocab_size)
+        self.rule = make_verify_rule("exact" if verify == "exact" else verify, verify_options)
+        if verify == "exact":
+            from specdec.verify_gumbel import KeyedExactVerify
+
+            self.rule = KeyedExactVerify()
+        self.keyed = "noise" in inspect.signature(self.rule.__call__).parameters
+        self.tree_ok = isinstance(target, TreeTarget)
+        target.reset(self.max_num_seqs, self.max_model_len)
+        self.cost: VerifyCostModel | None = None
+        if measure_cost and not isinstance(self.policy, FixedDepth):
+            self.cost = measure_verify_cost(target, max_rows=self.max_num_seqs)
+        self.drafters = DrafterPool(target, drafter, drafter_options)
+        self.drafter_name = self.drafters.name
+        self.t_draft = 0.0  # seconds per drafted token (exponential average), for goodput
+        self.free_rows = list(range(self.max_num_seqs))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._pending: dict[str, RequestOutput] = {}  # aborted since the last step
+        self._ids = itertools.count()
+        self.stats = {"steps": 0, "total_s": 0.0, "forward_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+        self.now = time.perf_counter
+
+    # --- public API ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        request_id: str | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop_strings: Sequence[str] | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> str:
+        """Queue a request; returns its id. ``seed`` None draws one at random (the output is then
+        fixed by that seed, readable as ``engine.requests[id].params.seed``)."""
+        if hasattr(prompt_ids, "tolist") and not isinstance(prompt_ids, list):
+            prompt_ids = prompt_ids.tolist()
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence) or not prompt_ids:
+            raise ValueError(f"prompt_ids must be a non-empty list of token ids, got {prompt_ids!r:.80}")
+        ids = []
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_ids holds {t!r}; token ids must be ints in [0, {self.vocab_size})")
+            ids.append(int(t))
+        params = make_params(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=secrets.randbits(64) if seed is None else seed,
+            stop_strings=stop_strings,
+            eos_token_ids=eos_token_ids,
+            ignore_eos=ignore_eos,
+            default_eos=tuple(getattr(self.target, "eos_token_ids", ())),
+            vocab_size=self.vocab_size,
+        )
+        needed = len(ids) + params.max_new_tokens + self.gamma_max + 1
+        if needed > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + gamma + 1 "
+                f"({self.gamma_max + 1}) = {needed} tokens exceeds max_model_len={self.max_model_len}"
+            )
+        stops = None
+        if params.stop_strings:
+            tokenizer = getattr(self.target, "tokenizer", None)
+            if tokenizer is None:
+                raise ValueError("stop_strings need the target's tokenizer; this target has none")
+            stops = StopStrings(tokenizer, params.stop_strings)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        request = Request(request_id, ids, params, stops)
+        request.metrics.arrival_s = self.now()
+        self.requests[request_id] = request
+        self.waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now (finish reason ``abort``) and free its row; None if it is not here."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.finish_reason = "abort"
+        self._release(request)
+        out = request.output([])
+        self._pending[request_id] = out
+        return out
+
+    def reset_target(self) -> None:
+        """Prepare the target's cache for this engine again, after another user of the same target
+        (``specdec.generate`` or another engine) reset it; only while no request is here."""
+        if self.has_unfinished():
+            raise ValueError("reset_target() needs an idle engine: requests are waiting or running")
+        self.target.reset(self.max_num_seqs, self.max_model_len)
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns the outputs of the requests that changed in it."""
+        t0 = self.now()
+        changed: dict[str, list[int]] = {}
+        self._admit()
+        budget = self.budget
+        decoding = [r for r in self.running if r.status is RequestStatus.DECODE]
+        if decoding:
+            depths = self._depths(decoding)
+            budget -= self._decode(decoding, depths, changed)
+        for request in [r for r in self.running if r.status is RequestStatus.PREFILL]:
+            while request.status is RequestStatus.PREFILL:
+                n = min(self.prefill_chunk, len(request.prompt_ids) - request.num_prefilled)
+                if n > budget:
+                    break
+                budget -= n
+                self._prefill_chunk(request, n, changed)
+        outputs = list(self._pending.values())
+        self._pending.clear()
+        outputs += [self.requests[rid].output(new) for rid, new in changed.items()]
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        self.stats["steps"] += 1
+        self.stats["total_s"] += self.now() - t0
+        return outputs
+
+    # --- scheduling -----------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and self.free_rows:
+            request = self.waiting.popleft()
+            request.slot = self.free_rows.pop(0)
+            request.status = RequestStatus.PREFILL
+            request.state = row_state(request.prompt_ids, self.max_model_len, request.params.sampling)
+            self.running.append(request)
+
+    def _release(self, request: Request) -> None:
+        if request.slot is not None:
+            self.free_rows.append(request.slot)
+            self.free_rows.sort()
+            request.slot = None
+        if request in self.running:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.drafter = None
+        request.prefill_parts = []
+        request.metrics.finished_s = self.now()
+
+    def _free(self, request: Request) -> bool:
+        """May this row's depth follow load and timings without changing its output?"""
+        return request.params.sampling.greedy or self.rule.__class__.__name__ == "GumbelVerify"
+
+    def _depths(self, rows: list[Request]) -> list[int]:
+        views = []
+        for r in rows:
+            cap = max(0, min(self.gamma_max, r.room - 1))
+            acc = [r.acceptance(k, _PRIOR, _PRIOR_WEIGHT) for k in range(1, cap + 1)]
+            views.append(RowView(acc, cap, self._free(r)))
+        return self.policy.depths(views, self.cost, self.t_draft)
+
+    # --- prefill --------------------------------------------------------------------------------
+    def _prefill_chunk(self, request: Request, n: int, changed: dict[str, list[int]]) -> None:
+        s, slot = request.num_prefilled, request.slot
+        tokens_1T = torch.tensor([request.prompt_ids[s : s + n]], dtype=torch.long)
+        t0 = self.now()
+        out = self.target.forward(
+            tokens_1T,
+            torch.tensor([s]),
+            rows_B=torch.tensor([slot]),
+            logits_index_BN=torch.tensor([[n - 1]]),
+        )
+        self.stats["forward_s"] += self.now() - t0
+        request.prefill_parts.append(out)
+        request.num_prefilled += n
+        if request.num_prefilled < len(request.prompt_ids):
+            return
+        check_logits(out.logits_BTV, step="prefill", source="the target")
+        sampling = request.params.sampling
+        logits_V = out.logits_BTV[0, -1]
+        if sampling.greedy:
+            first = int(logits_V.argmax())
+        else:
+            probs_1V = logits_to_probs(logits_V[None], sampling.temperature, sampling.top_k, sampling.top_p)
+            noise = PositionNoise([request.params.seed])
+            first = int(sample_keyed(probs_1V, noise, torch.tensor([0]))[0])  # output position 0
+        request.metrics.first_token_s = self.now()
+        self._commit(request, [first], changed)
+        if request.status is RequestStatus.FINISHED:
+            return
+        request.status = RequestStatus.DECODE
+        t0 = self.now()
+        request.drafter = self.drafters.fresh()
+        request.drafter.begin(request.state, join_outputs(request.prefill_parts))
+        self.stats["draft_s"] += self.now() - t0
+        request.prefill_parts = []
+
+    def _commit(self, request: Request, tokens: list[int], changed: dict[str, list[int]]) -> list[int]:
+        kept = request.commit(tokens)
+        state = request.state
+        n0 = int(state.lengths_B[0])
+        if kept:
+            state.tokens_BL[0, n0 : n0 + len(kept)] = torch.tensor(kept, dtype=torch.long)
+            state.lengths_B = state.lengths_B + len(kept)
+            t = self.now()
+            request.metrics.token_times_s.extend([t] * len(kept))
+        changed.setdefault(request.request_id, []).extend(kept)
+        if request.finish_reason is not None:
+            state.finished_B = torch.ones(1, dtype=torch.bool)
+            self._release(request)
+        return kept
+
+    # --- decode ---------------------------------------------------------------------------------
+    def _propose(self, request: Request, K: int) -> ChainBlock | TreeBlock:
+        position = int(request.state.lengths_B[0])
+        generator = torch.Generator().manual_seed(
+            _mix(request.params.seed, position - len(request.prompt_ids), 1)
+        )
+        proposal = request.drafter.propose(request.state, K, generator)
+        check_proposal(
+            proposal,
+            batch_size=1,
+            gamma=K,
+            vocab_size=self.vocab_size,
+            step=request.metrics.num_steps + 1,
+            source=self.drafter_name,
+        )
+        if proposal.tree is not None:
+            nodes = proposal.tree.tree.num_nodes
+            if not self.tree_ok or position - 1 + nodes > self.max_model_len:
+                proposal = Proposal(proposal.tokens_BK, proposal.probs_BKV)  # its first-candidate chain
+        return make_block(proposal, self.target)
+
+    def _decode(self, rows: list[Request], depths: list[int], changed: dict[str, list[int]]) -> int:
+        """Draft, verify and commit every decoding row; returns the tokens the target ran (padding
+        and tree nodes included), which the step's budget pays for."""
+        t0 = self.now()
+        blocks = [self._propose(r, K) for r, K in zip(rows, depths, strict=True)]
+        t1 = self.now()
+        drafted = sum(b.num_drafted for b in blocks)
+        if drafted:
+            per_token = (t1 - t0) / drafted
+            self.t_draft = per_token if self.t_draft == 0 else 0.8 * self.t_draft + 0.2 * per_token
+        self.stats["draft_s"] += t1 - t0
+        chains = [i for i, b in enumerate(blocks) if isinstance(b, ChainBlock)]
+        groups = [chains] if chains else []
+        groups += [[i] for i, b in enumerate(blocks) if isinstance(b, TreeBlock)]
+        return sum(
+            self._verify_group([rows[i] for i in group], [blocks[i] for i in group], changed)
+            for group in groups
+        )
+
+    def _verify_group(self, rows: list[Request], blocks: list[Any], changed: dict[str, list[int]]) -> int:
+        """One target forward over these rows' blocks, then verify, commit, settle, observe per row;
+        returns the tokens forwarded (rows x the longest block)."""
+        roots = [int(r.state.tokens_BL[0, int(r.state.lengths_B[0]) - 1]) for r in rows]
+        seqs = [b.tokens_BT(torch.tensor([root]))[0] for b, root in zip(blocks, roots, strict=True)]
+        T_max = max(len(s) for s in seqs)
+        tokens_BT = torch.zeros((len(rows), T_max), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens_BT[i, : len(s)] = s
+        start_B = torch.tensor([int(r.state.lengths_B[0]) - 1 for r in rows])
+        rows_B = torch.tensor([r.slot for r in rows])
+        t0 = self.now()
+        out = self.target.forward(tokens_BT, start_B, rows_B=rows_B, **blocks[0].forward_kwargs("cpu"))
+        t1 = self.now()
+        self.stats["forward_s"] += t1 - t0
+        check_logits(out.logits_BTV, step="verify", source="the target")
+        for i, (request, block) in enumerate(zip(rows, blocks, strict=True)):
+            self._settle_row(request, block, _row_output(out, i, len(seqs[i])), int(start_B[i]), changed)
+        self.stats["verify_s"] += self.now() - t1
+        return len(rows) * T_max
+
+    def _settle_row(self, request: Request, block: Any, out: TargetOutput, start: int, changed) -> None:
+        sampling, seed = request.params.sampling, request.params.seed
+        # The output-stream index of the token the block's first logits decide (docs/randomness.md).
+        position = start + 1 - len(request.prompt_ids)
+        kwargs: dict[str, Any] = {}
+        generator = None
+        if self.keyed:
+            offsets = block.forward_kwargs("cpu").get("depth_T", torch.arange(out.logits_BTV.shape[1]))
+            kwargs = {"noise": PositionNoise([seed]), "positions_BK": (position + offsets)[None]}
+        elif not sampling.greedy:
+            generator = torch.Generator().manual_seed(_mix(seed, position, 2))
+        verdict = block.verify(self.rule, out.logits_BTV, sampling, generator, **kwargs)
+        accepted = int(verdict.num_accepted_B[0])
+        request.metrics.num_steps += 1
+        request.metrics.num_drafted += block.num_drafted
+        request.learn(block.depth, accepted, _DECAY)
+        tokens = verdict.tokens_BA[0, : accepted + 1].tolist()
+        slot = request.slot
+        self._commit(request, tokens, changed)
+        length = start + 1 + len(tokens)  # what the cache must read like (stop cuts do not matter)
+        observed = block.settle(
+            self.target,
+            out,
+            verdict,
+            torch.tensor([start]),
+            torch.tensor([length]),
+            rows_B=torch.tensor([slot]),
+        )
+        if request.status is RequestStatus.DECODE:
+            t0 = self.now()
+            request.drafter.observe(request.state, verdict.num_accepted_B, observed)
+            self.stats["draft_s"] += self.now() - t0
+
+
+def _row_output(out: TargetOutput, i: int, T: int) -> TargetOutput:
+    """Row i of a block's output, its first T positions (a padded chain's own block)."""
+    aux = None if not out.aux_hidden_BTD else {k: h[i : i + 1, :T] for k, h in out.aux_hidden_BTD.items()}
+    hidden = None if out.hidden_BTD is None else out.hidden_BTD[i : i + 1, :T]
+    return TargetOutput(logits_BTV=out.logits_BTV[i : i + 1, :T], hidden_BTD=hidden, aux_hidden_BTD=aux)

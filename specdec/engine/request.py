@@ -1,0 +1,240 @@
+"""One request of the engine: its prompt, sampling settings, seed, stop conditions, output and metrics.
+
+Legend: K draft length of one step.
+
+A :class:`Request` owns everything that belongs to one generation (STYLE principle 14): the
+engine's scheduler only decides *when* it runs and *where* (its cache slot). Its random stream is
+public randomness keyed by (seed, sequence position) (:mod:`specdec.noise`), so what it emits never
+depends on which other requests share its steps.
+"""
+
+from __future__ import annotations
+
+import enum
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.sampling import SamplingParams
+from specdec.seeds import check_seed
+from specdec.stop_strings import StopStrings
+
+__all__ = ["RequestStatus", "RequestParams", "RequestMetrics", "RequestOutput", "Request", "make_params"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued: no cache slot yet
+    PREFILL = "prefill"  # has a slot; its prompt is being prefilled in chunks
+    DECODE = "decode"  # first token sampled; speculative steps
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestParams:
+    """A request's own settings (validated by :func:`make_params`)."""
+
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    stop_strings: tuple[str, ...] = ()
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def make_params(
+    *,
+    max_new_tokens: Any,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    seed: Any,
+    stop_strings: Any,
+    eos_token_ids: Any,
+    ignore_eos: Any,
+    default_eos: Sequence[int],
+    vocab_size: int,
+) -> RequestParams:
+    """Check ``add_request``'s arguments; ``ValueError`` naming the first bad one."""
+    max_new_tokens = _positive_int(max_new_tokens, "max_new_tokens")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # validates
+    seed = 0 if seed is None else check_seed(seed)
+    if stop_strings is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stop_strings):
+        raise ValueError(f"stop_strings must be a list of non-empty strings, got {stop_strings!r}")
+    else:
+        stops = tuple(stop_strings)
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r}")
+    ids = default_eos if eos_token_ids is None else eos_token_ids
+    if isinstance(ids, (str, bytes)) or not all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
+    ):
+        raise ValueError(f"eos_token_ids must be token ids in [0, {vocab_size}), got {eos_token_ids!r}")
+    eos = frozenset() if ignore_eos else frozenset(int(t) for t in ids)
+    return RequestParams(
+        max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_strings=stops, eos_token_ids=eos
+    )
+
+
+@dataclass
+class RequestMetrics:
+    """One request's own measurements (seconds on the engine's clock).
+
+    ``ttft_s``: arrival to first token. ``token_times_s``: when each generated token was committed
+    (a step's tokens share its end time). ``num_drafted`` / ``num_accepted``: draft tokens verified
+    for this request and accepted; ``num_steps``: verify calls it took part in (plain steps too).
+    """
+
+    arrival_s: float = 0.0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_steps: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """Entry k: how many times draft position k+1 was accepted (vLLM's per-position counter)."""
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α: accepted drafts / drafted tokens (0 when nothing was drafted)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """τ: tokens per verify call (accepted drafts + the recovered or bonus token)."""
+        return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first: ``(last − first) / (n − 1)``."""
+        t = self.token_times_s
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "num_drafted": self.num_drafted,
+            "num_accepted": self.num_accepted,
+            "num_steps": self.num_steps,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_tokens": self.mean_accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+        }
+
+
+@dataclass
+class RequestOutput:
+    """What :meth:`specdec.Engine.step` returns for a request that changed in that step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+
+class Request:
+    """A request's state while the engine holds it."""
+
+    def __init__(
+        self, request_id: str, prompt_ids: list[int], params: RequestParams, stops: StopStrings | None
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.stops = stops
+        self.status = RequestStatus.WAITING
+        self.slot: int | None = None
+        self.num_prefilled = 0
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+        self.metrics = RequestMetrics()
+        self.drafter: Any = None
+        self.state: Any = None  # the one-row DecodeState its drafter reads (from admission on)
+        self.prefill_parts: list[Any] = []  # the prefill chunks' target outputs, for drafter.begin
+        # Decayed acceptance counts per draft position (the depth controller's estimate a_k).
+        self.accepted_k: list[float] = []
+        self.reached_k: list[float] = []
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence: prompt + generated."""
+        return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def room(self) -> int:
+        """New tokens it may still emit."""
+        return self.params.max_new_tokens - len(self.generated)
+
+    def commit(self, new: list[int]) -> list[int]:
+        """Append new tokens cut at the stop conditions; returns what was kept, sets the finish reason."""
+        p = self.params
+        new = new[: self.room]
+        reason = None
+        for i, t in enumerate(new):
+            if t in p.eos_token_ids:
+                new, reason = new[: i + 1], "eos"
+                break
+        if self.stops is not None and new:
+            num_old = len(self.generated)
+            end = self.stops.first_stop(self.generated + new, num_old)
+            if end is not None:
+                new, reason = new[: end - num_old], "stop_string"
+        self.generated.extend(new)
+        if reason is None and self.room <= 0:
+            reason = "length"
+        if reason is not None:
+            self.finish_reason = reason
+        return new
+
+    def acceptance(self, k: int, prior: float, prior_weight: float) -> float:
+        """The estimate a_k that draft position k (1-based) is accepted given position k−1 was."""
+        if k <= len(self.reached_k):
+            acc, reached = self.accepted_k[k - 1], self.reached_k[k - 1]
+        else:
+            acc = reached = 0.0
+        return (acc + prior * prior_weight) / (reached + prior_weight)
+
+    def learn(self, num_drafted: int, num_accepted: int, decay: float) -> None:
+        """Record one verified draft ``num_drafted`` deep, the first ``num_accepted`` accepted (the
+        acceptance estimates and the accepted counters; the caller counts drafted tokens)."""
+        while len(self.reached_k) < num_drafted:
+            self.reached_k.append(0.0)
+            self.accepted_k.append(0.0)
+        for k in range(len(self.reached_k)):
+            self.reached_k[k] *= decay
+            self.accepted_k[k] *= decay
+        for k in range(min(num_accepted + 1, num_drafted)):
+            self.reached_k[k] += 1.0
+            if k < num_accepted:
+                self.accepted_k[k] += 1.0
+        m = self.metrics
+        m.num_accepted += num_accepted
+        while len(m.accepted_per_pos) < num_drafted:
+            m.accepted_per_pos.append(0)
+        for k in range(num_accepted):
+            m.accepted_per_pos[k] += 1
+
+    def output(self, new: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=list(new),
+            token_ids=list(self.generated),
+            finished=self.status is RequestStatus.FINISHED,
+            finish_reason=self.finish_reason,
+            metrics=self.metrics,
+        )
