@@ -5,7 +5,8 @@
   and MT-Bench prompts; results in ``bench.json`` / ``bench.md`` (:mod:`~specdec.bench.report`);
 - ``python -m specdec.bench.target`` (:mod:`~specdec.bench.target`): the native target's plain
   decode against ``transformers``, and its forward cost against block length;
-- :mod:`~specdec.bench.interleave`: the one interleaved runner both use (and the experiments).
+- :mod:`~specdec.bench.interleave`: the one interleaved runner both use (and the experiments);
+- :mod:`~specdec.bench.llama_bench`: llama.cpp's ``llama-bench`` on the same GGUF file, beside both.
 
 The MoE layer's benchmarks live in ``experiments/`` (``bench_moe`` and the GPU one): ``specdec``
 does not depend on ``moe``.

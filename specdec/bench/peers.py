@@ -6,8 +6,9 @@
   argmax; sampled runs use its sampler with top-k, top-p, min-p and the repeat penalty switched off.
   The KV cache is reset before every prompt, and generation stops at an end-of-sequence token or
   ``max_new_tokens``, as ours does.
-- ``llama-bench``, when the binary is on ``PATH``: its ``tg128`` and ``pp1..pp16`` figures (tokens
-  per second), reported beside the table (they are not run on our prompts).
+- ``llama-bench`` (:mod:`~specdec.bench.llama_bench`), when the binary is at ``$LLAMA_BENCH`` or on
+  ``PATH``: its ``tg128`` and ``pp1, pp4, pp7, pp16`` figures (tokens per second) in a table beside
+  our methods' tok/s and verify blocks, with the ratios (they are not run on our prompts).
 
 Without llama-cpp-python, or for a target that does not come as a GGUF file, the peer is skipped
 with a note.
@@ -15,9 +16,6 @@ with a note.
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from typing import Any
 from specdec.bench.interleave import MethodFn, Prompt
 from specdec.bench.report import PromptResult
 
-__all__ = ["PEERS", "llama_cpp_methods", "llama_bench_figures"]
+__all__ = ["PEERS", "llama_cpp_methods"]
 
 PEERS = ("llama.cpp",)
 PROMPT_LOOKUP_TOKENS = 10
@@ -69,21 +67,3 @@ def llama_cpp_methods(
         "llama.cpp/plain": method(None),
         "llama.cpp/prompt_lookup": method(LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS)),
     }
-
-
-def llama_bench_figures(gguf: Path, *, threads: int) -> dict[str, Any] | str:
-    """``llama-bench``'s tg128 and pp1/2/4/8/16 tokens per second on ``gguf``, or why there are none."""
-    binary = shutil.which("llama-bench")
-    if binary is None:
-        return "llama-bench is not on PATH"
-    command = [binary, "-m", str(gguf), "-t", str(threads), "-n", "128", "-p", "1,2,4,8,16", "-o", "json"]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=True)
-        rows = json.loads(done.stdout)
-    except (subprocess.SubprocessError, OSError, json.JSONDecodeError) as err:
-        return f"llama-bench failed: {err}"
-    figures = {}
-    for row in rows:
-        name = f"tg{row['n_gen']}" if row.get("n_gen") else f"pp{row['n_prompt']}"
-        figures[name] = round(float(row["avg_ts"]), 1)
-    return {"command": " ".join(command), "tokens_per_second": figures}

@@ -5,6 +5,8 @@ into one row per (prompt set, temperature, method) plus the pooled set ``all``: 
 ``ours/none``, α, τ, the predicted speedup from the run's own α and measured costs
 (:func:`specdec.metrics.predicted_speedup_from_metrics`), measured / predicted, and for greedy runs
 the exact-match rate against ``ours/none``. ``experiments`` reuses it for its decoding experiments.
+With ``--peers llama.cpp``, :func:`llama_bench_rows` puts ``llama-bench``'s figures beside ours in a
+second table (:mod:`specdec.bench.llama_bench`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from specdec.bench.llama_bench import PROMPT_BLOCKS, comparison_markdown, comparison_rows, comparison_table
 
 __all__ = [
     "PromptResult",
@@ -29,6 +33,7 @@ __all__ = [
     "bench_document",
     "benchmark_document",
     "machine_line",
+    "llama_bench_rows",
     "BENCH_COLUMNS",
 ]
 
@@ -148,6 +153,21 @@ def markdown_table(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def llama_bench_rows(payload: dict) -> list[dict]:
+    """``llama-bench``'s figures (``payload["llama_bench"]``) beside each of our methods' pooled
+    (``all``) rows, per temperature: its tok/s beside ``tg128`` and, for each block length T its
+    verify calls had, T / the mean T-token verify time beside ``ppT``."""
+    ours = {}
+    for row in payload["summary"]:
+        if row["prompt_set"] != "all" or row.get("tokens_per_second") is None:
+            continue
+        ms = {int(T): v for T, v in (row.get("verify_ms_by_block") or {}).items()}
+        figures = {"tg": row["tokens_per_second"]}
+        figures |= {f"pp{T}": 1e3 * T / ms[T] for T in PROMPT_BLOCKS if ms.get(T)}
+        ours[f"{row['method']} (temperature {row['temperature']:g})"] = figures
+    return comparison_rows(payload["llama_bench"], ours)
+
+
 def environment() -> dict[str, Any]:
     """Versions, platform and thread count of this process, for the results file."""
     import torch
@@ -256,10 +276,11 @@ def bench_document(
         "equal to \\texttt{ours/none}; the set \\texttt{all} pools every prompt."
     )
     rows = [{k: row.get(k) for k, _, _ in BENCH_COLUMNS} for row in payload["summary"]]
-    summary = Summary(
-        title=f"specdec bench: {cfg['target']}",
-        tables=(table_from_rows("speedup", caption, BENCH_COLUMNS, rows),),
-    )
+    tables = [table_from_rows("speedup", caption, BENCH_COLUMNS, rows)]
+    if isinstance(payload.get("llama_bench"), dict):  # where it did not run, the notes say why
+        what = "Each method's tok/s on the prompts (all sets pooled) and its verify blocks"
+        tables.append(comparison_table(payload["llama_bench"], llama_bench_rows(payload), what))
+    summary = Summary(title=f"specdec bench: {cfg['target']}", tables=tuple(tables))
     return summary_document(
         experiment=name,
         summary=summary,
@@ -280,8 +301,9 @@ def write_results(out_dir: Path, payload: dict, command: str) -> None:
 
     write_json(out_dir / "bench.json", payload, indent=1)  # atomic: a reader never sees half a file
     notes = "".join(f"- {n}\n" for n in payload["notes"])
-    peer = payload.get("llama_bench")
-    peer_line = f"\nllama-bench: {peer}\n" if peer else ""
+    peer_line = ""
+    if payload.get("llama_bench"):
+        peer_line = "\n" + comparison_markdown(payload["llama_bench"], llama_bench_rows(payload))
     table = markdown_table(payload["summary"])
     md = f"# specdec bench\n\n{header(payload)}\n\nCommand: `{command}`\n\n{table}{peer_line}"
     (out_dir / "bench.md").write_text(md + (f"\nNotes:\n{notes}" if notes else ""))

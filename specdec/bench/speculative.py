@@ -39,23 +39,34 @@ from typing import Any
 
 from specdec.bench.hf_baselines import HF_BASELINES, hf_method
 from specdec.bench.interleave import Prompt, generate_method, run_interleaved
-from specdec.bench.peers import PEERS, llama_bench_figures, llama_cpp_methods
+from specdec.bench.llama_bench import comparison_markdown, run_llama_bench
+from specdec.bench.peers import PEERS, llama_cpp_methods
 from specdec.bench.report import (
     bench_document,
     environment,
+    llama_bench_rows,
     markdown_table,
     pooled_tokens_per_second,
     serialise_run,
     summarize,
     write_results,
 )
-from specdec.cli_args import ArgumentParser, csv, finite_float, nonnegative_int, positive_int, stderr_line
+from specdec.cli_args import (
+    ArgumentParser,
+    csv,
+    finite_float,
+    nonnegative_int,
+    positive_int,
+    seed_int,
+    stderr_line,
+)
 from specdec.prompt_sets import (
     CHAT_PROMPT_SETS,
     PROMPT_SETS,
     encode_prompt,
     load_prompts,
 )
+from specdec.seeds import check_seed
 from specdec.summary import check_experiment_name, utc_now
 from specdec.targets.llama_weights import WEIGHT_MODES
 
@@ -83,7 +94,7 @@ class BenchConfig:
     hf_baselines: tuple[str, ...] = ("plain", "prompt_lookup", "assistant")
     peers: tuple[str, ...] = ()
     """Other engines on the same prompts: ``llama.cpp`` (llama-cpp-python on the target's GGUF file,
-    plain and with prompt lookup; ``llama-bench``'s figures when it is on PATH)."""
+    plain and with prompt lookup; ``llama-bench``'s figures when it is at ``$LLAMA_BENCH`` or on PATH)."""
     gamma: int = 4
     drafter_gammas: dict[str, int] = field(default_factory=dict)
     """γ for some drafter labels (others use ``gamma``), so one interleaved run compares draft
@@ -107,6 +118,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         check_experiment_name(self.name, "name")
+        check_seed(self.seed)
         if self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if self.max_new_tokens < 1:
@@ -297,8 +309,11 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
     if "llama.cpp" in cfg.peers:
         from specdec.targets.loading import gguf_source
 
-        gguf = gguf_source(cfg.target)
-        recorder.payload["llama_bench"] = llama_bench_figures(gguf, threads=torch_threads()) if gguf else None
+        figures = run_llama_bench(gguf_source(cfg.target), threads=torch_threads())
+        recorder.payload["llama_bench"] = figures
+        if isinstance(figures, str):
+            notes.append(figures)
+            console.print(f"[yellow]note:[/] {figures}")
     for t in cfg.temperatures:
         results = run_interleaved(
             _methods(cfg, target, drafters, hf, t, notes),
@@ -394,7 +409,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="option for one drafter, e.g. layerskip.num_layers=8 (repeatable)",
     )
     p.add_argument("--chat", action="store_true", help="wrap every prompt in the chat template")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=seed_int, default=d.seed)
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     p.add_argument(
         "--weights",
@@ -413,6 +428,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per run")
     p.add_argument("--out", default=d.out, help="output folder for bench.json and bench.md")
     p.add_argument("--name", default=d.name, help="experiment name of the results (schema specdec.summary/1)")
+    p.add_argument(
+        "--concurrency",
+        type=csv(positive_int),
+        default=None,
+        help="e.g. 1,2,4,8: the engine under load against the static batch (specdec.bench.concurrency)",
+    )
     p.set_defaults(func=cmd_bench)
 
 
@@ -459,6 +480,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "concurrency", None):
+        from rich.console import Console
+
+        from specdec.bench.concurrency import from_bench_args, run_concurrency
+
+        run_concurrency(from_bench_args(args), Console(stderr=True))
+        out = Path(args.out)
+        print(f"results: {out / 'concurrency.json'}, {out / 'concurrency.md'}", file=sys.stderr)
+        return 0
     cfg = config_from_args(args)
     command = (
         "python -m specdec.bench " + " ".join(sys.argv[1:])
@@ -467,6 +497,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     payload = run_bench(cfg, command=command)
     print(markdown_table(payload["summary"]))
+    if payload.get("llama_bench"):
+        print(comparison_markdown(payload["llama_bench"], llama_bench_rows(payload)))
     for note in payload["notes"]:
         print(f"note: {note}")
     print(f"results: {Path(cfg.out) / 'bench.json'}, {Path(cfg.out) / 'bench.md'}", file=sys.stderr)

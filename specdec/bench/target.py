@@ -1,6 +1,6 @@
 """Benchmark the native target per weight format: decode speed, forward cost, and where the time goes.
 
-    python -m specdec.bench.target --threads 2 --weights gguf,fp32,int8,int4 --json target.json
+    python -m specdec.bench.target --threads 2 --weights gguf,gguf-q8,fp32,int8,int4 --json target.json
 
 Legend: T block length (tokens per target forward).
 
@@ -15,7 +15,11 @@ noisy neighbour slows all alike; medians of ``--repeats``):
   this machine's read bandwidth (``x.sum()`` over 512 MB, measured in the same run), and the
   single-token forward's ratio to it;
 - the single-token forward split into the weight products (every layer's and the head's packed
-  kernels, timed alone on the same inputs) and everything else (attention, RoPE, norms, Python).
+  kernels, timed alone on the same inputs) and everything else (attention, RoPE, norms, Python);
+- llama.cpp's ``llama-bench`` (``$LLAMA_BENCH`` or on ``PATH``; ``--no-llama-bench`` skips it) on the
+  same GGUF file and threads, after ours: its ``tg128`` beside our decode and its ``pp1, pp4, pp7,
+  pp16`` beside our T-token forwards (T / forward time), with the ratios
+  (:mod:`~specdec.bench.llama_bench`); without the binary a one-line note says it was not run.
 
 The header names the CPU, the kernels' ISA path, the threads and the commit.
 """
@@ -32,6 +36,14 @@ from typing import Any
 import torch
 
 from specdec.bench.interleave import time_interleaved
+from specdec.bench.llama_bench import (
+    PROMPT_BLOCKS,
+    comparison_markdown,
+    comparison_rows,
+    comparison_table,
+    find_llama_bench,
+    run_llama_bench,
+)
 from specdec.bench.report import benchmark_document, environment
 from specdec.cli_args import ArgumentParser, csv, positive_int
 from specdec.summary import Summary, table_from_rows, write_json
@@ -73,25 +85,23 @@ def _time(fn: Callable[[], Any]) -> float:
 
 @torch.inference_mode()
 def forward_curves(
-    targets: dict[str, Any], context: int, max_block: int, seconds: float
+    targets: dict[str, Any], context: int, max_block: int, seconds: float, extra_blocks: tuple[int, ...] = ()
 ) -> dict[str, dict[int, float]]:
-    """Median ms of one forward of T = 1..max_block tokens after ``context`` cached tokens, per target,
-    every (target, T) interleaved."""
+    """Median ms of one forward of T = 1..max_block tokens (and T in ``extra_blocks``) after
+    ``context`` cached tokens, per target, every (target, T) interleaved."""
+    blocks = sorted(set(range(1, max_block + 1)) | set(extra_blocks))
     g = torch.Generator().manual_seed(0)
     for target in targets.values():
-        target.reset(1, context + max_block + 1)
+        target.reset(1, context + blocks[-1] + 1)
         target.forward(torch.randint(0, target.vocab_size, (1, context), generator=g), torch.tensor([0]))
 
     def one(target: Any, T: int) -> Callable[[], Any]:
         block, start = torch.full((1, T), 100), torch.tensor([context])
         return lambda: (target.forward(block, start), target.rollback(start))
 
-    fns = {(name, T): one(t, T) for name, t in targets.items() for T in range(1, max_block + 1)}
+    fns = {(name, T): one(t, T) for name, t in targets.items() for T in blocks}
     times = time_interleaved(fns, seconds=seconds, min_reps=5, max_reps=200)
-    return {
-        name: {T: 1e3 * statistics.median(times[(name, T)]) for T in range(1, max_block + 1)}
-        for name in targets
-    }
+    return {name: {T: 1e3 * statistics.median(times[(name, T)]) for T in blocks} for name in targets}
 
 
 @torch.inference_mode()
@@ -120,8 +130,10 @@ def _decode_tok_s(fn: Callable[[], list[int]], new_tokens: int, repeats: int) ->
 
 def run(args: Any) -> dict[str, Any]:
     """The measurements of :func:`main` (see the module doc)."""
-    from specdec.targets.loading import load_hf_model
+    from specdec.targets.loading import gguf_source, load_hf_model
 
+    if args.llama_bench:
+        find_llama_bench()  # a wrong $LLAMA_BENCH is a ValueError before the measurements, not after
     targets = {w: LlamaTarget.from_pretrained(args.target, weights=w) for w in args.weights}
     first = next(iter(targets.values()))
     prompt_ids = first.tokenizer(PROMPT).input_ids
@@ -144,7 +156,7 @@ def run(args: Any) -> dict[str, Any]:
     result: dict[str, Any] = {"environment": {**environment(), "target": args.target}, "formats": {}}
     bandwidth = read_bandwidth()
     result["read_bandwidth_gb_s"] = bandwidth / 1e9
-    curves = forward_curves(targets, args.context, args.max_block, args.seconds)
+    curves = forward_curves(targets, args.context, args.max_block, args.seconds, PROMPT_BLOCKS)
     result["transformers_tok_s"] = _decode_tok_s(hf_greedy, args.new_tokens, min(args.repeats, 3))
     for w, target in targets.items():
         decode = lambda t=target: greedy_decode(t, prompt_ids, args.new_tokens)  # noqa: E731
@@ -163,7 +175,22 @@ def run(args: Any) -> dict[str, Any]:
             "products_ms": products,
             "outside_products_ms": t1 - products,
         }
+    if args.llama_bench:
+        result["llama_bench"] = run_llama_bench(
+            gguf_source(args.target), threads=torch.get_num_threads(), repetitions=args.repeats
+        )
+        if isinstance(result["llama_bench"], str):
+            print(f"note: {result['llama_bench']}", file=sys.stderr)
     return result
+
+
+def _vs_llama_bench(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Our formats beside llama-bench: decode tok/s beside tg128, T / (T-token forward) beside ppT."""
+    ours = {}
+    for w, r in result["formats"].items():
+        ms = {int(T): v for T, v in r["forward_ms"].items()}
+        ours[w] = {"tg": r["decode_tok_s"]} | {f"pp{T}": 1e3 * T / ms[T] for T in PROMPT_BLOCKS if T in ms}
+    return comparison_rows(result["llama_bench"], ours)
 
 
 def report(result: dict[str, Any]) -> str:
@@ -198,6 +225,8 @@ def report(result: dict[str, Any]) -> str:
             *(f"{x:.2f}×" for x in r["verify_ratio"].values()),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if "llama_bench" in result:
+        lines += ["", comparison_markdown(result["llama_bench"], _vs_llama_bench(result))]
     return "\n".join(lines) + "\n"
 
 
@@ -228,14 +257,20 @@ def summarize(result: dict[str, Any]) -> Summary:
         f"forward against the weight-read floor at {result['read_bandwidth_gb_s']:.1f} GB/s, and the "
         "forward time of a block of $T$ tokens over one token's."
     )
-    return Summary(title="Native target", tables=(table_from_rows("formats", caption, columns, rows),))
+    tables = [table_from_rows("formats", caption, columns, rows)]
+    if "llama_bench" in result:
+        what = "Our plain greedy decode (prefill included) and $T$-token forwards (after the context)"
+        tables.append(comparison_table(result["llama_bench"], _vs_llama_bench(result), what))
+    return Summary(title="Native target", tables=tuple(tables))
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m specdec.bench.target``."""
     p = ArgumentParser(prog="python -m specdec.bench.target", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2-135m", help="built-in name or local checkpoint")
-    p.add_argument("--weights", type=csv(str), default=("gguf", "fp32", "bf16", "int8", "int4"))
+    p.add_argument(
+        "--weights", type=csv(str), default=("gguf", "gguf-q8", "fp32", "bf16", "int8", "int4", "int4-q8")
+    )
     p.add_argument("--new-tokens", type=positive_int, default=64)
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--max-block", type=positive_int, default=9)
@@ -243,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="time budget of the forward-cost curves")
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument(
+        "--no-llama-bench",
+        dest="llama_bench",
+        action="store_false",
+        help="do not run llama.cpp's llama-bench ($LLAMA_BENCH or on PATH) beside ours",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
