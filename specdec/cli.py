@@ -4,6 +4,7 @@
         --max-new-tokens 64 --temperature 0 --gamma 4 [--json]
     specdec bench --prompt-set humaneval,mtbench --num-prompts 5 --temperatures 0,0.7
     specdec export-head HEAD --format speculators --out DIR
+    specdec serve --target smollm2-135m --drafter default --port 8000   # extra [serve]
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument(
         "--weights",
-        choices=("fp32", "bf16", "gguf", "int8", "int4"),
+        choices=("fp32", "bf16", "gguf", "int8", "int4", "gguf-q8", "int8-q8", "int4-q8"),
         default=None,
         help="native target weight format (default: gguf for a GGUF model such as smollm2-135m, else fp32)",
     )
@@ -197,7 +198,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``specdec`` argument parser (``generate`` and ``bench`` subcommands)."""
+    """The ``specdec`` argument parser (``generate``, ``bench``, ``export-head``, ``serve``)."""
     parser = ArgumentParser(prog="specdec", description="Speculative decoding with exact verification.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     _add_generate(sub)
@@ -208,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.cli_export import add_export_head
 
     add_export_head(sub)
+    from specdec.serve.command import add_serve
+
+    add_serve(sub)
     return parser
 
 

@@ -1,0 +1,10 @@
+"""``specdec serve``: an OpenAI-compatible streaming server on the continuous-batching engine.
+
+One engine thread owns the target and the :class:`specdec.Engine` (:mod:`~specdec.serve.worker`);
+the HTTP side, a FastAPI app on uvicorn (:mod:`~specdec.serve.app`), talks to it through queues.
+Request checks (:mod:`~specdec.serve.protocol`), response shapes (:mod:`~specdec.serve.responses`),
+errors (:mod:`~specdec.serve.errors`), incremental text (:mod:`~specdec.serve.detokenize`),
+Prometheus metrics (:mod:`~specdec.serve.metrics`), the process and its shutdown
+(:mod:`~specdec.serve.server`), the command line (:mod:`~specdec.serve.command`). Needs the
+``[serve]`` extra; importing this package imports none of it. See docs/serving.md.
+"""

@@ -1,0 +1,144 @@
+"""The ``specdec serve`` subcommand: its arguments, and the command (heavy imports only when it runs).
+
+    specdec serve --target smollm2-135m --drafter default --host 127.0.0.1 --port 8000 \\
+        [--max-num-seqs N] [--gamma auto|fixed|N] [--verify exact] [--api-key KEY] [--max-waiting N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+from specdec.cli_args import finite_float, nonnegative_int, parse_options, positive_int
+
+__all__ = ["add_serve", "cmd_serve"]
+
+SERVE_PACKAGES = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client")
+
+
+def _gamma(text: str) -> int | str:
+    """``--gamma``: a draft depth (an integer >= 0) or a depth policy name."""
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return nonnegative_int(text)
+    if not text:
+        raise argparse.ArgumentTypeError("expected a depth (integer) or a policy name")
+    return text
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve`` to the ``specdec`` subcommands."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible streaming server on the engine (extra [serve])")
+    p.add_argument(
+        "--target", default="smollm2-135m", help="built-in name or local checkpoint (default: %(default)s)"
+    )
+    p.add_argument(
+        "--drafter", default="default", help="drafter name from the registry (default: %(default)s)"
+    )
+    p.add_argument(
+        "--drafter-option", action="append", metavar="KEY=VALUE", help="drafter option (repeatable)"
+    )
+    p.add_argument(
+        "--gamma",
+        type=_gamma,
+        default="auto",
+        help="draft depth: an integer (every request) or a depth policy: auto, fixed, batch-table, goodput "
+        "(default: %(default)s)",
+    )
+    p.add_argument("--gamma-option", action="append", metavar="KEY=VALUE", help="depth policy option")
+    p.add_argument(
+        "--verify", default="exact", help="verification rule: exact | gumbel | ... (default: %(default)s)"
+    )
+    p.add_argument("--verify-option", action="append", metavar="KEY=VALUE", help="rule option")
+    p.add_argument(
+        "--max-num-seqs", type=positive_int, default=8, help="cache slots: requests decoding at once"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="token budget of one engine step (default: the engine's, 512)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="cache slots per request: prompt + max_tokens + gamma + 1 must fit (default: the engine's)",
+    )
+    p.add_argument(
+        "--weights", default=None, help="native target weight format (see specdec generate --help)"
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="target dtype")
+    p.add_argument(
+        "--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)"
+    )
+    p.add_argument(
+        "--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)"
+    )
+    p.add_argument(
+        "--port", type=nonnegative_int, default=8000, help="port (0: any free one; default: %(default)s)"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: --target)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECDEC_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=nonnegative_int,
+        default=256,
+        help="requests waiting for a slot before new ones get 429 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=finite_float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM/SIGINT (default: %(default)s)",
+    )
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the server (returns when a signal has stopped it)."""
+    missing = [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(
+            "specdec serve needs the [serve] extra (pip install -e '.[serve]'): "
+            f"{', '.join(missing)} not installed"
+        )
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    from specdec.serve.server import ServeConfig, serve
+
+    config = ServeConfig(
+        target=args.target,
+        backend=args.backend,
+        weights=args.weights,
+        dtype=args.dtype,
+        drafter=args.drafter,
+        drafter_options=parse_options(args.drafter_option, "--drafter-option"),
+        gamma=args.gamma,
+        gamma_options=parse_options(args.gamma_option, "--gamma-option"),
+        verify=args.verify,
+        verify_options=parse_options(args.verify_option, "--verify-option"),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        threads=args.threads,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get("SPECDEC_API_KEY") or None,
+        max_waiting=args.max_waiting,
+        shutdown_timeout_s=args.shutdown_timeout,
+        log_level=args.log_level,
+    )
+    return serve(config)

@@ -1,0 +1,61 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}`` and a status.
+
+Every refusal of the server is an :class:`APIError`; the app turns it into that body. The
+engine's ``ValueError`` messages name its own arguments (``max_new_tokens``, ``stop_strings``, ...):
+:func:`from_engine_error` names the API field instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["APIError", "bad_request", "from_engine_error"]
+
+# The engine's argument names, as the API calls them.
+_ENGINE_FIELDS = {
+    "max_new_tokens": "max_tokens",
+    "stop_strings": "stop",
+    "prompt_ids": "prompt",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "seed": "seed",
+    "ignore_eos": "ignore_eos",
+}
+
+
+@dataclass
+class APIError(Exception):
+    """A refused request: HTTP ``status`` and OpenAI's error fields (``headers``: e.g. Retry-After)."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {...}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 naming the field at fault."""
+    return APIError(400, message, param=param, code=code)
+
+
+def from_engine_error(err: ValueError) -> APIError:
+    """A 400 for a ``ValueError`` of ``Engine.add_request``, its field named as the API names it."""
+    message = str(err)
+    first = message.split(" ", 1)[0]
+    if message.startswith("the prompt ("):  # the engine's own context check
+        return bad_request(message, "max_tokens", "context_length_exceeded")
+    param = _ENGINE_FIELDS.get(first)
+    if param is not None and param != first:
+        message = param + message[len(first) :]
+    return bad_request(message, param)
