@@ -20,14 +20,19 @@ ENVELOPE = set(summary_document(experiment="x", summary=Summary(title=""), comma
 def _benchmark(name: str):
     """(summarize, document builder) of the benchmark that wrote ``paper/results/<name>.json``."""
     from experiments import bench_moe, bench_packed_gemm, gpu_moe_report
-    from specdec.bench import target
+    from specdec.bench import concurrency, target
     from specdec.bench.report import bench_document, benchmark_document
 
     if name.startswith("specdec-bench"):
         return lambda raw, doc: bench_document(raw, name, created_at=doc["created_at"])
     if name == "gpu-moe-bench":
         return lambda raw, doc: gpu_moe_report.gpu_document(raw, doc["command"])
-    summarize = {"bench-moe": bench_moe, "packed-gemm": bench_packed_gemm, "target-formats": target}[name]
+    summarize = {
+        "bench-moe": bench_moe,
+        "packed-gemm": bench_packed_gemm,
+        "target-formats": target,
+        "engine-concurrency": concurrency,
+    }[name]
     return lambda raw, doc: benchmark_document(
         raw,
         experiment=name,
@@ -48,6 +53,7 @@ def _benchmark(name: str):
         "packed-gemm",
         "target-formats",
         "gpu-moe-bench",
+        "engine-concurrency",
     ],
 )
 def test_committed_benchmark_tables_come_from_their_raw_measurements(name):

@@ -18,7 +18,6 @@ same prompt decoded alone (``= solo``).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_concurrency", "add_concurrency_arguments", "from_bench_args", "main"]
+__all__ = ["run_concurrency", "add_concurrency_arguments", "from_bench_args", "summarize", "main"]
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -104,8 +103,8 @@ def _static(target: Any, drafter: str, prompts: list[list[int]], c: int, params:
         "tokens_per_second": tokens / wall,
         "tpot_p50_s": None,
         "tpot_p99_s": None,
-        "alpha": statistics.fmean(a for a, _ in drafted_tau),
-        "tau": statistics.fmean(t for _, t in drafted_tau),
+        "alpha": 0.0 if drafter == "none" else statistics.fmean(a for a, _ in drafted_tau),
+        "tau": 1.0 if drafter == "none" else statistics.fmean(t for _, t in drafted_tau),
         "token_ids": token_ids,
     }
 
@@ -175,8 +174,59 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
     return payload
 
 
+def summarize(record: dict[str, Any]) -> Any:
+    """The results-schema summary of a record: one table, a row per (concurrency, drafter, path)."""
+    from specdec.summary import Summary, table_from_rows
+
+    base = {
+        (r["concurrency"], r["path"]): r["tokens_per_second"]
+        for r in record["rows"]
+        if r["drafter"] == "none"
+    }
+    rows = []
+    for r in record["rows"]:
+        ref = base.get((r["concurrency"], r["path"]))
+        rows.append(
+            {
+                "concurrency": r["concurrency"],
+                "drafter": r["drafter"],
+                "path": r["path"],
+                "tokens_per_second": r["tokens_per_second"],
+                "x_none": r["tokens_per_second"] / ref if ref else None,
+                "tpot_p50_ms": None if r["tpot_p50_s"] is None else 1e3 * r["tpot_p50_s"],
+                "tpot_p99_ms": None if r["tpot_p99_s"] is None else 1e3 * r["tpot_p99_s"],
+                "alpha": r["alpha"],
+                "tau": r["tau"],
+                "equal_solo": r["equal_solo"],
+            }
+        )
+    columns = [
+        ("concurrency", "c", "d"),
+        ("drafter", "drafter", ""),
+        ("path", "path", ""),
+        ("tokens_per_second", "tok/s", ".1f"),
+        ("x_none", "x none", ".2f"),
+        ("tpot_p50_ms", "TPOT P50 ms", ".1f"),
+        ("tpot_p99_ms", "TPOT P99 ms", ".1f"),
+        ("alpha", "alpha", ".2f"),
+        ("tau", "tau", ".2f"),
+        ("equal_solo", "= solo", ".2f"),
+    ]
+    caption = f"The engine under load against the static batch ({record['num_requests']} requests per level)"
+    return Summary(
+        title="Speculation under load",
+        tables=(table_from_rows("engine-concurrency", caption, columns, rows),),
+    )
+
+
 def _write(out_dir: Path, payload: dict[str, Any]) -> None:
-    (out_dir / "concurrency.json").write_text(json.dumps(payload, indent=1))
+    from specdec.bench.report import benchmark_document
+    from specdec.summary import write_json
+
+    document = benchmark_document(
+        payload, experiment="engine-concurrency", summarize=summarize, description=__doc__.split("\n\n")[0]
+    )
+    write_json(out_dir / "concurrency.json", document, indent=1)
     env = payload["environment"]
     lines = [
         f"# Speculation under load ({env['cpu']}, ISA path {env['isa']}, {env['torch_threads']} threads, "

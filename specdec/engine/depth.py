@@ -17,6 +17,10 @@ padded to the deepest row, so it costs ``c(B, K_max + 1) + t_draft · Σ K`` wit
   K = 0 wins where speculation does not pay, at any load.
 - ``auto`` (the default): ``goodput``.
 
+A row that the policy kept at K = 0 for ``PROBE_EVERY`` (16) steps drafts one token (a probe, in
+:mod:`specdec.engine.engine`; rows free to follow timings only), so its acceptance estimate follows
+the text.
+
 **What may depend on timings.** A greedy row's output is the target's argmax chain whatever its
 depth, and a ``gumbel`` row's output is plain keyed decoding's whatever its depth (arXiv
 2408.07978), so those rows follow the policy. A row sampled under ``exact`` rejection sampling

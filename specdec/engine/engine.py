@@ -56,6 +56,9 @@ from specdec.verify_rules import make_verify_rule
 __all__ = ["Engine"]
 
 _DECAY, _PRIOR, _PRIOR_WEIGHT = 0.97, 0.6, 3.0  # acceptance estimates a_k per request
+PROBE_EVERY = 16
+"""A row free to follow timings that drafted nothing for this many steps drafts one token (a probe),
+so its acceptance estimate follows the text even where the policy chose plain steps."""
 
 
 def _mix(seed: int, position: int, salt: int) -> int:
@@ -314,7 +317,11 @@ class Engine:
             cap = max(0, min(self.gamma_max, r.room - 1))
             acc = [r.acceptance(k, _PRIOR, _PRIOR_WEIGHT) for k in range(1, cap + 1)]
             views.append(RowView(acc, cap, self._free(r)))
-        return self.policy.depths(views, self.cost, self.t_draft)
+        depths = self.policy.depths(views, self.cost, self.t_draft)
+        for i, (r, view) in enumerate(zip(rows, views, strict=True)):
+            if depths[i] == 0 and view.free and view.cap >= 1 and r.idle_steps >= PROBE_EVERY:
+                depths[i] = 1
+        return depths
 
     # --- prefill --------------------------------------------------------------------------------
     def _prefill_chunk(self, request: Request, n: int, changed: dict[str, list[int]]) -> None:
@@ -443,6 +450,7 @@ class Engine:
         accepted = int(verdict.num_accepted_B[0])
         request.metrics.num_steps += 1
         request.metrics.num_drafted += block.num_drafted
+        request.idle_steps = 0 if block.num_drafted else request.idle_steps + 1
         request.learn(block.depth, accepted, _DECAY)
         tokens = verdict.tokens_BA[0, : accepted + 1].tolist()
         slot = request.slot

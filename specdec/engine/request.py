@@ -168,6 +168,7 @@ class Request:
         self.prefill_parts: list[Any] = []  # the prefill chunks' target outputs, for drafter.begin
         # Decayed acceptance counts per draft position (the depth controller's estimate a_k).
         self.accepted_k: list[float] = []
+        self.idle_steps = 0  # steps since it last drafted (the engine probes after PROBE_EVERY)
         self.reached_k: list[float] = []
 
     @property
