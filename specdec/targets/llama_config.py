@@ -146,10 +146,12 @@ def load_safetensors_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         )
     from safetensors import SafetensorError
 
-    state: dict[str, torch.Tensor] = {}
+    from specdec.targets.checkpoint_contract import Checkpoint
+
+    state = Checkpoint()  # remembers each tensor's file, for the messages of the checkpoint's check
     for name in files:
         try:
-            state.update(load_file(str(path / name)))
+            state.update_from(load_file(str(path / name)), path / name)
         except (SafetensorError, OSError) as err:
             raise ValueError(f"{path / name}: not a readable safetensors file ({err})") from None
     return state

@@ -263,6 +263,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     parameters when any of them would be newly initialised: nothing is written then)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specdec.targets.gguf import check_gguf_file
+
+    check_gguf_file(gguf)  # a damaged file or a tensor of the wrong shape: one line naming the tensor
     fingerprint = gguf_fingerprint(gguf)
     print(f"[specdec] converting {gguf.name} to a safetensors cache at {out} (once) ...", file=sys.stderr)
     try:
