@@ -5,7 +5,8 @@
 Legend: M rows of x, O output features, I input features.
 
 For every ISA path this CPU runs (``kernels.native.runnable_isas``: on an AVX-512 machine that is the
-AVX-512 build, the AVX2 build and the generic one) and every weight format (fp32, bf16, q8, q4), it
+AVX-512 build, the AVX2 build and the generic one) and every weight format (fp32, bf16, q8, q4, and
+q8a8 / q4a8: the same weights with 8-bit activations and integer dot products), it
 packs one weight matrix of about ``--megabytes`` of packed bytes (far larger than the caches, so every
 call streams it from memory) and times ``packed_linear`` on M rows, interleaved round after round with
 the machine's read bandwidth (``x.sum()`` over 512 MB). It prints, per path and format, the bytes
@@ -33,20 +34,22 @@ from specdec.summary import Summary, table_from_rows, write_json
 
 __all__ = ["pack_format", "main"]
 
-FORMATS = ("f32", "bf16", "q8", "q4")
+FORMATS = ("f32", "bf16", "q8", "q4", "q8a8", "q4a8")
 BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "q8": 1.0 + 2 / 32, "q4": 0.5 + 4 / 32}
+BYTES_PER_WEIGHT |= {"q8a8": BYTES_PER_WEIGHT["q8"], "q4a8": BYTES_PER_WEIGHT["q4"]}
 
 
 def pack_format(fmt: str, w_OI: torch.Tensor, isa: str) -> PackedWeight:
-    """``w_OI`` packed in ``fmt`` for the ``isa`` path (q8: per-channel int8; q4: int4 in groups of 32)."""
+    """``w_OI`` packed in ``fmt`` for the ``isa`` path (q8: per-channel int8; q4: int4 in groups of 32;
+    q8a8 / q4a8: those with 8-bit activations)."""
     if fmt == "f32":
         return pack_weight(w_OI, torch.float32, isa=isa)
     if fmt == "bf16":
         return pack_weight(w_OI, torch.bfloat16, isa=isa)
-    if fmt == "q8":
-        return quantize_int8(w_OI).pack(isa)
-    if fmt == "q4":
-        return quantize_int4(w_OI, 32).pack(isa)
+    if fmt in ("q8", "q8a8"):
+        return quantize_int8(w_OI).pack(isa, act8=fmt == "q8a8")
+    if fmt in ("q4", "q4a8"):
+        return quantize_int4(w_OI, 32).pack(isa, act8=fmt == "q4a8")
     raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
 
 

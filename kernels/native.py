@@ -5,9 +5,16 @@ The project's CPU kernels (the packed GEMM in ``kernels/csrc``, the fused MoE ro
 one **ISA path** (:data:`ISA_FLAGS`):
 
 - ``avx512``: ``-march=x86-64-v4`` (AVX-512 F/BW/DQ/VL, 16-float vectors, its own tile shapes);
+- ``avx512-vnni``: ``avx512`` plus AVX-512 VNNI (``vpdpbusd``: the 8-bit dot products of the
+  ``q8a8`` / ``q4a8`` formats in one instruction; Ice Lake, Sapphire Rapids, Zen 4 and later);
 - ``avx2``: ``-march=x86-64-v3`` (AVX2, FMA, F16C: 8-float vectors, its own tile shapes);
+- ``avx2-vnni``: ``avx2`` plus AVX-VNNI (the VEX ``vpdpbusd`` of Alder Lake and later client CPUs
+  without AVX-512);
 - ``generic``: the compiler's baseline for the architecture (SSE2 on x86-64, NEON on aarch64), the
   portable fallback for every other CPU.
+
+A ``-vnni`` path packs weights exactly as its base path (:func:`base_isa`): only the 8-bit dot
+products change instruction.
 
 :func:`cpu_isa` picks the best path this CPU runs (from its feature flags); the environment variable
 ``SPECDEC_CPU_ISA`` forces one (``avx2`` on an AVX-512 machine builds and runs the AVX2 path, as
@@ -35,6 +42,7 @@ from pathlib import Path
 
 __all__ = [
     "ISA_FLAGS",
+    "base_isa",
     "build_library",
     "cache_dir",
     "cache_root",
@@ -46,14 +54,20 @@ __all__ = [
 
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512-vnni": ("-march=x86-64-v4", "-mavx512vnni", "-mprefer-vector-width=512"),
     "avx512": ("-march=x86-64-v4", "-mprefer-vector-width=512"),
+    "avx2-vnni": ("-march=x86-64-v3", "-mavxvnni"),
     "avx2": ("-march=x86-64-v3",),
     "generic": (),
 }
-"""Compiler flags of each ISA path (added to ``-O3 -fopenmp -shared -fPIC``)."""
+"""Compiler flags of each ISA path (added to ``-O3 -fopenmp -shared -fPIC``), best first."""
+_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"}
+_AVX2 = {"avx2", "fma", "f16c", "bmi2"}
 _NEEDS = {
-    "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"},
-    "avx2": {"avx2", "fma", "f16c", "bmi2"},
+    "avx512-vnni": _AVX512 | {"avx512_vnni"},
+    "avx512": _AVX512,
+    "avx2-vnni": _AVX2 | {"avx_vnni"},
+    "avx2": _AVX2,
     "generic": set(),
 }
 LIBS = ("-lm",)
@@ -105,7 +119,15 @@ def runnable_isas() -> list[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ["generic"]
     have = _flags()
-    return [isa for isa in ("avx512", "avx2") if _NEEDS[isa] <= have] + ["generic"]
+    return [isa for isa in ISA_FLAGS if isa != "generic" and _NEEDS[isa] <= have] + ["generic"]
+
+
+def base_isa(isa: str) -> str:
+    """The path whose vector width, tiles and packed layouts ``isa`` shares (``avx512-vnni`` ->
+    ``avx512``)."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
+    return isa.removesuffix("-vnni")
 
 
 def cpu_isa() -> str:

@@ -80,11 +80,12 @@ class QuantizedRows:
             w = w + self.m_OG.float().repeat_interleave(G, dim=1)
         return w.view(O, I)
 
-    def pack(self, isa: str | None = None) -> PackedWeight:
-        """The kernel's layout on an ISA path."""
+    def pack(self, isa: str | None = None, *, act8: bool = False) -> PackedWeight:
+        """The kernel's layout on an ISA path (``act8``: the ``q8a8`` / ``q4a8`` layout, run with 8-bit
+        activations)."""
         if self.kind == "q8":
-            return pack_q8(self.q_OI, self.d_OG, self.group_size, isa=isa)
-        return pack_q4(self.q_OI, self.d_OG, self.m_OG, self.group_size, isa=isa)
+            return pack_q8(self.q_OI, self.d_OG, self.group_size, isa=isa, act8=act8)
+        return pack_q4(self.q_OI, self.d_OG, self.m_OG, self.group_size, isa=isa, act8=act8)
 
 
 def _check_weight(w_OI: Tensor, name: str) -> Tensor:

@@ -177,3 +177,22 @@ def test_every_isa_path_compiles_even_where_this_cpu_cannot_run_it(tmp_path):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, f"{isa} {src.name}: {done.stderr[-2000:]}"
             assert out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8", "q4"])
+def test_a_row_gets_the_same_bits_whatever_the_other_rows(isa, fmt):
+    """Batch invariance: a row's output is bitwise the same alone (M = 1) and at any place in a product
+    of M rows (tiles of every size, the remainder tile included), whatever the other rows hold."""
+    gen = torch.Generator().manual_seed(3)
+    for out_features, in_features in ((45, 64), (130, 98)):
+        w_OI = torch.randn(out_features, in_features, generator=gen)
+        packed = _packed(fmt, w_OI, isa, group=in_features if fmt == "q4" and in_features % 32 else 32)
+        x_1I = torch.randn(1, in_features, generator=gen)
+        alone = pg.packed_linear(x_1I, packed)
+        for rows in (2, 3, 5, 7, 8, 12, 13, 16):
+            for at in {0, rows // 2, rows - 1}:
+                x_MI = torch.randn(rows, in_features, generator=gen)
+                x_MI[at] = x_1I[0]
+                got = pg.packed_linear(x_MI, packed)[at : at + 1]
+                assert torch.equal(got, alone), f"{fmt} on {isa}: row {at} of {rows} differs from the row alone"

@@ -34,7 +34,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from ..native import cpu_isa
+from ..native import base_isa, cpu_isa
 from ..packed_gemm import pack_weight, packed_gemm_available, packed_matmul
 from .torch_backend import _bounds
 
@@ -139,12 +139,12 @@ def grouped_gemm_onednn(x_MK: Tensor, w: Tensor, group_sizes_E: Tensor, trans_w:
 #   99 / 109 GFLOP/s at T = 512 / 2048 with (32, 64) against 52 / 76 with the AVX-512 limits and
 #   92 / 110 with none on C, level at T <= 64.
 C_MAX_ROWS = {"avx512": (192, 1024), "avx2": (32, 64), "generic": (32, 64)}
-"""(gate/up, down) row limits for the packed C kernel, by ISA path."""
+"""(gate/up, down) row limits for the packed C kernel, by ISA path (a ``-vnni`` path: its base's)."""
 
 
 def _c_max_rows() -> tuple[int, int]:
     try:
-        return C_MAX_ROWS[cpu_isa()]
+        return C_MAX_ROWS[base_isa(cpu_isa())]
     except ValueError:  # a bad SPECDEC_CPU_ISA: reported where a kernel is built, not at import
         return C_MAX_ROWS["generic"]
 

@@ -10,9 +10,13 @@ fuses them, saving the small elementwise ops that cost as much as attention at t
 
 Weights (:data:`WEIGHT_FORMATS`): a float tensor stored as ``float32`` or ``bfloat16``, or a
 :class:`kernels.quant.QuantizedRows` (GGUF Q4_0 / Q4_1 / Q8_0 blocks, int8 per channel, int4 per
-group), kept quantised and dequantised in registers by the kernel.
+group), kept quantised and dequantised in registers by the kernel. With ``act8=True`` quantised rows
+run with **8-bit activations** instead (formats ``q8a8`` / ``q4a8``: ``x'`` quantised per row in blocks
+of 32, integer dot products; see :mod:`kernels.q8_reference`): another function than the float
+product, batch invariant (a row's output does not depend on the other rows).
 
-Backends (``LINEAR_BACKENDS``); activations are float32:
+Backends (``LINEAR_BACKENDS``); activations are float32 (8-bit for ``act8``, where both PyTorch
+backends run the plain-PyTorch oracle :func:`kernels.q8_reference.linear_a8_reference`):
 
 - ``reference``: ``F.rms_norm`` / ``F.silu``, ``F.linear`` on the dequantised float32 weight, then
   ``+ residual``: the oracle;
@@ -34,11 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.packed_gemm import PackedWeight, pack_weight, packed_gemm_available, packed_linear
+from kernels.q8_reference import linear_a8_reference
 from kernels.quant import QuantizedRows
 
 __all__ = ["PackedLinear", "LINEAR_BACKENDS", "WEIGHT_FORMATS", "pack_linear", "resolve_backend"]
 
-WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
+WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4", "q8a8", "q4a8")
 
 Weight = torch.Tensor | QuantizedRows | PackedWeight
 
@@ -49,7 +54,8 @@ class PackedLinear:
     ``x'`` is ``x`` transformed at the input: ``swiglu`` (``x = [gate | up]``, 2I wide, and
     ``x' = silu(gate) * up``), then ``norm_weight_I`` (``x' = RMSNorm(x')`` with that weight and
     ``norm_eps``). A float weight is stored in ``dtype`` (default: its own); quantised rows stay
-    quantised. Call it as ``lin(x)`` or ``lin(x, residual)``.
+    quantised. ``act8``: quantised rows run with 8-bit activations (a packed ``q8a8`` / ``q4a8`` weight
+    implies it). Call it as ``lin(x)`` or ``lin(x, residual)``.
     """
 
     def __init__(
@@ -62,6 +68,7 @@ class PackedLinear:
         norm_weight_I: torch.Tensor | None = None,
         norm_eps: float = 1e-6,
         swiglu: bool = False,
+        act8: bool = False,
     ) -> None:
         self.backend = backend
         if isinstance(weight, PackedWeight):  # already in a layout (a cache of packed weights)
@@ -70,9 +77,15 @@ class PackedLinear:
                 weight.in_features,
                 weight.fmt,
             )
+            act8 = weight.act8
         elif isinstance(weight, QuantizedRows):
             self.out_features, self.in_features = weight.shape
-            self.format = weight.kind
+            self.format = weight.kind + ("a8" if act8 else "")
+        elif act8:
+            raise ValueError(
+                f"act8 (8-bit activations) needs quantised weights (QuantizedRows), got a float "
+                f"{tuple(weight.shape)} tensor"
+            )
         else:
             self.out_features, self.in_features = weight.shape
             storage = dtype or weight.dtype
@@ -84,6 +97,7 @@ class PackedLinear:
         self.norm_weight_I = None if norm_weight_I is None else norm_weight_I.float().contiguous()
         self.norm_eps = float(norm_eps)
         self.swiglu = swiglu
+        self.act8 = act8
         self._fn = LINEAR_BACKENDS[backend](self, weight)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,7 +136,37 @@ def _torch_backend(lin: PackedLinear, linear: Callable[[torch.Tensor], torch.Ten
     return run
 
 
+def _a8_reference(lin: PackedLinear, weight: Weight) -> _Run:
+    """The 8-bit-activation product in plain PyTorch, with the transforms where the kernel has them:
+    SwiGLU, then ``x · norm_weight`` quantised, and the RMSNorm's ``1 / rms`` after the product."""
+    if not isinstance(weight, QuantizedRows):
+        raise ValueError(
+            f"linear backend {lin.backend!r} runs act8 products from QuantizedRows, "
+            f"got {type(weight).__name__}"
+        )
+    w_OI = weight.dequantize()
+    lin._weight_OI = lambda: w_OI
+    lin._nbytes = w_OI.numel() * 4
+    norm_w, eps = lin.norm_weight_I, lin.norm_eps
+
+    def run(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        x = x.float()
+        if lin.swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        scale = None
+        if norm_w is not None:
+            scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            x = x * norm_w
+        y = linear_a8_reference(x, weight, lin.bias_O, row_scale_M=scale)
+        return y if residual is None else residual + y
+
+    return run
+
+
 def _reference(lin: PackedLinear, weight: Weight) -> _Run:
+    if lin.act8:
+        return _a8_reference(lin, weight)
     w_OI = _dequantized(weight)
     lin._weight_OI = lambda: w_OI
     lin._nbytes = w_OI.numel() * 4
@@ -130,6 +174,8 @@ def _reference(lin: PackedLinear, weight: Weight) -> _Run:
 
 
 def _transposed(lin: PackedLinear, weight: Weight) -> _Run:
+    if lin.act8:  # no faster PyTorch path for 8-bit activations: the oracle
+        return _a8_reference(lin, weight)
     w_IO = _dequantized(weight).t().contiguous()
     lin._weight_OI = lambda: w_IO.t()
     lin._nbytes = w_IO.numel() * 4
@@ -144,7 +190,7 @@ def _packed(lin: PackedLinear, weight: Weight) -> _Run:
     if isinstance(weight, PackedWeight):
         packed = weight
     elif isinstance(weight, QuantizedRows):
-        packed = weight.pack()
+        packed = weight.pack(act8=lin.act8)
     else:
         packed = pack_weight(weight, weight.dtype)
     lin._nbytes = packed.nbytes
@@ -210,8 +256,10 @@ def pack_linear(
     norm_weight_I: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
     swiglu: bool = False,
+    act8: bool = False,
 ) -> PackedLinear:
-    """Build a :class:`PackedLinear`; ``backend``: ``auto`` or a ``LINEAR_BACKENDS`` name."""
+    """Build a :class:`PackedLinear`; ``backend``: ``auto`` or a ``LINEAR_BACKENDS`` name; ``act8``:
+    8-bit activations (quantised weights only)."""
     device = weight.device if isinstance(weight, torch.Tensor) else "cpu"
     return PackedLinear(
         weight,
@@ -221,4 +269,5 @@ def pack_linear(
         norm_weight_I=norm_weight_I,
         norm_eps=norm_eps,
         swiglu=swiglu,
+        act8=act8,
     )

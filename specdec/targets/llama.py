@@ -13,7 +13,8 @@ What makes it fast on a CPU, compared with ``transformers``:
   cache objects), and grouped-query attention runs as one attention per key/value head with the G
   query heads stacked as rows, so keys and values are never repeated;
 - the linear layers' weights are packed in the layout the CPU kernel streams fastest, in the chosen
-  format (``weights=``: ``fp32 | bf16 | gguf | int8 | int4``, see ``specdec.targets.llama_weights``),
+  format (``weights=``: ``fp32 | bf16 | gguf | int8 | int4``, or ``gguf-q8 | int8-q8 | int4-q8`` with
+  8-bit activations; see ``specdec.targets.llama_weights``),
   quantised ones dequantised in registers;
 - on a CPU, a block of up to ``kernels.llama_forward.MAX_BLOCK`` tokens runs the whole decoder in one
   C call (``kernels/csrc/llama_forward.c``); longer blocks (prefill) take the PyTorch path below,
@@ -43,6 +44,7 @@ from specdec.targets.kv_cache import StaticKVCache, block_attention_mask
 from specdec.targets.linear import resolve_backend
 from specdec.targets.llama_config import LlamaConfig, load_safetensors_state
 from specdec.targets.llama_weights import (
+    GGUF_MODES,
     WEIGHT_MODES,
     ModelWeights,
     build_weights,
@@ -151,10 +153,12 @@ class LlamaTarget:
         source = gguf_source(name_or_path)
         if weights == "auto":
             weights = "gguf" if source is not None else ("bf16" if dtype == torch.bfloat16 else "fp32")
-        if weights == "gguf" and source is None:
-            raise ValueError(f"weights='gguf' needs a GGUF file; {name_or_path} is a safetensors checkpoint")
+        if weights in GGUF_MODES and source is None:
+            raise ValueError(
+                f"weights={weights!r} needs a GGUF file; {name_or_path} is a safetensors checkpoint"
+            )
         backend = resolve_backend(opts.get("linear_backend", "auto"), opts.get("device", "cpu"))
-        cache, key = packed_cache_path(path, source if weights == "gguf" else None, weights, backend)
+        cache, key = packed_cache_path(path, source if weights in GGUF_MODES else None, weights, backend)
         eos_ids = load_eos_token_ids(path, hf_config)
         tokenizer = load_tokenizer(path) if with_tokenizer else None
         if cache is not None:
@@ -162,7 +166,7 @@ class LlamaTarget:
         # One process packs a checkpoint; others wait for its cache instead of packing it too.
         with FileLock(str(cache) + ".lock") if cache is not None else contextlib.nullcontext():
             state: Any = None if cache is None else load_packed(cache, key)
-            if state is None and weights == "gguf":
+            if state is None and weights in GGUF_MODES:
                 heads = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
                 state = load_gguf_state(source, model_type=config.model_type, **heads)
             elif state is None:
@@ -230,14 +234,19 @@ class LlamaTarget:
         logits_index_BN: torch.Tensor | None = None,
         tree_mask_TT: torch.Tensor | None = None,
         depth_T: torch.Tensor | None = None,
+        rows_B: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Run a block at cache slots ``start_B[b] + arange(T)``; see :class:`specdec.protocols.Target`.
 
         Tree verification: ``tree_mask_TT[i, j]`` (bool, diagonal set) lets block token i attend
         block token j, and ``depth_T`` gives each token's rope position offset (position
         ``start_B[b] + depth_T[i]``). Default: a causal chain, ``depth_T = arange(T)``.
+        ``rows_B``: the cache rows the block's B rows use (distinct; the engine's request slots);
+        default: every cache row in order (then B is the cache's batch size).
         """
-        tokens_BT, start_B = self._check_block(tokens_BT, start_B, tree_mask_TT, depth_T)
+        tokens_BT, start_B, rows_B = self._check_block(
+            tokens_BT, start_B, tree_mask_TT, depth_T, rows_B=rows_B
+        )
         aux: dict[int, torch.Tensor] = {}
         layers = range(self.config.num_layers)
         T = tokens_BT.shape[1]
@@ -248,7 +257,13 @@ class LlamaTarget:
                 parts.append(
                     (
                         self._run(
-                            tokens_BT[:, c : c + PREFILL_CHUNK], start_B + c, layers, None, None, piece
+                            tokens_BT[:, c : c + PREFILL_CHUNK],
+                            start_B + c,
+                            layers,
+                            None,
+                            None,
+                            piece,
+                            rows_B,
                         ),
                         piece,
                     )
@@ -256,30 +271,41 @@ class LlamaTarget:
             hidden_BTD = torch.cat([h for h, _ in parts], dim=1)
             aux = {i: torch.cat([p[i] for _, p in parts], dim=1) for i in parts[0][1]}
         else:
-            hidden_BTD = self._run(tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux)
-        self.cache.lengths_B = start_B + T
+            hidden_BTD = self._run(tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux, rows_B)
+        if rows_B is None:
+            self.cache.lengths_B = start_B + T
+        else:
+            self.cache.lengths_B[rows_B] = start_B + T
         return TargetOutput(
             logits_BTV=self._logits(hidden_BTD, logits_index_BN),
             hidden_BTD=hidden_BTD,
             aux_hidden_BTD=aux or None,
         )
 
-    def rollback(self, lengths_B: torch.Tensor) -> None:
-        """Declare that row b's cache holds only its first ``lengths_B[b]`` slots (O(1): nothing moves)."""
+    def rollback(self, lengths_B: torch.Tensor, rows_B: torch.Tensor | None = None) -> None:
+        """Declare that row b's cache holds only its first ``lengths_B[b]`` slots (O(1): nothing moves).
+        ``rows_B``: which cache rows ``lengths_B`` refers to (default: every row in order)."""
         cache = self._need_cache()
         lengths_B = torch.as_tensor(lengths_B, dtype=torch.long).reshape(-1).cpu()
-        if lengths_B.shape[0] != cache.batch_size:
+        rows = self._check_rows(rows_B, lengths_B.shape[0]) if rows_B is not None else None
+        if rows is None and lengths_B.shape[0] != cache.batch_size:
             raise ValueError(f"lengths_B must have {cache.batch_size} entries, got {lengths_B.shape[0]}")
-        if (lengths_B < 0).any() or (lengths_B > cache.lengths_B).any():
+        current = cache.lengths_B if rows is None else cache.lengths_B[rows]
+        if (lengths_B < 0).any() or (lengths_B > current).any():
             raise ValueError(
                 f"lengths_B must be in [0, current length] per row; got {lengths_B.tolist()}, "
-                f"cache holds {cache.lengths_B.tolist()}"
+                f"cache holds {current.tolist()}"
             )
-        cache.lengths_B = lengths_B.clone()
+        if rows is None:
+            cache.lengths_B = lengths_B.clone()
+        else:
+            cache.lengths_B[rows] = lengths_B
 
     # ------------------------------------------------------------------ extras
     @torch.inference_mode()
-    def copy_slots(self, src_slots_BN: torch.Tensor, dst_start_B: torch.Tensor) -> None:
+    def copy_slots(
+        self, src_slots_BN: torch.Tensor, dst_start_B: torch.Tensor, rows_B: torch.Tensor | None = None
+    ) -> None:
         """Move the K/V at slots ``src_slots_BN[b]`` to ``dst_start_B[b] .. dst_start_B[b]+N-1``, every layer.
 
         After tree verification the accepted path's tokens sit at scattered slots of the tree
@@ -290,9 +316,11 @@ class LlamaTarget:
         cache = self._need_cache()
         src = torch.as_tensor(src_slots_BN, dtype=torch.long, device=self.device)
         dst = torch.as_tensor(dst_start_B, dtype=torch.long, device=self.device).reshape(-1)
-        if src.ndim != 2 or src.shape[0] != cache.batch_size or dst.shape[0] != cache.batch_size:
+        B = cache.batch_size if rows_B is None else len(rows_B)
+        rows = None if rows_B is None else self._check_rows(rows_B, B)
+        if src.ndim != 2 or src.shape[0] != B or dst.shape[0] != B:
             raise ValueError(
-                f"src_slots_BN must be [B={cache.batch_size}, N] and dst_start_B [B]; got "
+                f"src_slots_BN must be [B={B}, N] and dst_start_B [B]; got "
                 f"{tuple(src.shape)} and {tuple(dst.shape)}"
             )
         if src.numel() and (
@@ -302,7 +330,7 @@ class LlamaTarget:
             or (dst + src.shape[1]).max() > cache.max_len
         ):
             raise ValueError(f"slots must lie in [0, max_len={cache.max_len})")
-        cache.copy_slots(src, dst)
+        cache.copy_slots(src, dst, rows)
 
     def forward_layers(
         self,
@@ -335,7 +363,7 @@ class LlamaTarget:
                 raise ValueError(
                     f"layers must be a non-empty increasing list of indices in [0, {L}), got {layers}"
                 )
-        tokens_BT, start_B = self._check_block(tokens_BT, start_B, None, None, check_length=False)
+        tokens_BT, start_B, _ = self._check_block(tokens_BT, start_B, None, None, check_length=False)
         hidden_BTD = self._run(tokens_BT, start_B, layers, None, None)
         return TargetOutput(logits_BTV=self._logits(hidden_BTD, logits_index_BN), hidden_BTD=hidden_BTD)
 
@@ -345,7 +373,18 @@ class LlamaTarget:
             raise ValueError("call reset(batch_size, max_len) before using the target")
         return self.cache
 
-    def _check_block(self, tokens_BT, start_B, tree_mask_TT, depth_T, check_length: bool = True):
+    def _check_rows(self, rows_B: Any, B: int) -> torch.Tensor:
+        """``rows_B`` as a CPU long tensor of B distinct cache rows, or a ``ValueError``."""
+        cache = self._need_cache()
+        rows = torch.as_tensor(rows_B, dtype=torch.long).reshape(-1).cpu()
+        distinct = rows.unique().numel() == rows.shape[0]
+        if rows.shape[0] != B or (rows < 0).any() or (rows >= cache.batch_size).any() or not distinct:
+            raise ValueError(
+                f"rows_B must hold {B} distinct cache rows in [0, {cache.batch_size}), got {rows.tolist()}"
+            )
+        return rows
+
+    def _check_block(self, tokens_BT, start_B, tree_mask_TT, depth_T, check_length: bool = True, rows_B=None):
         cache = self._need_cache()
         if (
             not isinstance(tokens_BT, torch.Tensor)
@@ -360,7 +399,8 @@ class LlamaTarget:
                 f"tokens_BT must be an integer tensor [B, T], got {getattr(tokens_BT, 'shape', tokens_BT)}"
             )
         B, T = tokens_BT.shape
-        if B != cache.batch_size or T < 1:
+        rows = None if rows_B is None else self._check_rows(rows_B, B)
+        if (rows is None and B != cache.batch_size) or T < 1:
             raise ValueError(f"tokens_BT must be [B={cache.batch_size}, T>=1], got {tuple(tokens_BT.shape)}")
         start_B = torch.as_tensor(start_B, dtype=torch.long).reshape(-1).cpu()
         if start_B.shape[0] != B:
@@ -369,9 +409,10 @@ class LlamaTarget:
             raise ValueError(
                 f"blocks must fit in [0, max_len={cache.max_len}); start_B={start_B.tolist()}, T={T}"
             )
-        if check_length and (start_B > cache.lengths_B).any():
+        held_B = cache.lengths_B if rows is None else cache.lengths_B[rows]
+        if check_length and (start_B > held_B).any():
             raise ValueError(
-                f"start_B={start_B.tolist()} is past the cached lengths {cache.lengths_B.tolist()} (a gap)"
+                f"start_B={start_B.tolist()} is past the cached lengths {held_B.tolist()} (a gap)"
             )
         if tree_mask_TT is not None:
             if tree_mask_TT.shape != (T, T) or tree_mask_TT.dtype != torch.bool:
@@ -387,7 +428,7 @@ class LlamaTarget:
                 raise ValueError("depth_T must be >= 0 and start_B + depth_T < max_len")
         if (tokens_BT < 0).any() or (tokens_BT >= self.vocab_size).any():
             raise ValueError(f"tokens_BT must be in [0, {self.vocab_size})")
-        return tokens_BT.to(self.device), start_B
+        return tokens_BT.to(self.device), start_B, rows
 
     @torch.inference_mode()
     def _run(
@@ -398,6 +439,7 @@ class LlamaTarget:
         tree_mask_TT: torch.Tensor | None,
         depth_T: torch.Tensor | None,
         aux_out: dict[int, torch.Tensor] | None = None,
+        rows_B: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Embed, run ``layers`` in order (writing their K/V), return the last one's output (and put
         the outputs of the layers in ``aux_layers`` into ``aux_out``). Blocks of up to
@@ -405,7 +447,7 @@ class LlamaTarget:
         c = self.config
         B, T = tokens_BT.shape
         if self._native is not None and T <= MAX_BLOCK:
-            return self._run_native(tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux_out)
+            return self._run_native(tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux_out, rows_B)
         starts = start_B.tolist()
         uniform = starts[0] if starts.count(starts[0]) == B else None
         num_slots = max(starts) + T
@@ -431,12 +473,14 @@ class LlamaTarget:
 
         x_BTD = self.embed_tokens.weight[tokens_BT]
         for i in layers:
-            x_BTD = self._layer(i, x_BTD, cos_BT1E, sin_BT1E, start_dev_B, uniform, num_slots, mask)
+            x_BTD = self._layer(i, x_BTD, cos_BT1E, sin_BT1E, start_dev_B, uniform, num_slots, mask, rows_B)
             if aux_out is not None and i in self.aux_layers:
                 aux_out[i] = x_BTD
         return x_BTD
 
-    def _run_native(self, tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux_out) -> torch.Tensor:
+    def _run_native(
+        self, tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux_out, rows_B=None
+    ) -> torch.Tensor:
         """:meth:`_run` in one call of the native forward (``kernels.llama_forward``)."""
         B, T = tokens_BT.shape
         offsets_T = torch.arange(T) if depth_T is None else depth_T.to(torch.long).cpu()
@@ -454,12 +498,15 @@ class LlamaTarget:
             tree_mask_TT,
             list(layers),
             capture,
+            rows_B,
         )
         for i, out in zip(capture, outs, strict=True):
             aux_out[i] = out.view(B, T, -1)
         return x_MD.view(B, T, -1)
 
-    def _layer(self, i, x_BTD, cos_BT1E, sin_BT1E, start_B, uniform, num_slots, mask) -> torch.Tensor:
+    def _layer(
+        self, i, x_BTD, cos_BT1E, sin_BT1E, start_B, uniform, num_slots, mask, rows_B=None
+    ) -> torch.Tensor:
         c, layer, cache = self.config, self.layers[i], self.cache
         B, T, _ = x_BTD.shape
         H, J, E = c.num_heads, c.num_kv_heads, c.head_dim
@@ -471,10 +518,14 @@ class LlamaTarget:
             qk = layer.qk_norm * (qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps))
         qk = apply_rope_flipped(qk, cos_BT1E, sin_BT1E)
         q_BTHE, k_BTJE, v_BTJE = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + J :]
-        cache.write(i, k_BTJE, v_BTJE, start_B, uniform)
+        cache.write(i, k_BTJE, v_BTJE, start_B, uniform, rows_B)
 
-        k_BJSE = cache.k_NBHLD[i, :, :, :num_slots]
-        v_BJSE = cache.v_NBHLD[i, :, :, :num_slots]
+        if rows_B is None:
+            k_BJSE = cache.k_NBHLD[i, :, :, :num_slots]
+            v_BJSE = cache.v_NBHLD[i, :, :, :num_slots]
+        else:  # a subset of the cache's rows (one gather per layer; prefill chunks and fallbacks only)
+            k_BJSE = cache.k_NBHLD[i, rows_B, :, :num_slots]
+            v_BJSE = cache.v_NBHLD[i, rows_B, :, :num_slots]
         q_BJRE = q_BTHE.reshape(B, T, J, G, E).permute(0, 2, 3, 1, 4).reshape(B, J, G * T, E)
         o_BJRE = F.scaled_dot_product_attention(q_BJRE, k_BJSE, v_BJSE, attn_mask=mask, scale=E**-0.5)
         o_BTF = o_BJRE.view(B, J, G, T, E).permute(0, 3, 1, 2, 4).reshape(B, T, H * E)

@@ -11,7 +11,13 @@ Weight formats (``weights=`` on :func:`specdec.targets.load_target`, ``--weights
   is what ``transformers`` loads, up to float accumulation order;
 - ``int8``: every linear layer and the LM head quantised per output channel to int8;
 - ``int4``: every linear layer and the LM head quantised to int4 in groups of 32 inputs, with
-  scales and zero points.
+  scales and zero points;
+- ``gguf-q8``, ``int8-q8``, ``int4-q8``: the same weights with **8-bit activations** (each product's
+  input quantised per row in blocks of 32, integer dot products: ``kernels/csrc/q8_gemm.c``), LM head
+  included. Another function than the float model (close to it), and batch invariant: a token's
+  logits are bitwise the same at T = 1, inside a verify block and beside other rows, so speculative
+  decoding reproduces plain decoding of this target exactly. ``gguf-q8`` runs only the file's
+  ``Q4_0`` / ``Q4_1`` / ``Q8_0`` matrices: a float matrix is a ``ValueError`` naming it.
 
 The layers fuse q|k|v and gate|up into one product each (quantised rows concatenate as they are).
 The embedding lookup always reads a float32 copy (dequantised once for ``gguf``).
@@ -26,12 +32,15 @@ from typing import Any
 import torch
 
 from kernels.llama_forward import LayerSpec, LinearSpec, NativeDecoder, native_forward_available
-from kernels.quant import QuantizedRows, quantize_int4, quantize_int8
+from kernels.q8_reference import ACT8_BLOCK
+from kernels.quant import GGUF_KINDS, QuantizedRows, quantize_int4, quantize_int8
+from specdec.targets.checkpoint_contract import check_checkpoint, describe_tensor
 from specdec.targets.linear import PackedLinear, pack_linear
 from specdec.targets.llama_config import LlamaConfig
 
 __all__ = [
     "WEIGHT_MODES",
+    "GGUF_MODES",
     "INT4_GROUP_SIZE",
     "LayerWeights",
     "ModelWeights",
@@ -43,7 +52,9 @@ __all__ = [
     "native_decoder",
 ]
 
-WEIGHT_MODES = ("fp32", "bf16", "gguf", "int8", "int4")
+WEIGHT_MODES = ("fp32", "bf16", "gguf", "int8", "int4", "gguf-q8", "int8-q8", "int4-q8")
+GGUF_MODES = ("gguf", "gguf-q8")
+"""The formats that read a GGUF file's own quantised blocks."""
 INT4_GROUP_SIZE = 32
 
 
@@ -89,9 +100,12 @@ class _State:
     def __init__(self, state: dict[str, Any], weights: str, device: torch.device) -> None:
         if weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
-        self.state, self.weights, self.device = dict(state), weights, device
+        self.state, self.weights, self.device, self.source = dict(state), weights, device, state
+        self.base, self.act8 = weights.removesuffix("-q8"), weights.endswith("-q8")  # act8: 8-bit activations
+        if self.act8 and device.type != "cpu":
+            raise ValueError(f"weights={weights!r} (8-bit activations) runs on the CPU, got device {device}")
         quantised = [k for k, v in self.state.items() if isinstance(v, QuantizedRows)]
-        if quantised and weights != "gguf":
+        if quantised and weights not in GGUF_MODES:
             raise ValueError(
                 f"the state holds quantised GGUF tensors (e.g. {quantised[0]!r}); load it with weights='gguf'"
             )
@@ -108,6 +122,8 @@ class _State:
     def matrix(self, *keys: str) -> torch.Tensor | QuantizedRows:
         """The rows of ``keys`` stacked (one fused product), in the mode's format."""
         parts = [self.state.pop(k) for k in keys]
+        for k, p in zip(keys, parts, strict=True):
+            self.check_runnable(k, p)
         if all(isinstance(p, QuantizedRows) for p in parts):
             return QuantizedRows.cat(parts)
         if any(isinstance(p, QuantizedRows) for p in parts):
@@ -116,78 +132,83 @@ class _State:
         return self.quantise(w)
 
     def quantise(self, w: torch.Tensor | QuantizedRows) -> torch.Tensor | QuantizedRows:
-        if isinstance(w, QuantizedRows) or self.weights not in ("int8", "int4"):
+        if isinstance(w, QuantizedRows) or self.base not in ("int8", "int4"):
             return w
-        return quantize_int8(w) if self.weights == "int8" else quantize_int4(w, INT4_GROUP_SIZE)
+        return quantize_int8(w) if self.base == "int8" else quantize_int4(w, INT4_GROUP_SIZE)
+
+    def check_runnable(self, key: str, value: Any) -> None:
+        """``ValueError`` for a matrix the 8-bit-activation kernels cannot run as stored: a float GGUF
+        matrix under ``gguf-q8`` (nothing is quantised behind the user's back), or rows whose inputs
+        are not a multiple of the activation block."""
+        if not self.act8:
+            return
+        if self.weights == "gguf-q8" and not isinstance(value, QuantizedRows):
+            raise ValueError(
+                f"{describe_tensor(self.source, key)} has a float type (F32, F16 or BF16), which "
+                f"weights='gguf-q8' cannot run: its products need {', '.join(GGUF_KINDS)} blocks "
+                "(use weights='gguf')"
+            )
+        inputs = value.shape[1]
+        if inputs % ACT8_BLOCK:
+            raise ValueError(
+                f"{describe_tensor(self.source, key)} has {inputs} inputs; weights={self.weights!r} "
+                f"needs a multiple of {ACT8_BLOCK}"
+            )
 
 
 def build_weights(
     config: LlamaConfig, state: dict[str, Any], *, weights: str, backend: str, device: torch.device
 ) -> ModelWeights:
-    """Fuse and pack a checkpoint's tensors (``ValueError`` naming a missing or unused one)."""
+    """Fuse and pack a checkpoint's tensors, after holding every one to the config
+    (:func:`specdec.targets.checkpoint_contract.check_checkpoint`: ``ValueError`` naming the file, the
+    tensor, its shape and the expected one, or a missing or unused tensor)."""
     c, s = config, _State(state, weights, device)
+    check_checkpoint(config, state)
     dtype = torch.bfloat16 if weights == "bf16" else torch.float32
-    pack = lambda w, b=None, **kw: pack_linear(w, b, backend=backend, dtype=dtype, **kw)
+    pack = lambda w, b=None, **kw: pack_linear(w, b, backend=backend, dtype=dtype, act8=s.act8, **kw)
     eps = c.rms_norm_eps
-    try:
-        embed = s.float("model.embed_tokens.weight")
-        layers = []
-        for i in range(c.num_layers):
-            p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            qkv_b = torch.cat([s.float(a + f"{n}_proj.bias") for n in "qkv"]) if c.qkv_bias else None
-            qk_norm = None
-            if c.qk_norm:
-                qn, kn = s.float(a + "q_norm.weight"), s.float(a + "k_norm.weight")
-                qk_norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)])
-            gate_up_b = (
-                torch.cat([s.float(m + "gate_proj.bias"), s.float(m + "up_proj.bias")])
-                if c.mlp_bias
-                else None
-            )
-            layers.append(
-                LayerWeights(
-                    qkv=pack(
-                        s.matrix(*(a + f"{n}_proj.weight" for n in "qkv")),
-                        qkv_b,
-                        norm_weight_I=s.float(p + "input_layernorm.weight"),
-                        norm_eps=eps,
-                    ),
-                    qk_norm=qk_norm,
-                    o=pack(s.matrix(a + "o_proj.weight"), s.maybe(a + "o_proj.bias", c.o_bias)),
-                    gate_up=pack(
-                        s.matrix(m + "gate_proj.weight", m + "up_proj.weight"),
-                        gate_up_b,
-                        norm_weight_I=s.float(p + "post_attention_layernorm.weight"),
-                        norm_eps=eps,
-                    ),
-                    down=pack(
-                        s.matrix(m + "down_proj.weight"),
-                        s.maybe(m + "down_proj.bias", c.mlp_bias),
-                        swiglu=True,
-                    ),
-                )
-            )
-        norm_w = s.float("model.norm.weight")
-        tied = "lm_head.weight" not in s.state
-        if not tied:
-            head_w = s.matrix("lm_head.weight")
-        elif c.tie_word_embeddings:
-            head_w = s.quantise(state["model.embed_tokens.weight"] if weights == "gguf" else embed)
-        else:
-            raise KeyError("lm_head.weight")
-    except KeyError as e:
-        raise ValueError(f"checkpoint is missing weight {e.args[0]!r} for a {c.model_type} model") from None
-    leftover = [k for k in s.state if not k.endswith("rotary_emb.inv_freq")]
-    if leftover:
-        raise ValueError(
-            f"checkpoint has {len(leftover)} weights the native {c.model_type} target does not use "
-            f"(e.g. {leftover[:3]}); use the 'hf' target backend"
+    embed = s.float("model.embed_tokens.weight")
+    layers = []
+    for i in range(c.num_layers):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv_b = torch.cat([s.float(a + f"{n}_proj.bias") for n in "qkv"]) if c.qkv_bias else None
+        qk_norm = None
+        if c.qk_norm:
+            qn, kn = s.float(a + "q_norm.weight"), s.float(a + "k_norm.weight")
+            qk_norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)])
+        gate_up_b = (
+            torch.cat([s.float(m + "gate_proj.bias"), s.float(m + "up_proj.bias")]) if c.mlp_bias else None
         )
-    if tuple(embed.shape) != (c.vocab_size, c.hidden_size) or tuple(head_w.shape) != (
-        c.vocab_size,
-        c.hidden_size,
-    ):
-        raise ValueError(f"embedding/LM head shapes {tuple(embed.shape)}/{tuple(head_w.shape)} != config")
+        layers.append(
+            LayerWeights(
+                qkv=pack(
+                    s.matrix(*(a + f"{n}_proj.weight" for n in "qkv")),
+                    qkv_b,
+                    norm_weight_I=s.float(p + "input_layernorm.weight"),
+                    norm_eps=eps,
+                ),
+                qk_norm=qk_norm,
+                o=pack(s.matrix(a + "o_proj.weight"), s.maybe(a + "o_proj.bias", c.o_bias)),
+                gate_up=pack(
+                    s.matrix(m + "gate_proj.weight", m + "up_proj.weight"),
+                    gate_up_b,
+                    norm_weight_I=s.float(p + "post_attention_layernorm.weight"),
+                    norm_eps=eps,
+                ),
+                down=pack(
+                    s.matrix(m + "down_proj.weight"),
+                    s.maybe(m + "down_proj.bias", c.mlp_bias),
+                    swiglu=True,
+                ),
+            )
+        )
+    norm_w = s.float("model.norm.weight")
+    tied = "lm_head.weight" not in s.state  # the contract allows it only with tie_word_embeddings
+    if not tied:
+        head_w = s.matrix("lm_head.weight")
+    else:
+        s.check_runnable("model.embed_tokens.weight", state["model.embed_tokens.weight"])
+        head_w = s.quantise(state["model.embed_tokens.weight"] if weights in GGUF_MODES else embed)
     head = pack(head_w, norm_weight_I=norm_w, norm_eps=eps)
     return ModelWeights(layers, embed, norm_w, head_w, head, tied)
 
@@ -268,11 +289,14 @@ def load_packed(path: Any, key: str) -> ModelWeights | None:
             swiglu=r["swiglu"],
         )
 
-    layers = [
-        LayerWeights(qk_norm=t.get(f"L{i}.qk_norm"), **{n: linear(f"L{i}.{n}", rec[n]) for n in _LINEARS})
-        for i, rec in enumerate(meta["layers"])
-    ]
-    head = linear("head", meta["head"])
+    try:  # a record whose bytes do not match its sizes (PackedWeight checks them) is stale too
+        layers = [
+            LayerWeights(qk_norm=t.get(f"L{i}.qk_norm"), **{n: linear(f"L{i}.{n}", rec[n]) for n in _LINEARS})
+            for i, rec in enumerate(meta["layers"])
+        ]
+        head = linear("head", meta["head"])
+    except (ValueError, KeyError, TypeError):
+        return None
     return ModelWeights(layers, t["embed_VD"], t["norm_D"], head.packed_weight, head, meta["tied"])
 
 
@@ -313,8 +337,10 @@ def requantized(weights: ModelWeights, mode: str, *, backend: str) -> ModelWeigh
 
 def packed_cache_path(path: Path, source: Path | None, weights: str, backend: str) -> tuple[Path | None, str]:
     """Where the packed weights of a checkpoint are cached, and the key that must match (None: not
-    cached: a linear backend other than ``packed``). The key names the source files (size and time),
-    the weight format, the ISA path and the kernel's source."""
+    cached: a linear backend other than ``packed``). The key names the weight files (resolved path,
+    size and modification time), a hash of ``config.json`` (the norm epsilon and the head counts are
+    baked into the packed layers), the weight format, the ISA path, the int4 group size and the
+    kernel's source."""
     import hashlib
 
     from kernels.native import cache_root, cpu_isa
@@ -324,8 +350,10 @@ def packed_cache_path(path: Path, source: Path | None, weights: str, backend: st
         return None, ""
     files = [source] if source is not None else sorted(path.glob("*.safetensors"))
     stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    config_file = path / "config.json"
+    config_sha = hashlib.sha256(config_file.read_bytes() if config_file.is_file() else b"").hexdigest()
     isa = cpu_isa()
-    key = hashlib.sha256(repr((stamp, weights, isa, INT4_GROUP_SIZE, source_digest())).encode())
+    key = hashlib.sha256(repr((stamp, config_sha, weights, isa, INT4_GROUP_SIZE, source_digest())).encode())
     digest = key.hexdigest()[:16]
     return cache_root() / "packed" / f"{path.name}-{weights}-{isa}-{digest}.safetensors", digest
 
