@@ -195,4 +195,4 @@ def test_a_row_gets_the_same_bits_whatever_the_other_rows(isa, fmt):
                 x_MI = torch.randn(rows, in_features, generator=gen)
                 x_MI[at] = x_1I[0]
                 got = pg.packed_linear(x_MI, packed)[at : at + 1]
-                assert torch.equal(got, alone), f"{fmt} on {isa}: row {at} of {rows} differs from the row alone"
+                assert torch.equal(got, alone), f"{fmt} on {isa}: row {at} of {rows} differs from it alone"
