@@ -220,21 +220,6 @@ def conversion_cache_path(name_or_path: str | os.PathLike) -> Path | None:
 
 
 # --- the conversion ---------------------------------------------------------------------------------
-def _gguf_tensor_name(hf_name: str) -> str:
-    """llama.cpp's name for a transformers parameter name (the name itself when there is none)."""
-    from specdec.targets.gguf import _LAYER, GGUF_NAMES
-
-    for gguf_name, hf in GGUF_NAMES.items():
-        if hf == hf_name:
-            return gguf_name
-    parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
-        for gguf_name, hf in _LAYER.items():
-            if hf == parts[3]:
-                return f"blk.{parts[2]}.{gguf_name}"
-    return hf_name
-
-
 def _refuse_incomplete(gguf: Path, info: dict[str, Any]) -> None:
     """``ValueError`` naming every parameter transformers would initialise anew instead of reading it
     from the file (missing from it, or of another shape); a tied LM head is not missing."""
@@ -245,7 +230,9 @@ def _refuse_incomplete(gguf: Path, info: dict[str, Any]) -> None:
         return
     parts = []
     if missing:
-        names = ", ".join(f"{k} (GGUF {_gguf_tensor_name(k)})" for k in missing)
+        from specdec.targets.gguf import gguf_name
+
+        names = ", ".join(f"{k} (GGUF {gguf_name(k) or k})" for k in missing)
         parts.append(f"{len(missing)} missing from the file: {names}")
     if mismatched:
         parts.append(f"{len(mismatched)} of the wrong shape: {', '.join(mismatched)}")
