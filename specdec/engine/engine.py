@@ -51,6 +51,7 @@ from specdec.noise import PositionNoise, sample_keyed
 from specdec.protocols import Proposal, Target, TargetOutput, TreeTarget
 from specdec.sampling import logits_to_probs
 from specdec.stop_strings import StopStrings
+from specdec.verify_gumbel import GumbelVerify, KeyedExactVerify
 from specdec.verify_rules import make_verify_rule
 
 __all__ = ["Engine"]
@@ -143,8 +144,6 @@ class Engine:
         self.vocab_size = int(target.vocab_size)
         self.rule = make_verify_rule("exact" if verify == "exact" else verify, verify_options)
         if verify == "exact":
-            from specdec.verify_gumbel import KeyedExactVerify
-
             self.rule = KeyedExactVerify()
         self.keyed = "noise" in inspect.signature(self.rule.__call__).parameters
         self.tree_ok = isinstance(target, TreeTarget)
@@ -309,7 +308,7 @@ class Engine:
 
     def _free(self, request: Request) -> bool:
         """May this row's depth follow load and timings without changing its output?"""
-        return request.params.sampling.greedy or self.rule.__class__.__name__ == "GumbelVerify"
+        return request.params.sampling.greedy or isinstance(self.rule, GumbelVerify)
 
     def _depths(self, rows: list[Request]) -> list[int]:
         views = []
