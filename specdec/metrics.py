@@ -31,6 +31,7 @@ __all__ = [
     "expected_tokens_per_step",
     "predicted_speedup",
     "predicted_speedup_from_metrics",
+    "interpolate_verify_time",
 ]
 
 
@@ -45,6 +46,8 @@ class StepStats:
     observe); ``target_time_s``: the target forward alone; ``verify_time_s``: forward, verification
     and commit (the real price of a block, which γ policies weigh); ``check_time_s``: the loop's
     checks of the proposal and the logits (:mod:`specdec.checks`), inside ``verify_time_s``.
+    ``row_drafted`` / ``row_depth``: per running row, where rows drafted differently (the engine's
+    per-row depths; a row's block is padded to ``num_drafted + 1``); default every row as the step.
     """
 
     gamma: int
@@ -55,6 +58,8 @@ class StepStats:
     target_time_s: float = 0.0
     check_time_s: float = 0.0
     depth: int | None = None
+    row_drafted: Sequence[int] | None = None
+    row_depth: Sequence[int] | None = None
 
     @property
     def max_accept(self) -> int:
@@ -169,18 +174,22 @@ class MetricsRecorder:
         T = num_drafted + 1
         self.verify_time_sum[T] = self.verify_time_sum.get(T, 0.0) + stats.target_time_s
         self.verify_count[T] = self.verify_count.get(T, 0) + 1
-        if len(self.proposed_at) < depth:
-            grow = depth - len(self.proposed_at)
+        rows = len(stats.num_accepted)
+        drafted_rows = stats.row_drafted if stats.row_drafted is not None else [num_drafted] * rows
+        depth_rows = stats.row_depth if stats.row_depth is not None else [depth] * rows
+        deepest = max([depth, *depth_rows])
+        if len(self.proposed_at) < deepest:
+            grow = deepest - len(self.proposed_at)
             self.proposed_at.extend([0] * grow)
             self.accepted_at.extend([0] * grow)
-        for a in stats.num_accepted:
+        for a, d, k_max in zip(stats.num_accepted, drafted_rows, depth_rows, strict=True):
             self.num_row_steps += 1
             self.accepted_tokens_total += a + 1
             self.num_accepted += a
-            self.num_proposed += num_drafted
-            if a < depth:
+            self.num_proposed += d
+            if a < k_max:
                 self.num_rejections += 1
-            for k in range(depth):
+            for k in range(k_max):
                 self.proposed_at[k] += 1
             for k in range(a):
                 self.accepted_at[k] += 1
@@ -324,7 +333,7 @@ def predicted_speedup(*, alpha: float, gamma: int, t_draft: float, t_verify: flo
     return expected_tokens_per_step(alpha, gamma) * t_target / cost
 
 
-def _interp_verify(verify_time_by_block: Mapping[int, float], T: int) -> float:
+def interpolate_verify_time(verify_time_by_block: Mapping[int, float], T: int) -> float:
     """Verify cost for block length T: measured, else linear between measured neighbours."""
     if T in verify_time_by_block:
         return verify_time_by_block[T]
@@ -355,6 +364,7 @@ def predicted_speedup_from_metrics(metrics: SpecMetrics, t_target: float) -> flo
     cost = 0.0
     tokens = 0.0
     for K in metrics.draft_len_history:
-        cost += K * metrics.draft_time_per_token_s + _interp_verify(metrics.verify_time_by_block, K + 1)
+        t_verify = interpolate_verify_time(metrics.verify_time_by_block, K + 1)
+        cost += K * metrics.draft_time_per_token_s + t_verify
         tokens += expected_tokens_per_step(alpha, K)
     return tokens * t_target / cost if cost > 0 else 0.0

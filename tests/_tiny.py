@@ -130,32 +130,41 @@ class TableTarget:
         self.tokens_BL = torch.zeros((batch_size, max_len), dtype=torch.long)
         self.valid_B = torch.zeros(batch_size, dtype=torch.long)
 
-    def forward(self, tokens_BT, start_B, *, logits_index_BN=None):
+    def _rows(self, rows_B, B):
+        if rows_B is None:
+            return torch.arange(B)
+        rows = torch.as_tensor(rows_B).long().reshape(-1)
+        assert rows.shape == (B,) and len(set(rows.tolist())) == B, f"bad rows_B {rows.tolist()}"
+        return rows
+
+    def forward(self, tokens_BT, start_B, *, rows_B=None, logits_index_BN=None):
         from specdec.protocols import TargetOutput
 
         B, T = tokens_BT.shape
-        if bool((start_B > self.valid_B).any()):
-            valid = self.valid_B.tolist()
+        rows = self._rows(rows_B, B)
+        if bool((start_B > self.valid_B[rows]).any()):
+            valid = self.valid_B[rows].tolist()
             raise AssertionError(f"block starts {start_B.tolist()} past the valid cache {valid}")
         pos_BT = start_B.unsqueeze(1) + torch.arange(T)
         capacity = self.tokens_BL.shape[1]
         if int(pos_BT.max()) >= capacity:
             raise AssertionError(f"block reaches slot {int(pos_BT.max())}, capacity {capacity}")
-        rows_B1 = torch.arange(B).unsqueeze(1)
+        rows_B1 = rows.unsqueeze(1)
         self.tokens_BL[rows_B1, pos_BT] = tokens_BT
         prev_BT = torch.where(pos_BT > 0, self.tokens_BL[rows_B1, (pos_BT - 1).clamp(min=0)], 0)
         logits_BTV = self.table_VVV[prev_BT, tokens_BT]
-        self.valid_B = start_B + T
+        self.valid_B[rows] = start_B + T
         self.num_forwards += 1
         if logits_index_BN is not None:
             logits_BTV = logits_BTV.gather(1, logits_index_BN.unsqueeze(-1).expand(-1, -1, self.vocab_size))
         return TargetOutput(logits_BTV=logits_BTV)
 
-    def rollback(self, lengths_B) -> None:
-        if bool((lengths_B > self.valid_B).any()):
-            valid = self.valid_B.tolist()
+    def rollback(self, lengths_B, rows_B=None) -> None:
+        rows = self._rows(rows_B, lengths_B.shape[0])
+        if bool((lengths_B > self.valid_B[rows]).any()):
+            valid = self.valid_B[rows].tolist()
             raise AssertionError(f"rollback to {lengths_B.tolist()} beyond the valid cache {valid}")
-        self.valid_B = lengths_B.clone()
+        self.valid_B[rows] = lengths_B.clone()
 
     def next_probs(self, prefix: list[int], **sampling) -> torch.Tensor:
         """The processed next-token distribution after ``prefix`` (the exact reference)."""

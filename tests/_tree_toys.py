@@ -22,17 +22,22 @@ class TreeMarkovTarget(MarkovTarget):
     """A :class:`MarkovTarget` that also takes ``tree_mask_TT`` / ``depth_T`` and has ``copy_slots``:
     block token i's context is the prefix followed by its ancestors (from the mask) and itself."""
 
-    def forward(self, tokens_BT, start_B, *, logits_index_BN=None, tree_mask_TT=None, depth_T=None):
+    def forward(
+        self, tokens_BT, start_B, *, rows_B=None, logits_index_BN=None, tree_mask_TT=None, depth_T=None
+    ):
         if tree_mask_TT is None:
-            return super().forward(tokens_BT, start_B, logits_index_BN=logits_index_BN)
+            return super().forward(tokens_BT, start_B, rows_B=rows_B, logits_index_BN=logits_index_BN)
         B, T = tokens_BT.shape
         O, V = self.model.order, self.vocab_size
+        rows = self._rows(rows_B, B)
+        slots_BL = self._slots_BL[rows]
         start_B = start_B.long().cpu()
-        if (start_B > self._valid_B).any():
+        if (start_B > self._valid_B[rows]).any():
             raise RuntimeError("protocol violation: block past the cached length")
         pos_BT = start_B.unsqueeze(1) + torch.arange(T)
-        self._slots_BL.scatter_(1, pos_BT, tokens_BT.long().cpu())
-        self._valid_B = start_B + T
+        slots_BL.scatter_(1, pos_BT, tokens_BT.long().cpu())
+        self._slots_BL[rows] = slots_BL
+        self._valid_B[rows] = start_B + T
         # Relative slots of each token's last O context tokens: prefix (negative) then ancestors.
         offsets = []
         for i in range(T):
@@ -41,14 +46,17 @@ class TreeMarkovTarget(MarkovTarget):
                 raise RuntimeError("depth_T disagrees with the ancestor mask")
             offsets.append(([-k for k in range(O, 0, -1)] + chain)[-O:])
         ctx_pos_BTO = start_B.view(B, 1, 1) + torch.tensor(offsets).view(1, T, O)
-        ctx_BTO = self._slots_BL.gather(1, ctx_pos_BTO.clamp(min=0).reshape(B, -1)).reshape(B, T, O)
+        ctx_BTO = slots_BL.gather(1, ctx_pos_BTO.clamp(min=0).reshape(B, -1)).reshape(B, T, O)
         ctx_BTO = torch.where(ctx_pos_BTO >= 0, ctx_BTO, V)
         return TargetOutput(logits_BTV=self.model.logits_for(ctx_BTO), hidden_BTD=None)
 
-    def copy_slots(self, src_slots_BN: torch.Tensor, dst_start_B: torch.Tensor) -> None:
+    def copy_slots(self, src_slots_BN: torch.Tensor, dst_start_B: torch.Tensor, rows_B=None) -> None:
         src = src_slots_BN.long().cpu()
+        rows = self._rows(rows_B, src.shape[0])
+        slots_BL = self._slots_BL[rows]
         dst = dst_start_B.long().cpu().unsqueeze(1) + torch.arange(src.shape[1])
-        self._slots_BL.scatter_(1, dst, self._slots_BL.gather(1, src))
+        slots_BL.scatter_(1, dst, slots_BL.gather(1, src))
+        self._slots_BL[rows] = slots_BL
 
 
 class TreeMarkovDrafter:

@@ -609,7 +609,6 @@ def test_add_request_rejects_a_duplicate_id(target):
         ({"prefill_chunk": 64, "max_num_batched_tokens": 32}, "max_num_batched_tokens"),
         ({"prefill_chunk": 0}, "prefill_chunk"),
         ({"drafter": "no-such-drafter"}, "unknown drafter 'no-such-drafter'"),
-        ({"drafter": "layerskip"}, "not supported by the engine"),
         ({"drafter": object()}, "drafter must be a registered name"),
         ({"drafter": "ngram", "drafter_options": {"bogus": 1}}, "bogus"),
         ({"gamma": "no-such-policy"}, "unknown depth policy 'no-such-policy'"),
@@ -624,9 +623,14 @@ def test_engine_rejects_bad_construction(target, options, match):
 
 
 def test_engine_needs_a_target_with_the_slot_api():
-    table = TableTarget(random_table(8, seed=0))
+    class NoSlots(TableTarget):
+        """A target whose forward takes no rows_B (the protocol before the slot API)."""
+
+        def forward(self, tokens_BT, start_B, *, logits_index_BN=None):
+            return super().forward(tokens_BT, start_B, logits_index_BN=logits_index_BN)
+
     with pytest.raises(ValueError, match="slot API"):
-        Engine(table, drafter="none", gamma=0, measure_cost=False)
+        Engine(NoSlots(random_table(8, seed=0)), drafter="none", gamma=0, measure_cost=False)
     with pytest.raises(ValueError, match="target must implement"):
         Engine(object(), drafter="none", gamma=0, measure_cost=False)
 

@@ -163,8 +163,8 @@ def test_a_tiny_temperature_behaves_as_greedy(llama):
 class _NaNTarget(TableTarget):
     """A table target whose logits turn NaN in row 1 from its third forward on."""
 
-    def forward(self, tokens_BT, start_B, *, logits_index_BN=None):
-        out = super().forward(tokens_BT, start_B, logits_index_BN=logits_index_BN)
+    def forward(self, tokens_BT, start_B, *, rows_B=None, logits_index_BN=None):
+        out = super().forward(tokens_BT, start_B, rows_B=rows_B, logits_index_BN=logits_index_BN)
         if self.num_forwards >= 3:
             out.logits_BTV[1, 0, 5] = float("nan")
         return out

@@ -9,8 +9,8 @@ CPU, a block of γ+1 tokens is not free) it is :func:`specdec.metrics.predicted_
 Each run decodes the same prompts with plain decoding and with one drafter at every γ of the
 sweep, prompt by prompt in turn. The theory curve (γ = 0 … 8) uses the drafter's α_iid pooled
 over the run, its measured draft time per token, and the target's measured forward time per block
-length T, interpolated between measured lengths by the ``cost`` γ policy's own cost model
-(:meth:`specdec.policies.CostModelGamma.verify_cost`). Greedy outputs are compared with plain
+length T, interpolated between measured lengths
+(:func:`specdec.metrics.interpolate_verify_time`). Greedy outputs are compared with plain
 greedy decoding token for token (exact-match rate; must be 1 for every γ).
 """
 
@@ -91,18 +91,19 @@ def theory_curve(
     """Predicted speedup for γ = 0 … ``max_gamma`` from measured α and costs (seconds).
 
     ``verify_time_by_block`` maps block length T to the measured target time; lengths not measured
-    come from :meth:`specdec.policies.CostModelGamma.verify_cost` (interpolation between measured
-    neighbours, flat above the longest one).
+    come from :func:`specdec.metrics.interpolate_verify_time` (interpolation between measured
+    neighbours).
     """
-    from specdec.metrics import predicted_speedup
-    from specdec.policies import CostModelGamma
+    from specdec.metrics import interpolate_verify_time, predicted_speedup
 
-    cost_model = CostModelGamma(max_gamma=max_gamma)
-    cost_model.t_verify = dict(verify_time_by_block)
     alpha = min(max(alpha, 0.0), 1.0)
     return [
         predicted_speedup(
-            alpha=alpha, gamma=g, t_draft=t_draft, t_verify=cost_model.verify_cost(g + 1), t_target=t_target
+            alpha=alpha,
+            gamma=g,
+            t_draft=t_draft,
+            t_verify=interpolate_verify_time(verify_time_by_block, g + 1),
+            t_target=t_target,
         )
         for g in range(max_gamma + 1)
     ]

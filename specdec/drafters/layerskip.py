@@ -11,7 +11,9 @@ Cache sharing (LayerSkip's "cache reuse"): the first N layers of the target comp
 keys and values the truncated model would for the same tokens, so the drafter has no cache of its
 own. It writes its draft tokens' layer-< N keys/values into the target's cache at the slots the
 verify block is about to overwrite anyway; the target's ``rollback`` keeps both in step, and the
-drafter needs no prefill and no rollback of its own.
+drafter needs no prefill and no rollback of its own. In the engine each request's drafter runs at
+its request's cache row (``slot``: ``rows_B=[slot]``), so it writes that row only, past the row's
+length, and the row's verify block then overwrites those slots.
 
 Draft tokens are sampled from ``logits_to_probs(early-exit logits, state.sampling)`` and those
 probabilities (full vocabulary, float32) are returned, so verification stays exact.
@@ -22,6 +24,9 @@ step), so N must be deep: see ``docs/targets.md`` for the exit layers' agreement
 """
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
 
 import torch
 
@@ -40,10 +45,12 @@ class LayerSkipDrafter:
 
     The target must offer ``forward_layers(tokens_BT, start_B, *, num_layers)`` (the native
     :class:`specdec.targets.llama.LlamaTarget` does; load targets with ``backend="llama"``).
-    ``num_layers`` defaults to ``round(DEFAULT_EXIT_FRACTION · depth)``.
+    ``num_layers`` defaults to ``round(DEFAULT_EXIT_FRACTION · depth)``. ``slot``: the cache row of
+    the one request this drafter serves in the engine (``forward_layers`` over ``rows_B``); without
+    it the drafter runs every cache row in order.
     """
 
-    def __init__(self, target: Target, *, num_layers: int | None = None) -> None:
+    def __init__(self, target: Target, *, num_layers: int | None = None, slot: int | None = None) -> None:
         if not callable(getattr(target, "forward_layers", None)) or not hasattr(target, "config"):
             raise ValueError(
                 f"drafter 'layerskip' needs a target with forward_layers(...) and a config (the native "
@@ -57,8 +64,23 @@ class LayerSkipDrafter:
             raise ValueError(
                 f"num_layers must be an int in [1, {depth - 1}] (the target has {depth}), got {num_layers!r}"
             )
+        if slot is not None:
+            if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+                raise ValueError(f"slot must be an int >= 0, got {slot!r}")
+            if "rows_B" not in inspect.signature(target.forward_layers).parameters:
+                raise ValueError(
+                    f"slot needs a target whose forward_layers takes rows_B; {type(target).__name__}'s "
+                    "does not"
+                )
         self.target = target
         self.num_layers = num_layers
+        self.slot = slot
+        self._rows = {} if slot is None else {"rows_B": torch.tensor([slot])}
+
+    def slot_factory(self, num_slots: int) -> Callable[[int], LayerSkipDrafter]:
+        """Instances of this drafter for the requests of one engine given it as an object, each at
+        its request's cache row (``num_slots``: the engine's rows; nothing to share but the target)."""
+        return lambda slot: LayerSkipDrafter(self.target, num_layers=self.num_layers, slot=slot)
 
     def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
         """Nothing to prefill: the target's prefill already wrote layers < N of every prompt token."""
@@ -75,7 +97,7 @@ class LayerSkipDrafter:
         token_B1 = state.last_tokens_B()[:, None]
         tokens, probs = [], []
         for k in range(gamma):
-            out = self.target.forward_layers(token_B1, start_B + k, num_layers=self.num_layers)
+            out = self.target.forward_layers(token_B1, start_B + k, num_layers=self.num_layers, **self._rows)
             probs_BV = logits_to_probs(
                 out.logits_BTV[:, -1], sampling.temperature, sampling.top_k, sampling.top_p
             )

@@ -14,11 +14,20 @@ step where every draft was accepted, the last draft and the bonus token are both
 γ = 0 steps, every token committed meanwhile); the next :meth:`~ModelDrafter.propose` feeds every
 row its last ``T = max(lengths - cached)`` committed tokens in one block (a row that needs fewer
 simply recomputes slots it already had).
+
+In the continuous-batching engine (:mod:`specdec.engine`) every request has its own
+``ModelDrafter`` (``slot=``, ``num_slots=``): the instances share one draft model
+(:class:`SharedDraftModel`, loaded once) whose cache holds one row per engine slot, and each instance
+runs its request at its own row (``rows_B=[slot]``, the target's slot API), so requests join and
+leave without touching each other's rows.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +36,7 @@ from specdec.drafters.confidence import ConfidenceStop, check_min_prob
 from specdec.protocols import DecodeState, Proposal, Target, TargetOutput
 from specdec.sampling import logits_to_probs, sample_from_probs
 
-__all__ = ["ModelDrafter", "check_same_vocab"]
+__all__ = ["ModelDrafter", "SharedDraftModel", "check_same_vocab"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,6 +75,66 @@ def check_same_vocab(target: Target, draft: Target) -> None:
         )
 
 
+def _load_draft(
+    target: Target, model: str | os.PathLike | Target | None, backend: str, dtype: str | torch.dtype | None
+) -> Target:
+    """The draft model named by the ``model`` option, checked to share the target's token ids."""
+    if model is None:
+        raise ValueError(
+            "drafter 'model' needs the option model=NAME_OR_PATH (a small causal LM that shares the "
+            "target's tokenizer)"
+        )
+    if isinstance(model, (str, os.PathLike)):
+        from specdec.targets import load_target
+
+        options: dict[str, Any] = {}
+        if dtype is not None:
+            if isinstance(dtype, str):
+                if dtype not in _DTYPES:
+                    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+                dtype = _DTYPES[dtype]
+            options["dtype"] = dtype
+        model = load_target(model, backend=backend, **options)
+    elif not isinstance(model, Target):
+        raise ValueError(f"model must be a name, a path or a Target, got {type(model).__name__}")
+    check_same_vocab(target, model)
+    return model
+
+
+def _has_slot_api(model: Target) -> bool:
+    """Do the model's ``forward`` and ``rollback`` take ``rows_B``?"""
+    return all("rows_B" in inspect.signature(f).parameters for f in (model.forward, model.rollback))
+
+
+class SharedDraftModel:
+    """One draft model shared by the per-request :class:`ModelDrafter` instances of one engine.
+
+    Its cache holds ``num_slots`` rows, one per engine slot; the first instance to begin resets it
+    to that request's capacity (the engine's ``max_model_len``, the same for every request), later
+    ones find it ready. A row's old contents never matter: an instance prefills its row from slot 0.
+    The draft model must have the slot API (``forward`` / ``rollback`` over ``rows_B``).
+    """
+
+    def __init__(self, draft: Target, num_slots: int) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        if not _has_slot_api(draft):
+            raise ValueError(
+                f"the draft model {type(draft).__name__} has no slot API (forward/rollback over rows_B): "
+                "the engine runs each request's draft at its own cache row (load it with backend 'llama' "
+                "or 'hf')"
+            )
+        self.draft = draft
+        self.num_slots = num_slots
+        self.capacity: int | None = None  # the cache's slots per row, once reset
+
+    def claim(self, capacity: int) -> None:
+        """Make the cache ``num_slots`` rows × ``capacity`` slots (a reset only the first time)."""
+        if self.capacity != capacity:
+            self.draft.reset(self.num_slots, capacity)
+            self.capacity = capacity
+
+
 class ModelDrafter:
     """A :class:`specdec.protocols.Drafter` backed by a small causal LM.
 
@@ -74,6 +143,11 @@ class ModelDrafter:
     :func:`specdec.targets.load_target`), ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``),
     ``min_prob`` (confidence stop, :mod:`specdec.drafters.confidence`: stop the chain once the draft
     model's running probability of its own draft is below this in every row; 0 = always γ tokens).
+
+    One request of the engine (set by its drafter pool): ``slot`` (this request's cache row),
+    ``num_slots`` (the engine's rows) and ``shared`` (the :class:`SharedDraftModel` an earlier
+    instance built; ``model``, ``backend`` and ``dtype`` are then not read). Without ``slot`` the
+    drafter owns the draft model's whole cache, a batch of B rows.
     """
 
     def __init__(
@@ -84,30 +158,54 @@ class ModelDrafter:
         backend: str = "auto",
         dtype: str | torch.dtype | None = None,
         min_prob: float = 0.0,
+        slot: int | None = None,
+        num_slots: int | None = None,
+        shared: SharedDraftModel | None = None,
     ) -> None:
         self.min_prob = check_min_prob(min_prob)
-        if model is None:
-            raise ValueError(
-                "drafter 'model' needs the option model=NAME_OR_PATH (a small causal LM that shares the "
-                "target's tokenizer)"
-            )
-        if isinstance(model, (str, os.PathLike)):
-            from specdec.targets import load_target
-
-            options: dict[str, Any] = {}
-            if dtype is not None:
-                if isinstance(dtype, str):
-                    if dtype not in _DTYPES:
-                        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-                    dtype = _DTYPES[dtype]
-                options["dtype"] = dtype
-            model = load_target(model, backend=backend, **options)
-        elif not isinstance(model, Target):
-            raise ValueError(f"model must be a name, a path or a Target, got {type(model).__name__}")
-        check_same_vocab(target, model)
-        self.draft: Target = model
         self.vocab_size = int(target.vocab_size)
         self.cached_B: torch.Tensor | None = None
+        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or slot < 0):
+            raise ValueError(f"slot must be an int >= 0, got {slot!r}")
+        if slot is None and (num_slots is not None or shared is not None):
+            raise ValueError("num_slots and shared need slot (the request's cache row)")
+        if shared is None:
+            draft = _load_draft(target, model, backend, dtype)
+            if slot is not None:
+                if num_slots is None:
+                    raise ValueError("slot needs num_slots (the engine's cache rows)")
+                shared = SharedDraftModel(draft, num_slots)
+        elif not isinstance(shared, SharedDraftModel):
+            raise ValueError(f"shared must be a SharedDraftModel, got {type(shared).__name__}")
+        elif num_slots is not None and num_slots != shared.num_slots:
+            raise ValueError(f"num_slots={num_slots} differs from the shared model's {shared.num_slots}")
+        if shared is not None:
+            if slot >= shared.num_slots:
+                raise ValueError(f"slot must be in [0, {shared.num_slots}), got {slot}")
+            draft = shared.draft
+        self.draft: Target = draft
+        self.shared = shared
+        self.slot = slot
+        self.rows_B = None if slot is None else torch.tensor([slot])
+
+    def slot_factory(self, num_slots: int) -> Callable[[int], ModelDrafter] | None:
+        """Instances of this drafter for the requests of one engine given it as an object: each at
+        its own row (``slot``) of this drafter's draft model, whose cache gets ``num_slots`` rows.
+        None when the draft model has no slot API (the engine's pool then copies the drafter)."""
+        if not _has_slot_api(self.draft):
+            return None
+        shared = SharedDraftModel(self.draft, num_slots)
+
+        def at(slot: int) -> ModelDrafter:
+            twin = copy.copy(self)
+            twin.shared, twin.slot, twin.rows_B, twin.cached_B = shared, slot, torch.tensor([slot]), None
+            return twin
+
+        return at
+
+    def _rows(self) -> dict[str, torch.Tensor]:
+        """The ``rows_B`` keyword of this request's draft forwards and rollbacks (none alone)."""
+        return {} if self.rows_B is None else {"rows_B": self.rows_B}
 
     def _fit_vocab(self, logits_BV: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (padding rows cut off or filled with −inf)."""
@@ -121,16 +219,22 @@ class ModelDrafter:
 
     def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
         B, capacity = state.tokens_BL.shape
-        self.draft.reset(B, capacity)
+        if self.shared is None:
+            self.draft.reset(B, capacity)
+        elif B != 1:
+            raise ValueError(f"a drafter at one cache row (slot {self.slot}) drafts one row, got B={B}")
+        else:
+            self.shared.claim(capacity)
         prompt_B = state.prompt_lengths_B
         self.draft.forward(
             state.tokens_BL[:, : int(prompt_B.max())],
             torch.zeros_like(prompt_B),
             logits_index_BN=(prompt_B - 1).unsqueeze(1),
+            **self._rows(),
         )
         # Every committed token but the last is cached, as in the target.
         self.cached_B = torch.minimum(prompt_B, state.lengths_B - 1)
-        self.draft.rollback(self.cached_B)
+        self.draft.rollback(self.cached_B, **self._rows())
 
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
         B = state.batch_size
@@ -149,7 +253,7 @@ class ModelDrafter:
         stop = ConfidenceStop(self.min_prob, B, lengths_B.device)
         fed = 0  # blocks fed to the draft model
         for k in range(gamma):
-            out = self.draft.forward(block_BT, start_B, logits_index_BN=last_index_BN)
+            out = self.draft.forward(block_BT, start_B, logits_index_BN=last_index_BN, **self._rows())
             fed += 1
             logits_BV = self._fit_vocab(out.logits_BTV[:, -1])
             draft_probs_BV = logits_to_probs(logits_BV, s.temperature, s.top_k, s.top_p)
@@ -172,4 +276,4 @@ class ModelDrafter:
     def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
         # Keep the accepted drafts, drop the rest: at most lengths - 1 committed tokens are cached.
         self.cached_B = torch.minimum(self.cached_B, state.lengths_B - 1)
-        self.draft.rollback(self.cached_B)
+        self.draft.rollback(self.cached_B, **self._rows())

@@ -8,20 +8,34 @@ quantised group-wise to int4, :func:`kernels.quant.quantize_int4`; the embedding
 shared) and drafts with it as the ``model`` drafter does (its own KV cache, sampled from its own
 processed distribution, that distribution returned): verification by rejection sampling keeps the
 output exactly the target's.
+
+In the engine every request gets its own drafter (``slot=``, ``num_slots=``) and the requests share
+one copy (``shared=``, built by the first: :class:`specdec.drafters.model.SharedDraftModel`), one
+cache row per request.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from specdec.drafters.model import ModelDrafter
+from specdec.drafters.model import ModelDrafter, SharedDraftModel
 
 __all__ = ["qself"]
 
 
-def qself(target: Any, *, weights: str = "int4", min_prob: float = 0.0) -> ModelDrafter:
+def qself(
+    target: Any,
+    *,
+    weights: str = "int4",
+    min_prob: float = 0.0,
+    slot: int | None = None,
+    num_slots: int | None = None,
+    shared: SharedDraftModel | None = None,
+) -> ModelDrafter:
     """A :class:`~specdec.drafters.model.ModelDrafter` whose model is ``target`` requantised to
-    ``weights`` (``int4`` or ``int8``); the target must be a native Llama target with float weights."""
+    ``weights`` (``int4`` or ``int8``); the target must be a native Llama target with float weights.
+    ``slot`` / ``num_slots`` / ``shared``: one request of the engine, as for ``ModelDrafter``
+    (``shared`` holds a copy built before, which is used instead of building another)."""
     from specdec.targets.llama import LlamaTarget
     from specdec.targets.llama_weights import requantized
 
@@ -34,6 +48,14 @@ def qself(target: Any, *, weights: str = "int4", min_prob: float = 0.0) -> Model
             "qself is for a target with float weights (fp32 or bf16); this one runs "
             f"weights={target.weights!r}, already quantised (load it with weights='fp32')"
         )
+    if shared is not None:
+        copied = getattr(shared, "draft", None)
+        if not isinstance(copied, LlamaTarget) or copied.weights != weights:
+            raise ValueError(
+                f"shared must hold the target's {weights} copy, got {type(copied).__name__} with "
+                f"weights={getattr(copied, 'weights', None)!r}"
+            )
+        return ModelDrafter(target, shared=shared, min_prob=min_prob, slot=slot, num_slots=num_slots)
     copy = LlamaTarget(
         target.config,
         requantized(target.packed_weights, weights, backend=target.linear_backend),
@@ -43,4 +65,4 @@ def qself(target: Any, *, weights: str = "int4", min_prob: float = 0.0) -> Model
         tokenizer=target.tokenizer,
         eos_token_ids=target.eos_token_ids,
     )
-    return ModelDrafter(target, model=copy, min_prob=min_prob)
+    return ModelDrafter(target, model=copy, min_prob=min_prob, slot=slot, num_slots=num_slots)

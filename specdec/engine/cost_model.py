@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import bisect
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["VerifyCostModel", "measure_verify_cost"]
+__all__ = ["VerifyCostModel", "measure_verify_cost", "verify_cost_for"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,22 @@ class VerifyCostModel:
     def to_dict(self) -> dict[str, Any]:
         seconds = [list(r) for r in self.seconds]
         return {"rows": list(self.rows), "tokens": list(self.tokens), "seconds": seconds}
+
+
+_MEASURED: weakref.WeakKeyDictionary[Any, dict[int, VerifyCostModel]] = weakref.WeakKeyDictionary()
+
+
+def verify_cost_for(target: Any, *, max_rows: int) -> VerifyCostModel:
+    """The target's verify-cost grid up to ``max_rows`` rows: measured the first time it is asked for
+    (:func:`measure_verify_cost`, on the target's cache, which must be reset and empty), then kept for
+    the target object's lifetime, so engines and ``specdec.generate`` calls on one target share it."""
+    try:
+        known = _MEASURED.setdefault(target, {})
+    except TypeError:  # an object that takes no weak reference: measured each time
+        return measure_verify_cost(target, max_rows=max_rows)
+    if max_rows not in known:
+        known[max_rows] = measure_verify_cost(target, max_rows=max_rows)
+    return known[max_rows]
 
 
 @torch.inference_mode()

@@ -3,14 +3,24 @@ and dropped when it leaves (STYLE principle 14: a drafter adds and drops rows).
 
 Legend: B = 1 (a drafter instance sees its request as a batch of one), L sequence capacity.
 
-Instances share what is heavy: the first instance of an EAGLE-family drafter loads and packs the
-head once, later ones get it as ``head=`` (:data:`SHARES_HEAD`). A drafter that runs a model of its own
-through a cache shaped for one batch, or the target itself (``model``, ``qself``, ``layerskip``),
-cannot run beside other requests yet and is refused by name (:data:`UNSUPPORTED`).
+Instances share what is heavy (:data:`SHARED_PARTS`): the first instance of an EAGLE-family drafter
+loads and packs the head once, later ones get it as ``head=``; the first ``model`` / ``qself`` instance
+loads the draft model (or builds the int4 copy of the target) once, later ones get it as ``shared=``
+(:class:`specdec.drafters.model.SharedDraftModel`: one cache row per engine slot). A drafter that takes
+``slot`` / ``num_slots`` (``model``, ``qself``, ``layerskip``) learns its request's cache row and the
+engine's number of rows, and runs its own forwards at that row only (``rows_B=[slot]``): ``layerskip``
+on the target's own cache row, ``model`` and ``qself`` on the shared draft model's. A drafter given as
+an object (as ``specdec.generate`` accepts) with a ``slot_factory(num_slots)`` method (``ModelDrafter``,
+``qself``'s, ``LayerSkipDrafter``) gives each request an instance at its cache row from that factory
+(built once per pool); any other object serves the first request itself, every other request at the
+same time gets a deep copy of it, and a request that leaves hands its instance back for the next one
+(``begin`` starts a drafter afresh).
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -21,14 +31,14 @@ from specdec.protocols import DecodeState, Drafter, TargetOutput
 from specdec.registry import DRAFTERS, create_drafter
 from specdec.sampling import SamplingParams
 
-__all__ = ["DrafterPool", "UNSUPPORTED", "SHARES_HEAD", "row_state"]
+__all__ = ["DrafterPool", "SHARES_HEAD", "SHARED_PARTS", "row_state"]
 
-UNSUPPORTED = {
-    "model": "it runs its own draft model through a cache for one batch",
-    "qself": "it runs its own int4 copy of the target through a cache for one batch",
-    "layerskip": "it runs the target's own layers on the target's cache",
-}
 SHARES_HEAD = ("eagle", "eagle-tree", "ngram-eagle", "ngram-eagle-tree", "ngram-eagle-auto")
+SHARED_PARTS = {**dict.fromkeys(SHARES_HEAD, "head"), "model": "shared", "qself": "shared"}
+"""Drafter name -> the attribute of its first instance that later instances get as the option of
+the same name (what is heavy to build: a packed head, a loaded draft model)."""
+ENGINE_OPTIONS = ("slot", "num_slots")
+"""Options the pool sets on drafters whose factory takes them (never the user's)."""
 
 
 def resolve_default(target: Any) -> str:
@@ -45,35 +55,73 @@ def resolve_default(target: Any) -> str:
 
 
 class DrafterPool:
-    """Builds a drafter instance for each request (``fresh``), sharing loaded heads."""
+    """Builds a drafter instance for each request (``fresh``), sharing loaded heads; ``give_back``
+    returns a leaving request's instance."""
 
-    def __init__(self, target: Any, drafter: str, options: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self, target: Any, drafter: str | Drafter, options: Mapping[str, Any] | None, *, num_slots: int
+    ) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        self.num_slots = num_slots
+        self._idle: list[Drafter] = []
+        self._prototype: Drafter | None = None
+        self._per_slot: Any = None  # the object's slot_factory(num_slots), if it has one
         if not isinstance(drafter, str):
-            raise ValueError(
-                "drafter must be a registered name (the engine builds one instance per request), "
-                f"got {drafter!r}"
-            )
+            if options:
+                raise ValueError("drafter_options only apply when drafter is given by name")
+            if not isinstance(drafter, Drafter):
+                raise ValueError(
+                    "drafter must be a registered name or an object with begin/propose/observe, "
+                    f"got {type(drafter).__name__}"
+                )
+            self.target, self.name, self.options = target, type(drafter).__name__, {}
+            self._prototype = drafter
+            make = getattr(drafter, "slot_factory", None)
+            self._per_slot = make(num_slots) if callable(make) else None
+            if self._per_slot is None:
+                self._idle.append(drafter)
+            return
         DRAFTERS.get(drafter)  # an unknown name fails now, listing the known ones
         name = resolve_default(target) if drafter == "default" else drafter
-        if name in UNSUPPORTED:
-            raise ValueError(
-                f"drafter {drafter!r} is not supported by the engine: {UNSUPPORTED[name]}; "
-                "run it with specdec.generate"
-            )
         self.target, self.name, self.options = target, name, dict(options or {})
+        for key in ENGINE_OPTIONS:
+            if key in self.options:
+                raise ValueError(f"drafter_options must not set {key!r}: the engine sets it per request")
+        try:
+            params = inspect.signature(DRAFTERS.get(name)).parameters
+        except (TypeError, ValueError):  # a factory without a readable signature takes none of them
+            params = {}
+        self._engine_options = [key for key in ENGINE_OPTIONS if key in params]
         self._shared: dict[str, Any] = {}
-        self.fresh()  # bad options fail at construction, not at the first request
+        self.fresh(0)  # bad options fail at construction, not at the first request
 
-    def fresh(self) -> Drafter:
-        """A new drafter instance for one request."""
-        drafter = create_drafter(self.name, self.target, **{**self.options, **self._shared})
-        if self.name in SHARES_HEAD and "head" not in self._shared and "head" not in self.options:
-            head = getattr(drafter, "head", None)
-            if head is not None:
-                self._shared["head"] = head
+    def fresh(self, slot: int) -> Drafter:
+        """A drafter instance for the request at cache row ``slot``."""
+        if self._prototype is not None:
+            if self._per_slot is not None:
+                return self._per_slot(slot)
+            if self._idle:
+                return self._idle.pop()
+            # the target is shared, never copied
+            return copy.deepcopy(self._prototype, memo={id(self.target): self.target})
+        engine = {"slot": slot, "num_slots": self.num_slots}
+        engine = {key: engine[key] for key in self._engine_options}
+        drafter = create_drafter(self.name, self.target, **{**self.options, **self._shared, **engine})
+        key = SHARED_PARTS.get(self.name)
+        if key is not None and key not in self._shared and key not in self.options:
+            part = getattr(drafter, key, None)
+            if part is not None:
+                self._shared[key] = part
         if not isinstance(drafter, Drafter):
             raise ValueError(f"drafter {self.name!r} built {type(drafter).__name__}, not a Drafter")
         return drafter
+
+    def give_back(self, drafter: Drafter | None) -> None:
+        """A leaving request's instance: kept for the next request when the drafter was given as an
+        object without a ``slot_factory``."""
+        if drafter is not None and self._prototype is not None and self._per_slot is None:
+            self._idle.append(drafter)
 
 
 def row_state(prompt_ids: list[int], capacity: int, sampling: SamplingParams) -> DecodeState:

@@ -43,18 +43,19 @@ import torch
 
 from specdec.blocks import ChainBlock, TreeBlock, make_block
 from specdec.checks import check_logits, check_proposal
-from specdec.engine.cost_model import VerifyCostModel, measure_verify_cost
+from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
 from specdec.engine.depth import DepthPolicy, FixedDepth, RowView, make_depth_policy
 from specdec.engine.drafting import DrafterPool, join_outputs, row_state
 from specdec.engine.request import Request, RequestOutput, RequestStatus, make_params
+from specdec.metrics import MetricsRecorder, StepStats
 from specdec.noise import PositionNoise, sample_keyed
-from specdec.protocols import Proposal, Target, TargetOutput, TreeTarget
+from specdec.protocols import Drafter, Proposal, Target, TargetOutput, TreeTarget
 from specdec.sampling import logits_to_probs
 from specdec.stop_strings import StopStrings
 from specdec.verify_gumbel import GumbelVerify, KeyedExactVerify
-from specdec.verify_rules import make_verify_rule
+from specdec.verify_rules import VerifyRule, make_verify_rule
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "mix_seed"]
 
 _DECAY, _PRIOR, _PRIOR_WEIGHT = 0.97, 0.6, 3.0  # acceptance estimates a_k per request
 PROBE_EVERY = 16
@@ -62,7 +63,7 @@ PROBE_EVERY = 16
 so its acceptance estimate follows the text even where the policy chose plain steps."""
 
 
-def _mix(seed: int, position: int, salt: int) -> int:
+def mix_seed(seed: int, position: int, salt: int) -> int:
     """A 64-bit seed for a torch.Generator from (request seed, position, use): splitmix64."""
     z = (seed + 0x9E3779B97F4A7C15 * (position + 1) + salt) % 2**64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
@@ -84,34 +85,43 @@ class Engine:
             (the native ``llama`` target and the ``hf`` target do).
         drafter: a registered drafter name; each request gets its own instance built with
             ``drafter_options``. ``default``: the shipped EAGLE head with prompt lookup where the target
-            has one, else prompt lookup.
+            has one, else prompt lookup. Or a drafter object: the first request uses it, requests
+            beside it deep copies (:mod:`specdec.engine.drafting`).
         gamma: ``auto`` (the default), a depth policy name (``fixed``, ``batch-table``, ``goodput``)
             built with ``gamma_options``, an int (every row drafts that many), or a ``DepthPolicy``.
         max_num_seqs: requests decoding at once (cache rows).
         max_num_batched_tokens: the token budget of a step (decode blocks plus prefill chunks).
         verify: ``exact`` (rejection sampling, position-keyed), ``gumbel`` (drafter-invariant), or
-            another rule of :data:`specdec.verify_rules.VERIFY_RULES`.
+            another rule of :data:`specdec.verify_rules.VERIFY_RULES` built with ``verify_options``, or
+            a :class:`specdec.verify_rules.VerifyRule` object (a rule whose ``__call__`` takes no
+            ``noise`` draws from a generator seeded by the request's seed and position).
         max_model_len: cache slots per request (prompt + new tokens + γ + 1 must fit); default
             ``min(target.max_context_length, 2048)``.
         prefill_chunk: tokens per prefill forward (fixed chunk boundaries).
-        measure_cost: time the verify-cost grid at start (policies that read it); False uses none.
+        measure_cost: time the verify-cost grid (policies that read it; measured once per target
+            and row count, :func:`specdec.engine.cost_model.verify_cost_for`); False uses none.
+        tokenizer: for stop strings (default ``target.tokenizer``).
+
+    ``recorder``: set it to a :class:`specdec.metrics.MetricsRecorder` to have every verify forward
+    recorded (``specdec.generate`` does).
     """
 
     def __init__(
         self,
         target: Target,
         *,
-        drafter: str = "default",
+        drafter: str | Drafter = "default",
         drafter_options: Mapping[str, Any] | None = None,
         gamma: int | str | DepthPolicy = "auto",
         max_num_seqs: int = 8,
         max_num_batched_tokens: int = 512,
-        verify: str = "exact",
+        verify: str | VerifyRule = "exact",
         verify_options: Mapping[str, Any] | None = None,
         gamma_options: Mapping[str, Any] | None = None,
         max_model_len: int | None = None,
         prefill_chunk: int = 32,
         measure_cost: bool = True,
+        tokenizer: Any = None,
     ) -> None:
         if not isinstance(target, Target):
             raise ValueError(f"target must implement specdec.protocols.Target, got {type(target).__name__}")
@@ -132,26 +142,30 @@ class Engine:
                 f"beside every row's deepest chain (max_num_seqs x (gamma + 1) = {decode_max}), "
                 f"so at least {self.prefill_chunk + decode_max}"
             )
-        limit = getattr(target, "max_context_length", None) or 2048
+        limit = getattr(target, "max_context_length", None)
         self.max_model_len = _positive_int(
-            min(limit, 2048) if max_model_len is None else max_model_len, "max_model_len"
+            min(limit or 2048, 2048) if max_model_len is None else max_model_len, "max_model_len"
         )
-        if self.max_model_len > limit:
+        if limit is not None and self.max_model_len > limit:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the target's context length {limit}"
             )
         self.target = target
         self.vocab_size = int(target.vocab_size)
-        self.rule = make_verify_rule("exact" if verify == "exact" else verify, verify_options)
-        if verify == "exact":
-            self.rule = KeyedExactVerify()
+        if isinstance(verify, str) and verify == "exact":
+            if verify_options:
+                raise ValueError(f"verify 'exact' takes no options, got {dict(verify_options)}")
+            self.rule: VerifyRule = KeyedExactVerify()
+        else:
+            self.rule = make_verify_rule(verify, verify_options)
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         self.keyed = "noise" in inspect.signature(self.rule.__call__).parameters
         self.tree_ok = isinstance(target, TreeTarget)
         target.reset(self.max_num_seqs, self.max_model_len)
         self.cost: VerifyCostModel | None = None
         if measure_cost and not isinstance(self.policy, FixedDepth):
-            self.cost = measure_verify_cost(target, max_rows=self.max_num_seqs)
-        self.drafters = DrafterPool(target, drafter, drafter_options)
+            self.cost = verify_cost_for(target, max_rows=self.max_num_seqs)
+        self.drafters = DrafterPool(target, drafter, drafter_options, num_slots=self.max_num_seqs)
         self.drafter_name = self.drafters.name
         self.t_draft = 0.0  # seconds per drafted token (exponential average), for goodput
         self.free_rows = list(range(self.max_num_seqs))
@@ -160,8 +174,12 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._pending: dict[str, RequestOutput] = {}  # aborted since the last step
         self._ids = itertools.count()
-        self.stats = {"steps": 0, "total_s": 0.0, "forward_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+        self.stats = {
+            "steps": 0, "total_s": 0.0, "forward_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
+            "prefill_s": 0.0, "begin_s": 0.0,
+        }  # fmt: skip
         self.now = time.perf_counter
+        self.recorder: MetricsRecorder | None = None
 
     # --- public API ---------------------------------------------------------------------------
     def add_request(
@@ -209,10 +227,9 @@ class Engine:
             )
         stops = None
         if params.stop_strings:
-            tokenizer = getattr(self.target, "tokenizer", None)
-            if tokenizer is None:
-                raise ValueError("stop_strings need the target's tokenizer; this target has none")
-            stops = StopStrings(tokenizer, params.stop_strings)
+            if self.tokenizer is None:
+                raise ValueError("stop_strings need a tokenizer: pass tokenizer= (the target has none)")
+            stops = StopStrings(self.tokenizer, params.stop_strings)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
@@ -302,6 +319,7 @@ class Engine:
         if request in self.running:
             self.running.remove(request)
         request.status = RequestStatus.FINISHED
+        self.drafters.give_back(request.drafter)
         request.drafter = None
         request.prefill_parts = []
         request.metrics.finished_s = self.now()
@@ -334,6 +352,7 @@ class Engine:
             logits_index_BN=torch.tensor([[n - 1]]),
         )
         self.stats["forward_s"] += self.now() - t0
+        self.stats["prefill_s"] += self.now() - t0
         request.prefill_parts.append(out)
         request.num_prefilled += n
         if request.num_prefilled < len(request.prompt_ids):
@@ -353,9 +372,10 @@ class Engine:
             return
         request.status = RequestStatus.DECODE
         t0 = self.now()
-        request.drafter = self.drafters.fresh()
+        request.drafter = self.drafters.fresh(request.slot)
         request.drafter.begin(request.state, join_outputs(request.prefill_parts))
         self.stats["draft_s"] += self.now() - t0
+        self.stats["begin_s"] += self.now() - t0
         request.prefill_parts = []
 
     def _commit(self, request: Request, tokens: list[int], changed: dict[str, list[int]]) -> list[int]:
@@ -377,7 +397,7 @@ class Engine:
     def _propose(self, request: Request, K: int) -> ChainBlock | TreeBlock:
         position = int(request.state.lengths_B[0])
         generator = torch.Generator().manual_seed(
-            _mix(request.params.seed, position - len(request.prompt_ids), 1)
+            mix_seed(request.params.seed, position - len(request.prompt_ids), 1)
         )
         proposal = request.drafter.propose(request.state, K, generator)
         check_proposal(
@@ -408,14 +428,28 @@ class Engine:
         chains = [i for i, b in enumerate(blocks) if isinstance(b, ChainBlock)]
         groups = [chains] if chains else []
         groups += [[i] for i, b in enumerate(blocks) if isinstance(b, TreeBlock)]
-        return sum(
-            self._verify_group([rows[i] for i in group], [blocks[i] for i in group], changed)
-            for group in groups
-        )
+        forwarded = 0
+        for g, group in enumerate(groups):
+            forwarded += self._verify_group(
+                [rows[i] for i in group],
+                [blocks[i] for i in group],
+                [depths[i] for i in group],
+                changed,
+                draft_s=(t1 - t0) if g == 0 else 0.0,
+            )
+        return forwarded
 
-    def _verify_group(self, rows: list[Request], blocks: list[Any], changed: dict[str, list[int]]) -> int:
+    def _verify_group(
+        self,
+        rows: list[Request],
+        blocks: list[Any],
+        depths: list[int],
+        changed: dict[str, list[int]],
+        *,
+        draft_s: float,
+    ) -> int:
         """One target forward over these rows' blocks, then verify, commit, settle, observe per row;
-        returns the tokens forwarded (rows x the longest block)."""
+        returns the tokens forwarded (rows x the longest block). ``draft_s``: proposal time to record."""
         roots = [int(r.state.tokens_BL[0, int(r.state.lengths_B[0]) - 1]) for r in rows]
         seqs = [b.tokens_BT(torch.tensor([root]))[0] for b, root in zip(blocks, roots, strict=True)]
         T_max = max(len(s) for s in seqs)
@@ -428,13 +462,34 @@ class Engine:
         out = self.target.forward(tokens_BT, start_B, rows_B=rows_B, **blocks[0].forward_kwargs("cpu"))
         t1 = self.now()
         self.stats["forward_s"] += t1 - t0
-        check_logits(out.logits_BTV, step="verify", source="the target")
+        check_logits(out.logits_BTV, step=self.stats["steps"] + 1, source="the target")
+        accepted, observe_s = [], 0.0
         for i, (request, block) in enumerate(zip(rows, blocks, strict=True)):
-            self._settle_row(request, block, _row_output(out, i, len(seqs[i])), int(start_B[i]), changed)
-        self.stats["verify_s"] += self.now() - t1
+            row_out = _row_output(out, i, len(seqs[i]))
+            a, dt = self._settle_row(request, block, row_out, int(start_B[i]), changed)
+            accepted.append(a)
+            observe_s += dt
+        t2 = self.now()
+        self.stats["verify_s"] += t2 - t1
+        if self.recorder is not None:
+            self.recorder.record_step(
+                StepStats(
+                    gamma=max(depths),
+                    num_drafted=T_max - 1,
+                    num_accepted=accepted,
+                    draft_time_s=draft_s + observe_s,
+                    target_time_s=t1 - t0,
+                    verify_time_s=t2 - t0 - observe_s,
+                    row_drafted=[b.num_drafted for b in blocks],
+                    row_depth=[b.depth for b in blocks],
+                )
+            )
         return len(rows) * T_max
 
-    def _settle_row(self, request: Request, block: Any, out: TargetOutput, start: int, changed) -> None:
+    def _settle_row(
+        self, request: Request, block: Any, out: TargetOutput, start: int, changed
+    ) -> tuple[int, float]:
+        """Verify, commit, settle and observe one row; returns (accepted drafts, observe seconds)."""
         sampling, seed = request.params.sampling, request.params.seed
         # The output-stream index of the token the block's first logits decide (docs/randomness.md).
         position = start + 1 - len(request.prompt_ids)
@@ -444,7 +499,7 @@ class Engine:
             offsets = block.forward_kwargs("cpu").get("depth_T", torch.arange(out.logits_BTV.shape[1]))
             kwargs = {"noise": PositionNoise([seed]), "positions_BK": (position + offsets)[None]}
         elif not sampling.greedy:
-            generator = torch.Generator().manual_seed(_mix(seed, position, 2))
+            generator = torch.Generator().manual_seed(mix_seed(seed, position, 2))
         verdict = block.verify(self.rule, out.logits_BTV, sampling, generator, **kwargs)
         accepted = int(verdict.num_accepted_B[0])
         request.metrics.num_steps += 1
@@ -463,10 +518,13 @@ class Engine:
             torch.tensor([length]),
             rows_B=torch.tensor([slot]),
         )
+        observe_s = 0.0
         if request.status is RequestStatus.DECODE:
             t0 = self.now()
             request.drafter.observe(request.state, verdict.num_accepted_B, observed)
-            self.stats["draft_s"] += self.now() - t0
+            observe_s = self.now() - t0
+            self.stats["draft_s"] += observe_s
+        return accepted, observe_s
 
 
 def _row_output(out: TargetOutput, i: int, T: int) -> TargetOutput:

@@ -340,6 +340,7 @@ class LlamaTarget:
         num_layers: int | None = None,
         layers: Sequence[int] | None = None,
         logits_index_BN: torch.Tensor | None = None,
+        rows_B: torch.Tensor | None = None,
     ) -> TargetOutput:
         """A sub-network of the target: some of its layers, then the final norm and LM head.
 
@@ -348,7 +349,8 @@ class LlamaTarget:
         arXiv 2309.08168). Writes the keys/values of the layers it runs and leaves the cache's
         lengths alone: the next full ``forward`` over the same slots overwrites them
         (self-speculation, ``specdec.drafters.layerskip``). ``hidden_BTD`` is the last run
-        layer's output.
+        layer's output. ``rows_B``: the cache rows the block's B rows use, as in :meth:`forward`
+        (default: every cache row in order).
         """
         L = self.config.num_layers
         if (num_layers is None) == (layers is None):
@@ -363,8 +365,10 @@ class LlamaTarget:
                 raise ValueError(
                     f"layers must be a non-empty increasing list of indices in [0, {L}), got {layers}"
                 )
-        tokens_BT, start_B, _ = self._check_block(tokens_BT, start_B, None, None, check_length=False)
-        hidden_BTD = self._run(tokens_BT, start_B, layers, None, None)
+        tokens_BT, start_B, rows = self._check_block(
+            tokens_BT, start_B, None, None, check_length=False, rows_B=rows_B
+        )
+        hidden_BTD = self._run(tokens_BT, start_B, layers, None, None, rows_B=rows)
         return TargetOutput(logits_BTV=self._logits(hidden_BTD, logits_index_BN), hidden_BTD=hidden_BTD)
 
     # ------------------------------------------------------------------ internals

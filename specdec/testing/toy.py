@@ -154,7 +154,8 @@ class MarkovTarget:
     """A :class:`MarkovModel` as a :class:`~specdec.protocols.Target` with a positional token cache.
 
     The cache stores the token at every slot; block position t's logits depend on the tokens at slots
-    ``start+t-O+1 .. start+t``, the earlier ones read from the cache. ``hidden_BTD`` is None.
+    ``start+t-O+1 .. start+t``, the earlier ones read from the cache. ``hidden_BTD`` is None. The slot
+    API: ``rows_B`` names the cache rows a call's B rows use (default: rows 0..B-1).
     """
 
     def __init__(self, model: MarkovModel) -> None:
@@ -174,29 +175,34 @@ class MarkovTarget:
         tokens_BT: torch.Tensor,
         start_B: torch.Tensor,
         *,
+        rows_B: torch.Tensor | None = None,
         logits_index_BN: torch.Tensor | None = None,
     ) -> TargetOutput:
-        """Write the block at slots ``start_B ..`` and return its logits (``[B, T, V]`` float32)."""
+        """Write the block at slots ``start_B ..`` of cache rows ``rows_B`` and return its logits
+        (``[B, T, V]`` float32)."""
         if self._slots_BL is None or self._valid_B is None:
             raise RuntimeError("MarkovTarget.forward called before reset()")
         B, T = tokens_BT.shape
-        L = self._slots_BL.shape[1]
+        rows = self._rows(rows_B, B)
+        slots_BL, valid_B = self._slots_BL[rows], self._valid_B[rows]
+        L = slots_BL.shape[1]
         start_B = start_B.long().cpu()
         if start_B.shape != (B,):
             raise RuntimeError(f"start_B must have shape [{B}], got {tuple(start_B.shape)}")
-        if (start_B > self._valid_B).any() or (start_B < 0).any():
+        if (start_B > valid_B).any() or (start_B < 0).any():
             raise RuntimeError(
                 f"protocol violation: a block starts at slot {start_B.tolist()} but the cache holds "
-                f"{self._valid_B.tolist()} tokens (blocks must start at or before the cached length)"
+                f"{valid_B.tolist()} tokens (blocks must start at or before the cached length)"
             )
         if (start_B + T > L).any():
             raise RuntimeError(f"block of {T} tokens at {start_B.tolist()} overflows the cache capacity {L}")
         pos_BT = start_B.unsqueeze(1) + torch.arange(T)
-        self._slots_BL.scatter_(1, pos_BT, tokens_BT.long().cpu())
-        self._valid_B = start_B + T
+        slots_BL.scatter_(1, pos_BT, tokens_BT.long().cpu())
+        self._slots_BL[rows] = slots_BL
+        self._valid_B[rows] = start_B + T
         O, V = self.model.order, self.vocab_size
         ctx_pos_BTO = pos_BT.unsqueeze(-1) - torch.arange(O - 1, -1, -1)
-        ctx_BTO = self._slots_BL.gather(1, ctx_pos_BTO.clamp(min=0).reshape(B, -1)).reshape(B, T, O)
+        ctx_BTO = slots_BL.gather(1, ctx_pos_BTO.clamp(min=0).reshape(B, -1)).reshape(B, T, O)
         ctx_BTO = torch.where(ctx_pos_BTO >= 0, ctx_BTO, V)
         logits_BTV = self.model.logits_for(ctx_BTO)
         if logits_index_BN is not None:
@@ -204,17 +210,31 @@ class MarkovTarget:
             logits_BTV = logits_BTV.gather(1, index_BN.unsqueeze(-1).expand(-1, -1, V))
         return TargetOutput(logits_BTV=logits_BTV.to(tokens_BT.device), hidden_BTD=None)
 
-    def rollback(self, lengths_B: torch.Tensor) -> None:
-        """Keep only the first ``lengths_B`` slots per row; declaring unwritten slots valid raises."""
+    def _rows(self, rows_B: torch.Tensor | None, B: int) -> torch.Tensor:
+        """The cache rows a call uses: ``rows_B`` (distinct, in range) or 0..B-1."""
+        assert self._valid_B is not None
+        if rows_B is None:
+            return torch.arange(B)
+        rows = torch.as_tensor(rows_B).long().cpu().reshape(-1)
+        n = self._valid_B.shape[0]
+        if rows.shape != (B,) or len(set(rows.tolist())) != B or ((rows < 0) | (rows >= n)).any():
+            raise RuntimeError(f"rows_B must hold {B} distinct cache rows in [0, {n}), got {rows.tolist()}")
+        return rows
+
+    def rollback(self, lengths_B: torch.Tensor, rows_B: torch.Tensor | None = None) -> None:
+        """Keep only the first ``lengths_B`` slots per row (of ``rows_B``); declaring unwritten slots
+        valid raises."""
         if self._valid_B is None:
             raise RuntimeError("MarkovTarget.rollback called before reset()")
         lengths_B = lengths_B.long().cpu()
-        if (lengths_B > self._valid_B).any() or (lengths_B < 0).any():
+        rows = self._rows(rows_B, lengths_B.shape[0])
+        valid_B = self._valid_B[rows]
+        if (lengths_B > valid_B).any() or (lengths_B < 0).any():
             raise RuntimeError(
-                f"protocol violation: rollback to {lengths_B.tolist()} but only {self._valid_B.tolist()} "
+                f"protocol violation: rollback to {lengths_B.tolist()} but only {valid_B.tolist()} "
                 "slots were written"
             )
-        self._valid_B = lengths_B.clone()
+        self._valid_B[rows] = lengths_B
 
 
 class MarkovDrafter:

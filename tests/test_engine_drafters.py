@@ -1,0 +1,324 @@
+"""The engine with drafters that run a model (``model``, ``qself``, ``layerskip``): each request's
+drafter runs at its request's cache row, beside the others, with the heavy part (the draft model,
+the int4 copy) loaded once.
+
+Greedy requests arriving at different steps equal their solo plain decoding; a seeded sampled request
+repeats on a new engine and equals itself alone; drafts of a draft model equal to the target are
+all accepted under load (so no row reads another's cache); layerskip's draft keys/values are
+overwritten by the verify block; ``forward_layers`` over ``rows_B`` touches only those rows.
+
+A tiny random Llama (``tests/_tiny.py``) with a dead last layer (its attention output and MLP down
+projections are zero), so the early exit before it predicts what the whole model does.
+
+Legend: B rows, T block tokens, L cache slots, N new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _tiny import byte_tokenizer, save_tiny_checkpoint, tiny_llama
+
+import specdec
+from specdec.drafters.layerskip import LayerSkipDrafter
+from specdec.drafters.model import ModelDrafter, SharedDraftModel
+from specdec.engine import Engine, RequestOutput
+from specdec.engine.drafting import DrafterPool
+from specdec.protocols import DecodeState
+from specdec.sampling import SamplingParams
+from specdec.targets.llama import LlamaTarget
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DEPTH = 3  # layers of the tiny target; layer DEPTH - 1 adds nothing
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 3, [20, 21, 22] * 5, [9, 8, 7, 6] * 4]
+LENGTHS = [24, 8, 20]  # new tokens per request
+MAX_LEN = 96
+
+
+@dataclass
+class Arrival:
+    step: int  # the engine step before which it is added
+    key: int
+    prompt: list[int]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def greedy(n: int) -> dict[str, Any]:
+    return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+
+
+def sampled(seed: int, n: int = 16) -> dict[str, Any]:
+    return {"max_new_tokens": n, "temperature": 0.8, "top_k": 20, "seed": seed, "ignore_eos": True}
+
+
+def drive(engine: Engine, arrivals: list[Arrival], after_step=None) -> dict[int, RequestOutput]:
+    """Step the engine until every arrival has finished; the final output per key."""
+    pending = sorted(arrivals, key=lambda a: a.step)
+    keys: dict[str, int] = {}
+    finals: dict[int, RequestOutput] = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            keys[engine.add_request(a.prompt, **a.settings)] = a.key
+        for out in engine.step():
+            if out.finished:
+                finals[keys[out.request_id]] = out
+        if after_step is not None:
+            after_step(engine)
+        step += 1
+        assert step < 500, "the engine did not finish"
+    return finals
+
+
+def dead_last_layer_checkpoint(path: Path, *, seed: int) -> Path:
+    """A tiny Llama whose last layer adds zero to the residual stream (and its tokenizer)."""
+    model = tiny_llama(num_layers=DEPTH, init_std=0.2, seed=seed)
+    last = model.model.layers[-1]
+    with torch.no_grad():
+        last.self_attn.o_proj.weight.zero_()
+        last.mlp.down_proj.weight.zero_()
+    model.save_pretrained(path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engine-drafters")
+    return {
+        "target": dead_last_layer_checkpoint(root / "target", seed=3),
+        "other": save_tiny_checkpoint(root / "other", num_layers=2, init_std=0.2, seed=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def target(paths) -> LlamaTarget:
+    return LlamaTarget.from_pretrained(paths["target"])  # fp32 weights, as qself needs
+
+
+@pytest.fixture(scope="module")
+def solo(target) -> list[list[int]]:
+    """Each prompt decoded alone with no drafter."""
+    return [
+        specdec.generate(
+            target, [p], drafter="none", max_new_tokens=n, temperature=0.0, ignore_eos=True
+        ).token_ids[0]
+        for p, n in zip(PROMPTS, LENGTHS, strict=True)
+    ]
+
+
+DRAFTERS = {
+    "model-same": ("model", lambda paths: {"model": str(paths["target"]), "backend": "llama"}),
+    "model-other": ("model", lambda paths: {"model": str(paths["other"]), "backend": "llama"}),
+    "model-hf": ("model", lambda paths: {"model": str(paths["other"]), "backend": "hf"}),
+    "qself": ("qself", lambda paths: {}),
+    "layerskip": ("layerskip", lambda paths: {"num_layers": DEPTH - 1}),
+}
+"""Name -> (drafter, its options). ``model-same`` drafts with the target's own weights and
+``layerskip`` stops before the dead layer: both predict the target exactly."""
+EXACT_DRAFTS = ("model-same", "layerskip")
+
+
+def make_engine(target, paths, which: str, **options: Any) -> Engine:
+    name, drafter_options = DRAFTERS[which]
+    settings = {"gamma": 3, "max_num_seqs": 2, "max_model_len": MAX_LEN, "measure_cost": False}
+    return Engine(target, drafter=name, drafter_options=drafter_options(paths), **{**settings, **options})
+
+
+def staggered(settings: list[dict[str, Any]]) -> list[Arrival]:
+    """Three requests at steps 0, 1 and 3 on two rows: the third takes the second's row."""
+    return [
+        Arrival(step, i, PROMPTS[i], s) for i, (step, s) in enumerate(zip((0, 1, 3), settings, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("which", list(DRAFTERS))
+def test_greedy_under_load_equals_solo_with_shared_draft_parts(target, paths, solo, which, monkeypatch):
+    """Three greedy requests joining at different steps (two rows, one reused): each gets exactly its
+    solo tokens; the heavy part is built once and every instance drafts through it."""
+    from specdec.targets import llama_weights
+
+    copies = []
+    requantized = llama_weights.requantized
+    monkeypatch.setattr(
+        llama_weights, "requantized", lambda *a, **k: copies.append(1) or requantized(*a, **k)
+    )
+    engine = make_engine(target, paths, which)
+    drafters, slots = {}, set()
+
+    def after_step(e: Engine) -> None:
+        for r in e.running:
+            if r.drafter is not None:
+                drafters[r.request_id] = r.drafter
+                slots.add((r.request_id, r.slot))
+
+    finals = drive(engine, staggered([greedy(n) for n in LENGTHS]), after_step)
+    for i in range(3):
+        assert finals[i].token_ids == solo[i], f"request {i}"
+    assert len(drafters) == 3 and len({id(d) for d in drafters.values()}) == 3
+    assert len({slot for _, slot in slots}) == 2  # two rows, three requests: one row reused
+    for rid, slot in slots:
+        assert drafters[rid].slot == slot
+    if which == "layerskip":
+        assert all(d.target is target for d in drafters.values())
+    else:
+        shared = engine.drafters._shared["shared"]
+        assert isinstance(shared, SharedDraftModel) and shared.num_slots == 2
+        assert all(d.shared is shared and d.draft is shared.draft for d in drafters.values())
+        assert shared.draft is not target
+    assert len(copies) == (1 if which == "qself" else 0)  # the int4 copy is built once
+    drafted = sum(f.metrics.num_drafted for f in finals.values())
+    accepted = sum(f.metrics.num_accepted for f in finals.values())
+    assert drafted > 0
+    if which in EXACT_DRAFTS:  # a row that read another row's cache would draft other tokens
+        assert accepted >= 0.95 * drafted, (accepted, drafted)
+
+
+@pytest.mark.parametrize("which", list(DRAFTERS))
+def test_seeded_sampling_repeats_and_equals_alone(target, paths, which):
+    """A seeded sampled request emits the same tokens alone, under load, and on a second engine
+    (``exact`` verification: its drafts, hence its tokens, depend on its own row only)."""
+    settings = [sampled(41), greedy(8), sampled(43)]
+    alone = drive(make_engine(target, paths, which), [Arrival(0, 0, PROMPTS[0], settings[0])])[0]
+    first = drive(make_engine(target, paths, which), staggered(settings))
+    again = drive(make_engine(target, paths, which), staggered(settings))
+    assert len(alone.token_ids) == 16
+    assert first[0].token_ids == alone.token_ids
+    for i in (0, 2):
+        assert again[i].token_ids == first[i].token_ids, f"request {i}"
+        assert again[i].metrics.num_accepted == first[i].metrics.num_accepted
+    assert first[0].token_ids != first[2].token_ids
+    if which in EXACT_DRAFTS:  # draft distribution = target distribution: always accepted
+        assert first[0].metrics.num_accepted == first[0].metrics.num_drafted > 0
+
+
+def test_layerskip_draft_slots_are_overwritten_by_verify(target, paths):
+    """After every step, each decoding row's cached keys/values (its committed tokens but the last)
+    equal a fresh prefill of those tokens: the early-exit drafts written past the row's length never
+    survive the verify block."""
+    fresh = LlamaTarget.from_pretrained(paths["target"])
+    checked = []
+
+    def after_step(e: Engine) -> None:
+        for r in e.running:
+            if r.drafter is None:
+                continue
+            n = int(r.state.lengths_B[0]) - 1
+            assert int(target.cache.lengths_B[r.slot]) == n
+            fresh.reset(1, MAX_LEN)
+            fresh.forward(r.state.tokens_BL[:, :n], torch.zeros(1, dtype=torch.long))
+            for cache, ref in (
+                (target.cache.k_NBHLD, fresh.cache.k_NBHLD),
+                (target.cache.v_NBHLD, fresh.cache.v_NBHLD),
+            ):
+                torch.testing.assert_close(cache[:, r.slot, :, :n], ref[:, 0, :, :n], atol=1e-5, rtol=1e-4)
+            checked.append(n)
+
+    drive(make_engine(target, paths, "layerskip"), staggered([greedy(n) for n in LENGTHS]), after_step)
+    assert len(checked) > 10
+
+
+def test_forward_layers_over_rows_touches_those_rows_only(target):
+    """``forward_layers(rows_B=[r])`` on a 3-row cache gives row r what a 1-row cache gives and
+    writes no other row."""
+    g = torch.Generator().manual_seed(0)
+    tokens_3T = torch.randint(0, 256, (3, 10), generator=g)
+    target.reset(3, 32)
+    target.forward(tokens_3T, torch.zeros(3, dtype=torch.long))
+    before_k = target.cache.k_NBHLD.clone()
+    block_12 = torch.tensor([[7, 8]])
+    out = target.forward_layers(block_12, torch.tensor([10]), num_layers=2, rows_B=torch.tensor([1]))
+    assert torch.equal(target.cache.lengths_B, torch.tensor([10, 10, 10]))  # lengths untouched
+    others = [0, 2]
+    assert torch.equal(target.cache.k_NBHLD[:, others], before_k[:, others])
+    assert torch.equal(target.cache.k_NBHLD[:, 1, :, :10], before_k[:, 1, :, :10])
+    assert not torch.equal(target.cache.k_NBHLD[:2, 1, :, 10:12], before_k[:2, 1, :, 10:12])
+    target.reset(1, 32)
+    target.forward(tokens_3T[1:2], torch.zeros(1, dtype=torch.long))
+    alone = target.forward_layers(block_12, torch.tensor([10]), num_layers=2)
+    torch.testing.assert_close(out.logits_BTV, alone.logits_BTV, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="rows_B"):
+        target.forward_layers(block_12, torch.tensor([10]), num_layers=2, rows_B=torch.tensor([1]))
+
+
+def test_model_drafter_alone_still_owns_a_batch(target, paths, solo):
+    """Without a slot a ModelDrafter resets the draft model to its batch and drafts every row (the
+    behaviour outside the engine): with the target's own weights it drafts the solo continuations."""
+    d = ModelDrafter(target, model=str(paths["target"]), backend="llama")
+    assert d.shared is None and d.slot is None
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    tokens_BL = torch.zeros((2, MAX_LEN), dtype=torch.long)
+    for b, (p, ref) in enumerate(zip(prompts, [solo[0], solo[2]], strict=True)):
+        tokens_BL[b, : len(p) + 1] = torch.tensor(p + ref[:1])
+    prompt_B = torch.tensor([len(p) for p in prompts])
+    state = DecodeState(
+        tokens_BL, prompt_B, prompt_B + 1, torch.zeros(2, dtype=torch.bool), SamplingParams(temperature=0.0)
+    )
+    d.begin(state, None)
+    assert d.draft.cache.batch_size == 2 and d.draft.cache.lengths_B.tolist() == prompt_B.tolist()
+    proposal = d.propose(state, 4)
+    assert proposal.tokens_BK.tolist() == [solo[0][1:5], solo[2][1:5]]
+
+
+@pytest.mark.parametrize("kind", ["model", "layerskip"])
+def test_generate_with_a_drafter_object_runs_one_instance_per_row(target, paths, solo, kind):
+    """A ModelDrafter / LayerSkipDrafter given as an object: each request gets an instance at its own
+    row from the object's ``slot_factory`` (no deep copy of a model): solo tokens, all drafts taken."""
+    if kind == "model":
+        d = ModelDrafter(target, model=str(paths["target"]), backend="llama")
+    else:
+        d = LayerSkipDrafter(target, num_layers=DEPTH - 1)
+    n = min(LENGTHS)
+    out = specdec.generate(
+        target, PROMPTS, drafter=d, max_new_tokens=n, gamma=3, temperature=0.0, ignore_eos=True
+    )
+    assert out.token_ids == [ref[:n] for ref in solo]
+    assert out.metrics.num_proposed > 0 and out.metrics.acceptance_rate >= 0.95
+
+
+def test_bad_slot_options(target, paths):
+    draft = LlamaTarget.from_pretrained(paths["other"])
+    with pytest.raises(ValueError, match="slot needs num_slots"):
+        ModelDrafter(target, model=draft, slot=0)
+    with pytest.raises(ValueError, match="need slot"):
+        ModelDrafter(target, model=draft, num_slots=2)
+    with pytest.raises(ValueError, match="slot must be in"):
+        ModelDrafter(target, model=draft, slot=2, num_slots=2)
+    with pytest.raises(ValueError, match="slot must be an int"):
+        ModelDrafter(target, model=draft, slot=-1, num_slots=2)
+    shared = SharedDraftModel(draft, 2)
+    assert ModelDrafter(target, model="not read", slot=1, shared=shared).draft is draft
+    with pytest.raises(ValueError, match="differs"):
+        ModelDrafter(target, shared=shared, slot=0, num_slots=3)
+    with pytest.raises(ValueError, match="SharedDraftModel"):
+        ModelDrafter(target, shared=draft, slot=0)
+
+    class NoSlots:  # a Target without rows_B
+        vocab_size = target.vocab_size
+        eos_token_ids = ()
+
+        def reset(self, batch_size, max_len): ...
+
+        def forward(self, tokens_BT, start_B, *, logits_index_BN=None): ...
+
+        def rollback(self, lengths_B): ...
+
+    with pytest.raises(ValueError, match="slot API"):
+        SharedDraftModel(NoSlots(), 2)
+    assert ModelDrafter(NoSlots(), model=NoSlots()).slot_factory(2) is None  # the pool copies it
+    with pytest.raises(ValueError, match="num_slots"):
+        SharedDraftModel(draft, 0)
+    with pytest.raises(ValueError, match="int4 copy"):
+        specdec.create_drafter("qself", target, slot=0, shared=shared)
+    with pytest.raises(ValueError, match="slot must be an int"):
+        LayerSkipDrafter(target, num_layers=1, slot=-1)
+    with pytest.raises(ValueError, match="must not set 'slot'"):
+        DrafterPool(target, "layerskip", {"slot": 1}, num_slots=2)
+    with pytest.raises(ValueError, match="num_slots"):
+        DrafterPool(target, "layerskip", None, num_slots=0)
