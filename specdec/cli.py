@@ -5,6 +5,7 @@
     specdec bench --prompt-set humaneval,mtbench --num-prompts 5 --temperatures 0,0.7
     specdec export-head HEAD --format speculators --out DIR
     specdec serve --target smollm2-135m --drafter default --port 8000   # extra [serve]
+    specdec bench-serve --servers ours:none,ours:default,llama-server --concurrency 1,2,4,8
 """
 
 from __future__ import annotations
@@ -198,7 +199,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``specdec`` argument parser (``generate``, ``bench``, ``export-head``, ``serve``)."""
+    """The ``specdec`` argument parser (``generate``, ``bench``, ``export-head``, ``serve``,
+    ``bench-serve``)."""
     parser = ArgumentParser(prog="specdec", description="Speculative decoding with exact verification.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     _add_generate(sub)
@@ -212,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.serve.command import add_serve
 
     add_serve(sub)
+    from specdec.bench.serve_command import add_bench_serve
+
+    add_bench_serve(sub)
     return parser
 
 

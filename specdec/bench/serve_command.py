@@ -1,0 +1,440 @@
+"""``specdec bench-serve``: a load generator for OpenAI-compatible servers, ours and llama.cpp's.
+
+    specdec bench-serve --servers ours:none,ours:default,llama-server --concurrency 1,2,4,8 \\
+        --prompt-set humaneval,mtbench --num-prompts 8 --max-tokens 128 --out DIR
+    specdec bench-serve --base-url http://127.0.0.1:8000 --request-rate 0.5,1,2 --burstiness 1 \\
+        --goodput ttft:1000 tpot:50
+
+For every server, one after another (started here for ``ours:DRAFTER`` and ``llama-server``, with
+the same threads and slots: :mod:`~specdec.bench.serve_peers`), one warm-up request, then every load
+level on the same prompts: the closed-loop ``--concurrency`` levels, then the open-loop
+``--request-rate`` levels (:mod:`~specdec.bench.serve_load`), each between two reads of the server's
+``/metrics``. The figures, table and plots: :mod:`~specdec.bench.serve_report`; the JSON and
+Markdown files are written after every level, the plots at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdec.cli_args import csv, finite_float, positive_int, seed_int
+
+__all__ = ["BenchServeConfig", "add_bench_serve", "cmd_bench_serve", "run_bench_serve", "request_rate"]
+
+
+def request_rate(text: str) -> float:
+    """A request rate for ``--request-rate``: a finite number > 0, or ``inf`` (all at once)."""
+    if text.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a rate > 0 (requests per second) or inf, got {text!r}")
+    return value
+
+
+def _goodput_item(text: str) -> str:
+    from specdec.bench.serve_report import parse_goodput
+
+    try:
+        parse_goodput([text])
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--goodput ")) from None
+    return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchServeConfig:
+    """Everything ``specdec bench-serve`` takes (see ``specdec bench-serve --help``)."""
+
+    base_url: str | None = None
+    servers: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()
+    target: str = "smollm2-135m"
+    model: str | None = None
+    endpoint: str = "completions"
+    prompt_sets: tuple[str, ...] = ("humaneval", "mtbench")
+    num_prompts: int = 8
+    max_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    ignore_eos: bool = False
+    concurrency: tuple[int, ...] = ()
+    request_rates: tuple[float, ...] = ()
+    burstiness: float = 1.0
+    goodput: tuple[str, ...] = ()
+    threads: int = 2
+    max_num_seqs: int | None = None
+    warmup_requests: int = 1
+    request_timeout_s: float = 600.0
+    startup_timeout_s: float = 600.0
+    api_key: str | None = None
+    out: str = "results/bench-serve"
+    goodput_ms: dict[str, float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        from specdec.bench.serve_load import ENDPOINTS
+        from specdec.bench.serve_peers import parse_servers
+        from specdec.bench.serve_report import parse_goodput
+        from specdec.prompt_sets import CHAT_PROMPT_SETS, PROMPT_SETS
+
+        object.__setattr__(self, "goodput_ms", parse_goodput(self.goodput))
+        parse_servers(self.servers, "--servers")
+        parse_servers(self.peers, "--peers", ours=False)
+        if not self.base_url and not self.servers and not self.peers:
+            raise ValueError("nothing to load: give --base-url, --servers or --peers")
+        if self.base_url and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        for name in self.prompt_sets:
+            if name not in PROMPT_SETS:
+                raise ValueError(f"--prompt-set: unknown set {name!r}; known: {', '.join(PROMPT_SETS)}")
+            if name in CHAT_PROMPT_SETS and self.endpoint != "chat":
+                raise ValueError(f"--prompt-set {name} holds chat turns: use it with --endpoint chat")
+        if not self.prompt_sets:
+            raise ValueError("--prompt-set names no set")
+        for flag, value in (("--num-prompts", self.num_prompts), ("--max-tokens", self.max_tokens)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if not self.concurrency and not self.request_rates:
+            raise ValueError("no load level: give --concurrency and/or --request-rate")
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError(f"--concurrency: every level must be >= 1, got {self.concurrency}")
+        if any(not (r > 0) for r in self.request_rates):
+            raise ValueError(f"--request-rate: every rate must be > 0 or inf, got {self.request_rates}")
+        if not (math.isfinite(self.burstiness) and self.burstiness > 0):
+            raise ValueError(f"--burstiness must be a finite number > 0, got {self.burstiness}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if self.threads < 1 or (self.max_num_seqs is not None and self.max_num_seqs < 1):
+            raise ValueError(
+                f"--threads and --max-num-seqs must be >= 1, got {self.threads}, {self.max_num_seqs}"
+            )
+        if self.warmup_requests < 0:
+            raise ValueError(f"--warmup-requests must be >= 0, got {self.warmup_requests}")
+        for flag, value in (
+            ("--request-timeout", self.request_timeout_s),
+            ("--startup-timeout", self.startup_timeout_s),
+        ):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{flag} must be a finite number of seconds > 0, got {value}")
+
+    @property
+    def slots(self) -> int:
+        """Slots of the servers started here: ``--max-num-seqs``, else the largest concurrency, else 8."""
+        return self.max_num_seqs or max(self.concurrency, default=8)
+
+
+def _requests(config: BenchServeConfig) -> list[Any]:
+    from specdec.bench.serve_load import BenchRequest
+    from specdec.prompt_sets import load_prompts
+
+    out = []
+    for name in config.prompt_sets:
+        for text in load_prompts(name, config.num_prompts):
+            out.append(BenchRequest(index=len(out), prompt=text, prompt_set=name))
+    return out
+
+
+def _levels(config: BenchServeConfig) -> list[dict[str, Any]]:
+    levels: list[dict[str, Any]] = [{"mode": "concurrency", "concurrency": c} for c in config.concurrency]
+    levels += [
+        {"mode": "rate", "request_rate": r, "burstiness": config.burstiness} for r in config.request_rates
+    ]
+    return levels
+
+
+def _specs(config: BenchServeConfig) -> list[Any]:
+    from specdec.bench.serve_peers import ServerSpec, parse_servers
+
+    specs = (
+        [ServerSpec(name=config.base_url, kind="url", base_url=config.base_url)] if config.base_url else []
+    )
+    for spec in parse_servers(config.servers, "--servers") + parse_servers(
+        config.peers, "--peers", ours=False
+    ):
+        if spec.name not in {s.name for s in specs}:
+            specs.append(spec)
+    return specs
+
+
+def _level_line(name: str, label: str, f: dict[str, Any], acc: dict | None) -> str:
+    def ms(key: str) -> str:
+        return "–" if f.get(key) is None else f"{f[key]:.1f} ms"
+
+    text = (
+        f"{name} {label}: {f['completed']} ok, {f['failed']} failed | "
+        f"{f['request_throughput'] or 0:.2f} req/s, {f['output_throughput'] or 0:.1f} out tok/s"
+        + ("" if f["goodput"] is None else f", goodput {f['goodput']:.2f} req/s")
+        + f" | P50 TTFT {ms('ttft_p50_ms')}, TPOT {ms('tpot_p50_ms')}, ITL {ms('itl_p50_ms')}, "
+        f"E2EL {ms('e2el_p50_ms')}"
+    )
+    if acc and acc.get("alpha") is not None:
+        text += f" | α {acc['alpha']:.2f}, τ {acc['tau']:.2f}"
+    if f["errors"]:
+        text += " | errors: " + "; ".join(f"{n}× {e}" for e, n in f["errors"].items())
+    return text
+
+
+def _start(
+    spec: Any, config: BenchServeConfig, out_dir: Path, prompts: Sequence[str]
+) -> tuple[Any, str | None]:
+    """(the launched server or None, the reason it was skipped or None)."""
+    from specdec.bench import serve_peers as peers
+
+    port = peers.free_port()
+    log = out_dir / f"server-{spec.name.replace(':', '-')}.log"
+    if spec.kind == "ours":
+        cmd = peers.ours_command(
+            spec.drafter, target=config.target, threads=config.threads, max_num_seqs=config.slots, port=port
+        )
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        return peers.launch(
+            spec.name, cmd, log, port=port, startup_timeout_s=config.startup_timeout_s, env=env
+        ), None
+    binary = peers.find_llama_server()
+    if binary is None:
+        return None, (
+            f"llama-server skipped: no llama-server on PATH and ${peers.LLAMA_SERVER_ENV} is not set "
+            "(docs/serving.md shows how to build it)"
+        )
+    from specdec.targets.loading import gguf_source
+
+    gguf = gguf_source(config.target)
+    if gguf is None:
+        return None, f"llama-server skipped: --target {config.target} does not come as a GGUF file"
+    cmd = peers.llama_server_command(
+        binary,
+        gguf,
+        threads=config.threads,
+        slots=config.slots,
+        ctx_per_slot=peers.context_per_slot(prompts, config.max_tokens),
+        port=port,
+        model=config.model or config.target,
+    )
+    return peers.launch(spec.name, cmd, log, port=port, startup_timeout_s=config.startup_timeout_s), None
+
+
+def _load(
+    entry: dict[str, Any], config: BenchServeConfig, requests: list[Any], write: Callable[[], Any], say: Any
+) -> None:
+    """Warm-up, then every level against the server at ``entry["base_url"]``; figures into ``entry``."""
+    from specdec.bench import serve_load as load
+    from specdec.bench.serve_peers import REQUEST_EXTRAS
+    from specdec.bench.serve_report import level_figures, level_label
+
+    base = entry["base_url"]
+    auth = {"api_key": config.api_key} if entry["kind"] == "url" else {}
+    model = config.model or load.served_model(base, **auth) or config.target
+    entry["model"] = model
+    sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "seed": config.seed}
+    sampling |= ({"ignore_eos": True} if config.ignore_eos else {}) | REQUEST_EXTRAS.get(entry["kind"], {})
+    common = dict(endpoint=config.endpoint, model=model, timeout_s=config.request_timeout_s, **auth)
+    if config.warmup_requests:
+        warm = load.run_closed_loop(
+            base, requests[: config.warmup_requests], concurrency=1,
+            sampling={**sampling, "max_tokens": min(16, config.max_tokens)}, **common,
+        )  # fmt: skip
+        entry["warmup_failed"] = sum(not r.ok for r in warm.results)
+    for level in _levels(config):
+        before = load.scrape_metrics(base, **auth)
+        if level["mode"] == "concurrency":
+            run = load.run_closed_loop(
+                base, requests, concurrency=level["concurrency"], sampling=sampling, **common
+            )
+        else:
+            run = load.run_open_loop(
+                base, requests, request_rate=level["request_rate"], burstiness=config.burstiness,
+                seed=config.seed, sampling=sampling, **common,
+            )  # fmt: skip
+        acc = load.acceptance(before, load.scrape_metrics(base, **auth))
+        figures = level_figures(run, config.goodput_ms)
+        entry["levels"].append(
+            {**level, **figures, "acceptance": acc, "requests": [r.to_dict() for r in run.results]}
+        )
+        say(_level_line(entry["name"], level_label(level), figures, acc))
+        write()
+
+
+def _note(line: str) -> None:
+    print(f"specdec bench-serve: {line}", file=sys.stderr, flush=True)
+
+
+def run_bench_serve(
+    config: BenchServeConfig, *, command: str = "", echo: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """The benchmark (module doc); returns the record written under ``config.out``. Progress goes
+    to ``echo`` (default: stdout); a skipped or failed server is one line on stderr."""
+    from specdec.bench.report import environment
+    from specdec.bench.serve_report import machine, write_results
+
+    say = echo or (lambda line: print(line, flush=True))
+    requests = _requests(config)
+    out_dir = Path(config.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    servers: list[dict[str, Any]] = []
+    record: dict[str, Any] = {
+        "command": command,
+        "environment": environment(),
+        "config": {k: v for k, v in asdict(config).items() if k != "api_key"},
+        "num_requests": len(requests),
+        "prompts": [{"index": r.index, "prompt_set": r.prompt_set} for r in requests],
+        "servers": servers,
+    }
+    say(f"specdec bench-serve: {machine(record)}; {len(requests)} requests per level")
+    for spec in _specs(config):
+        entry: dict[str, Any] = {
+            "name": spec.name,
+            "kind": spec.kind,
+            "base_url": spec.base_url,
+            "levels": [],
+        }
+        servers.append(entry)
+        launched = skipped = None
+        try:
+            if spec.kind != "url":
+                launched, skipped = _start(spec, config, out_dir, [r.prompt for r in requests])
+        except RuntimeError as err:
+            entry["error"] = str(err)
+            _note(f"{spec.name} did not start: {err}")
+            continue
+        if skipped:
+            entry["skipped"] = skipped
+            _note(skipped)
+            continue
+        try:
+            if launched is not None:
+                entry["base_url"], entry["launch"] = launched.base_url, " ".join(launched.command)
+                say(f"{spec.name}: {entry['launch']}")
+            _load(entry, config, requests, lambda: write_results(out_dir, record, plots=False), say)
+        finally:
+            if launched is not None:
+                entry["exit_status"] = launched.stop(timeout_s=60.0)
+                if entry["exit_status"] != 0:
+                    _note(
+                        f"{spec.name} exited with status {entry['exit_status']} after SIGTERM "
+                        f"(log: {launched.log})"
+                    )
+    paths = write_results(out_dir, record)
+    say("results: " + ", ".join(str(p) for p in paths))
+    return record
+
+
+def add_bench_serve(sub: argparse._SubParsersAction) -> None:
+    """Add ``bench-serve`` to the ``specdec`` subcommands."""
+    p = sub.add_parser(
+        "bench-serve", help="load OpenAI-compatible servers (ours, llama-server, any URL) and time them"
+    )
+    p.add_argument(
+        "--base-url", default=None, metavar="URL", help="an OpenAI-compatible server already running"
+    )
+    p.add_argument(
+        "--servers",
+        type=csv(str),
+        default=None,
+        help="servers to start, one after another: ours:DRAFTER, llama-server "
+        "(default: ours:default unless --base-url or --peers is given)",
+    )
+    p.add_argument("--peers", type=csv(str), default=(), help="peers to start after --servers: llama-server")
+    p.add_argument(
+        "--target", default="smollm2-135m", help="the model ours serves; llama-server gets its GGUF file"
+    )
+    p.add_argument(
+        "--model", default=None, help="the model name sent (default: the server's first in /v1/models)"
+    )
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--prompt-set", type=csv(str), default=("humaneval", "mtbench"), help="humaneval,mtbench")
+    p.add_argument(
+        "--num-prompts", type=positive_int, default=8, help="prompts per set, evenly spaced (held out)"
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--seed", type=seed_int, default=0, help="sent with every request; draws the arrivals")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="send ignore_eos: every request runs to --max-tokens"
+    )
+    p.add_argument("--concurrency", type=csv(positive_int), default=None, help="closed-loop levels (1,2,4,8)")
+    p.add_argument(
+        "--request-rate", type=csv(request_rate), default=(), help="open-loop levels in req/s (or inf)"
+    )
+    p.add_argument(
+        "--burstiness", type=finite_float, default=1.0, help="gamma shape of the arrivals: 1 = Poisson"
+    )
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        type=_goodput_item,
+        default=(),
+        metavar="METRIC:MS",
+        help="SLOs: ttft, tpot, e2el",
+    )
+    p.add_argument(
+        "--threads", type=positive_int, default=2, help="threads of the servers started (default: 2)"
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=None,
+        help="their slots (default: the largest --concurrency)",
+    )
+    p.add_argument("--warmup-requests", type=int, default=1, help="untimed requests before the levels")
+    p.add_argument("--request-timeout", type=finite_float, default=600.0, help="seconds per request")
+    p.add_argument(
+        "--startup-timeout", type=finite_float, default=600.0, help="seconds a server gets to start"
+    )
+    p.add_argument("--api-key", default=None, help="Bearer key for --base-url (default: $OPENAI_API_KEY)")
+    p.add_argument("--out", default="results/bench-serve", help="results folder (default: %(default)s)")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchServeConfig:
+    """The config of parsed ``bench-serve`` arguments (its defaults: ``ours:default``, c = 1,2,4,8)."""
+    servers = args.servers
+    if servers is None:
+        servers = () if (args.base_url or args.peers) else ("ours:default",)
+    concurrency = args.concurrency
+    if concurrency is None:
+        concurrency = () if args.request_rate else (1, 2, 4, 8)
+    return BenchServeConfig(
+        base_url=args.base_url,
+        servers=tuple(servers),
+        peers=tuple(args.peers),
+        target=args.target,
+        model=args.model,
+        endpoint=args.endpoint,
+        prompt_sets=tuple(args.prompt_set),
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        concurrency=tuple(concurrency),
+        request_rates=tuple(args.request_rate),
+        burstiness=args.burstiness,
+        goodput=tuple(args.goodput or ()),
+        threads=args.threads,
+        max_num_seqs=args.max_num_seqs,
+        warmup_requests=args.warmup_requests,
+        request_timeout_s=args.request_timeout,
+        startup_timeout_s=args.startup_timeout,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
+        out=args.out,
+    )
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Run the benchmark; exit status 1 if a server did not start."""
+    missing = [m for m in ("httpx", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"specdec bench-serve needs {', '.join(missing)} (pip install -e '.[serve,eval]')")
+    config = config_from_args(args)
+    record = run_bench_serve(config, command=" ".join(["specdec", *sys.argv[1:]]))
+    return 1 if any(s.get("error") for s in record["servers"]) else 0

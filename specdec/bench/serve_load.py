@@ -1,0 +1,476 @@
+"""The load loop of ``specdec bench-serve``: streamed OpenAI requests, timed at the client.
+
+Every request is a ``POST /v1/completions`` (or ``/v1/chat/completions``) with ``"stream": true`` and
+``"stream_options": {"include_usage": true}``, sent by one asyncio ``httpx`` client. Two ways to load
+the server, as ``vllm bench serve``:
+
+- **closed loop** (:func:`run_closed_loop`): ``concurrency`` workers, each sending its next request
+  when its last one has ended, so that exactly that many are in flight until the prompts run out;
+- **open loop** (:func:`run_open_loop`): requests sent at arrival times drawn from a gamma
+  distribution of mean ``1 / request_rate`` and shape ``burstiness`` (1: a Poisson process; below 1
+  burstier, above 1 more even), whatever the server has not finished; ``inf``: all at once.
+
+Times are ``time.perf_counter`` at the client, from the moment the request is sent. A *token chunk*
+is a streamed event whose choice carries text (``choices[0].text``, or ``delta.content`` for chat):
+a chat stream's opening role chunk and an empty finishing chunk are not token chunks. The figures
+(:class:`RequestResult`), with ``vllm bench serve``'s definitions:
+
+- TTFT: sent → the first token chunk (for a response without text, an end-of-sequence token alone:
+  sent → the first event with a ``finish_reason``);
+- ITL: the gaps between consecutive token chunks (one chunk may bring several tokens: a server
+  that speculates streams an accepted draft block as one chunk);
+- E2EL: sent → the last event that carries a choice;
+- TPOT: ``(E2EL − TTFT) / (output tokens − 1)``, for requests with more than one output token;
+- output tokens: the server's ``usage.completion_tokens``, else the number of token chunks.
+
+A request fails on an HTTP status other than 200, an ``error`` event in the stream, a stream that
+ends without ``data: [DONE]``, a stream with neither a token chunk nor a ``finish_reason``, or a
+connection error or timeout.
+
+:func:`scrape_metrics` and :func:`acceptance` read the server's Prometheus ``/metrics`` before and
+after a level: vLLM's ``…:spec_decode_num_drafts``, ``…:spec_decode_num_draft_tokens`` and
+``…:spec_decode_num_accepted_tokens`` counters (``specdec serve`` exposes them as ``vllm:…``,
+llama-server with ``--metrics`` as ``llamacpp:…``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "ENDPOINTS",
+    "SPEC_COUNTERS",
+    "BenchRequest",
+    "RequestResult",
+    "LevelRun",
+    "result_from_trace",
+    "arrival_times",
+    "stream_request",
+    "run_closed_loop",
+    "run_open_loop",
+    "parse_prometheus_text",
+    "spec_counters",
+    "scrape_metrics",
+    "acceptance",
+    "served_model",
+    "wait_healthy",
+]
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+"""``--endpoint`` → the route the requests are posted to."""
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+"""The speculative-decoding counters read from ``/metrics`` (names ``<prefix>:spec_decode_<name>``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchRequest:
+    """One request of a level: the prompt (text) and where it comes from."""
+
+    index: int
+    prompt: str
+    prompt_set: str
+
+
+@dataclass(kw_only=True)
+class RequestResult:
+    """One request as the client saw it (times in seconds; ``None`` where a failed request has none)."""
+
+    index: int
+    ok: bool
+    error: str | None = None
+    sent_s: float = 0.0
+    """When it was sent, from the start of its level."""
+    ttft_s: float | None = None
+    e2el_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    token_chunks: int = 0
+    prompt_tokens: int | None = None
+    draft_tokens: int | None = None
+    """``usage.num_draft_tokens`` when the server reports it (``specdec serve`` does)."""
+    accepted_tokens: int | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """``(E2EL − TTFT) / (output tokens − 1)``; None for a failed request or one of ≤ 1 token."""
+        if not self.ok or self.output_tokens <= 1 or self.ttft_s is None or self.e2el_s is None:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The request's figures for the results file (ITLs summarised by their count)."""
+        return {
+            "index": self.index,
+            "ok": self.ok,
+            "error": self.error,
+            "sent_s": self.sent_s,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "e2el_s": self.e2el_s,
+            "output_tokens": self.output_tokens,
+            "token_chunks": self.token_chunks,
+            "prompt_tokens": self.prompt_tokens,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+        }
+
+
+@dataclass
+class LevelRun:
+    """The requests of one load level and its wall time (first send → last request ended)."""
+
+    results: list[RequestResult]
+    duration_s: float
+
+
+def result_from_trace(
+    index: int,
+    *,
+    sent_s: float,
+    token_times_s: Sequence[float],
+    last_choice_s: float | None,
+    usage: Mapping[str, Any] | None,
+    error: str | None = None,
+    start_s: float = 0.0,
+    finish_s: float | None = None,
+) -> RequestResult:
+    """The figures of one streamed request from its timestamps (module doc for the definitions).
+
+    ``sent_s``: when it was sent; ``token_times_s``: when each token chunk arrived; ``last_choice_s``:
+    when the last event with a choice arrived; ``usage``: the stream's usage object, if any;
+    ``error``: why it failed (None if the stream ended with ``[DONE]``); ``start_s``: the level's
+    start (``RequestResult.sent_s`` is relative to it); ``finish_s``: when the first choice with a
+    ``finish_reason`` arrived (the first token's time of a response without text). One clock."""
+    chunks = len(token_times_s)
+    if error is None and not token_times_s and finish_s is None:
+        error = "the stream carried neither text nor a finish_reason"
+    if error is not None:
+        return RequestResult(index=index, ok=False, error=error, sent_s=sent_s - start_s)
+    times = list(token_times_s) or [finish_s]  # no text: an end-of-sequence token alone came
+    counted = usage.get("completion_tokens") if usage else None
+    output_tokens = counted if isinstance(counted, int) and counted >= 0 else chunks
+    end = last_choice_s if last_choice_s is not None else times[-1]
+
+    def count(key: str) -> int | None:
+        value = usage.get(key) if usage else None
+        return value if isinstance(value, int) else None
+
+    return RequestResult(
+        index=index,
+        ok=True,
+        sent_s=sent_s - start_s,
+        ttft_s=times[0] - sent_s,
+        e2el_s=end - sent_s,
+        itl_s=[b - a for a, b in zip(times, times[1:], strict=False)],
+        output_tokens=output_tokens,
+        token_chunks=chunks,
+        prompt_tokens=count("prompt_tokens"),
+        draft_tokens=count("num_draft_tokens"),
+        accepted_tokens=count("num_accepted_tokens"),
+    )
+
+
+def arrival_times(num_requests: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send times (seconds from the level's start) of an open loop: the first at 0, then gaps drawn
+    from Gamma(shape ``burstiness``, scale ``1 / (request_rate · burstiness)``), mean ``1 /
+    request_rate`` (``vllm bench serve``'s; ``burstiness`` 1 is a Poisson process). An infinite rate
+    sends every request at 0."""
+    if not (request_rate > 0):
+        raise ValueError(f"request_rate must be > 0 (or inf), got {request_rate}")
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError(f"burstiness must be a finite number > 0, got {burstiness}")
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    scale = 1.0 / (request_rate * burstiness)
+    times, t = [], 0.0
+    for _ in range(num_requests):
+        times.append(t)
+        t += rng.gammavariate(burstiness, scale)
+    return times
+
+
+def _payload(request: BenchRequest, endpoint: str, model: str, sampling: Mapping[str, Any]) -> dict:
+    body: dict[str, Any] = {
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **sampling,
+    }
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt
+    return body
+
+
+def _choice_text(choice: Mapping[str, Any], endpoint: str) -> str:
+    if endpoint == "chat":
+        delta = choice.get("delta")
+        return (delta.get("content") or "") if isinstance(delta, Mapping) else ""
+    return choice.get("text") or ""
+
+
+async def stream_request(
+    client: httpx.AsyncClient,
+    request: BenchRequest,
+    *,
+    endpoint: str,
+    model: str,
+    sampling: Mapping[str, Any],
+    start_s: float = 0.0,
+) -> RequestResult:
+    """Send one streamed request through ``client`` (its ``base_url`` set) and time it; never raises
+    for a failure of the server (the result says why it failed)."""
+    body = _payload(request, endpoint, model, sampling)
+    token_times: list[float] = []
+    last_choice: float | None = None
+    finish: float | None = None
+    usage: Mapping[str, Any] | None = None
+    error: str | None = None
+    sent = time.perf_counter()
+    try:
+        async with client.stream("POST", ENDPOINTS[endpoint], json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode("utf-8", "replace")
+                error = f"HTTP {response.status_code}: {' '.join(text.split())[:200]}"
+            else:
+                done = False
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    now = time.perf_counter()
+                    try:
+                        event = json.loads(data)
+                    except json.JSONDecodeError:
+                        error = f"an event that is not JSON: {data[:80]!r}"
+                        break
+                    if not isinstance(event, dict):
+                        continue
+                    if event.get("error"):
+                        error = f"error event: {json.dumps(event['error'])[:200]}"
+                        break
+                    choices = event.get("choices")
+                    if choices and isinstance(choices[0], Mapping):
+                        last_choice = now
+                        if _choice_text(choices[0], endpoint):
+                            token_times.append(now)
+                        if finish is None and choices[0].get("finish_reason"):
+                            finish = now
+                    if isinstance(event.get("usage"), Mapping):
+                        usage = event["usage"]
+                if error is None and not done:
+                    error = "the stream ended without data: [DONE]"
+    except (httpx.HTTPError, OSError) as err:
+        error = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    return result_from_trace(
+        request.index,
+        sent_s=sent,
+        token_times_s=token_times,
+        last_choice_s=last_choice,
+        usage=usage,
+        error=error,
+        start_s=start_s,
+        finish_s=finish,
+    )
+
+
+def _client(base_url: str, timeout_s: float, api_key: str | None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(
+        base_url=base_url,
+        headers=headers,
+        timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    )
+
+
+async def _closed(base_url: str, requests: Sequence[BenchRequest], concurrency: int, **kw: Any) -> LevelRun:
+    timeout_s, api_key = kw.pop("timeout_s"), kw.pop("api_key")
+    results: list[RequestResult] = []
+    queue = list(reversed(requests))
+    async with _client(base_url, timeout_s, api_key) as client:
+        start = time.perf_counter()
+
+        async def worker() -> None:
+            while queue:
+                results.append(await stream_request(client, queue.pop(), start_s=start, **kw))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        duration = time.perf_counter() - start
+    return LevelRun(sorted(results, key=lambda r: r.index), duration)
+
+
+async def _open(
+    base_url: str, requests: Sequence[BenchRequest], times: Sequence[float], **kw: Any
+) -> LevelRun:
+    timeout_s, api_key = kw.pop("timeout_s"), kw.pop("api_key")
+    async with _client(base_url, timeout_s, api_key) as client:
+        start = time.perf_counter()
+
+        async def one(request: BenchRequest, at: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await stream_request(client, request, start_s=start, **kw)
+
+        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, times, strict=True)))
+        duration = time.perf_counter() - start
+    return LevelRun(list(results), duration)
+
+
+def run_closed_loop(
+    base_url: str,
+    requests: Sequence[BenchRequest],
+    *,
+    concurrency: int,
+    endpoint: str,
+    model: str,
+    sampling: Mapping[str, Any],
+    timeout_s: float = 600.0,
+    api_key: str | None = None,
+) -> LevelRun:
+    """Every request of ``requests`` through ``concurrency`` workers (module doc)."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
+    kw = {"endpoint": endpoint, "model": model, "sampling": sampling, "timeout_s": timeout_s}
+    return asyncio.run(_closed(base_url, requests, concurrency, api_key=api_key, **kw))
+
+
+def run_open_loop(
+    base_url: str,
+    requests: Sequence[BenchRequest],
+    *,
+    request_rate: float,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    endpoint: str,
+    model: str,
+    sampling: Mapping[str, Any],
+    timeout_s: float = 600.0,
+    api_key: str | None = None,
+) -> LevelRun:
+    """Every request of ``requests`` at the arrival times of :func:`arrival_times` (module doc)."""
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
+    times = arrival_times(len(requests), request_rate, burstiness, seed)
+    kw = {"endpoint": endpoint, "model": model, "sampling": sampling, "timeout_s": timeout_s}
+    return asyncio.run(_open(base_url, requests, times, api_key=api_key, **kw))
+
+
+def parse_prometheus_text(text: str) -> dict[str, float]:
+    """Prometheus text exposition → ``{sample name: value summed over its label sets}`` (comments,
+    blank lines and samples whose value is not a number are skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name, _, rest = line.partition("{")
+            rest = rest.rpartition("}")[2]
+        else:
+            name, _, rest = line.partition(" ")
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        out[name.strip()] = out.get(name.strip(), 0.0) + value
+    return out
+
+
+def spec_counters(samples: Mapping[str, float]) -> dict[str, float] | None:
+    """The :data:`SPEC_COUNTERS` among parsed ``/metrics`` samples: a sample named
+    ``<prefix>:spec_decode_<counter>`` (with or without ``_total``) counts, ``_created`` and
+    ``…_per_pos`` samples do not; None when the server exposes none of them."""
+    found: dict[str, float] = {}
+    for name, value in samples.items():
+        base = name.removesuffix("_total")
+        prefix, colon, metric = base.rpartition(":")
+        if not colon or not prefix:
+            continue
+        for counter in SPEC_COUNTERS:
+            if metric == f"spec_decode_{counter}":
+                found[counter] = found.get(counter, 0.0) + value
+    if not found:
+        return None
+    return {counter: found.get(counter, 0.0) for counter in SPEC_COUNTERS}
+
+
+def scrape_metrics(base_url: str, *, timeout_s: float = 10.0, api_key: str | None = None) -> dict | None:
+    """The server's speculative-decoding counters now (:func:`spec_counters`); None when it has no
+    ``/metrics`` or no such counters."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s, headers=headers)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return spec_counters(parse_prometheus_text(response.text))
+
+
+def acceptance(before: Mapping[str, float] | None, after: Mapping[str, float] | None) -> dict | None:
+    """Speculation over a level from the counters before and after it: ``drafts`` (verify steps that
+    drafted), ``drafted`` and ``accepted`` tokens, α = accepted / drafted and τ = 1 + accepted /
+    drafts (vLLM's mean acceptance length; None without drafts). None without counters."""
+    if before is None or after is None:
+        return None
+    drafts, drafted, accepted = (after[c] - before[c] for c in SPEC_COUNTERS)
+    return {
+        "drafts": drafts,
+        "drafted": drafted,
+        "accepted": accepted,
+        "alpha": accepted / drafted if drafted > 0 else None,
+        "tau": 1.0 + accepted / drafts if drafts > 0 else None,
+    }
+
+
+def served_model(base_url: str, *, timeout_s: float = 10.0, api_key: str | None = None) -> str | None:
+    """The first model id of ``GET /v1/models``; None if the server does not say."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout_s, headers=headers)
+        data = response.json().get("data") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    if (
+        isinstance(data, list)
+        and data
+        and isinstance(data[0], Mapping)
+        and isinstance(data[0].get("id"), str)
+    ):
+        return data[0]["id"]
+    return None
+
+
+def wait_healthy(base_url: str, timeout_s: float, *, alive: Any = None) -> bool:
+    """Poll ``GET /health`` until it answers 200 (True), ``timeout_s`` passes or ``alive()`` turns
+    false (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            return False
+        try:
+            if httpx.get(base_url.rstrip("/") + "/health", timeout=5.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False

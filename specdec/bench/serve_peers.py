@@ -1,0 +1,194 @@
+"""The servers ``specdec bench-serve`` starts: ours (``specdec serve``) and llama.cpp's ``llama-server``.
+
+``--servers`` names them, run one after another on the same prompts:
+
+- ``ours:DRAFTER``: ``python -m specdec serve --target TARGET --drafter DRAFTER --max-num-seqs SLOTS
+  --threads THREADS --host 127.0.0.1 --port PORT``;
+- ``llama-server``: the binary at ``$LLAMA_SERVER``, else ``llama-server`` on ``PATH``, on the GGUF
+  file the target comes as (:func:`specdec.targets.loading.gguf_source`, the file llama-bench gets):
+  ``llama-server -m GGUF -t THREADS -np SLOTS -c SLOTS·CTX --host 127.0.0.1 --port PORT --metrics -a
+  MODEL``, CTX a per-slot context that holds the longest prompt and ``max_tokens``. Its requests also
+  carry ``"cache_prompt": false``, so that a prompt seen at an earlier level is prefilled again (our
+  server keeps no prompt cache). Without a binary, or for a target that is not a GGUF file, the peer
+  is skipped with a one-line reason.
+
+Each is started on a free loopback port, waited for until ``GET /health`` answers 200, and stopped
+with SIGTERM afterwards (SIGKILL if it has not exited within the timeout); its output goes to a log
+file, whose last lines come with any failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LLAMA_SERVER_ENV",
+    "PEERS",
+    "ServerSpec",
+    "LaunchedServer",
+    "parse_servers",
+    "find_llama_server",
+    "free_port",
+    "context_per_slot",
+    "ours_command",
+    "llama_server_command",
+    "launch",
+]
+
+LLAMA_SERVER_ENV = "LLAMA_SERVER"
+"""The environment variable naming llama-server's binary (it wins over ``PATH``)."""
+PEERS = ("llama-server",)
+"""Names ``--peers`` and ``--servers`` accept besides ``ours:DRAFTER``."""
+REQUEST_EXTRAS = {"llama-server": {"cache_prompt": False}}
+"""Fields added to every request of a server kind (module doc)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSpec:
+    """A server to load: ``ours`` (with its drafter), ``llama-server``, or ``url`` (``--base-url``)."""
+
+    name: str
+    kind: str
+    drafter: str | None = None
+    base_url: str | None = None
+
+
+def parse_servers(items: Sequence[str], flag: str = "--servers", *, ours: bool = True) -> list[ServerSpec]:
+    """``["ours:none", "ours:default", "llama-server"]`` → specs (``ours=False``: peers only, as
+    ``--peers`` takes); anything else is a ``ValueError`` naming ``flag``."""
+    specs = []
+    for item in items:
+        item = item.strip()
+        kind, colon, drafter = item.partition(":")
+        if ours and kind == "ours" and colon and drafter.strip():
+            specs.append(ServerSpec(name=f"ours:{drafter.strip()}", kind="ours", drafter=drafter.strip()))
+        elif item in PEERS:
+            specs.append(ServerSpec(name=item, kind=item))
+        else:
+            expected = ("ours:DRAFTER or " if ours else "") + f"one of {', '.join(PEERS)}"
+            raise ValueError(f"{flag}: expected {expected}, got {item!r}")
+    return specs
+
+
+def find_llama_server() -> Path | None:
+    """``$LLAMA_SERVER`` when set, else ``llama-server`` on ``PATH``; None without one. A
+    ``$LLAMA_SERVER`` that is not an executable file is a ``ValueError``."""
+    named = os.environ.get(LLAMA_SERVER_ENV)
+    if named:
+        path = Path(named).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise ValueError(
+                f"${LLAMA_SERVER_ENV}={named!r} is not an executable file (expected llama-server)"
+            )
+        return path
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def context_per_slot(prompts: Sequence[str], max_tokens: int, *, template_tokens: int = 64) -> int:
+    """Cache positions one request needs at most, rounded up to 256: a byte-level BPE token holds at
+    least one byte, so a prompt's UTF-8 length bounds its tokens; ``template_tokens`` leaves room for
+    a chat template's tokens."""
+    longest = max((len(p.encode("utf-8")) for p in prompts), default=0)
+    need = longest + template_tokens + max_tokens + 16
+    return -(-need // 256) * 256
+
+
+def ours_command(
+    drafter: str, *, target: str, threads: int, max_num_seqs: int, port: int, host: str = "127.0.0.1"
+) -> list[str]:
+    """The command that starts ``specdec serve`` for ``ours:DRAFTER`` (this Python's ``-m specdec``)."""
+    return [
+        sys.executable, "-m", "specdec", "serve", "--target", target, "--drafter", drafter,
+        "--max-num-seqs", str(max_num_seqs), "--threads", str(threads), "--host", host, "--port", str(port),
+        "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def llama_server_command(
+    binary: Path, gguf: Path, *, threads: int, slots: int, ctx_per_slot: int, port: int, model: str,
+    host: str = "127.0.0.1",
+) -> list[str]:  # fmt: skip
+    """The command that starts ``llama-server`` (module doc)."""
+    return [
+        str(binary), "-m", str(gguf), "-t", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
+        "--host", host, "--port", str(port), "--metrics", "-a", model,
+    ]  # fmt: skip
+
+
+@dataclass
+class LaunchedServer:
+    """A server process this benchmark started."""
+
+    name: str
+    command: list[str]
+    proc: subprocess.Popen
+    base_url: str
+    log: Path
+    exit_status: int | None = field(default=None)
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The last lines of its output, joined by `` | ``."""
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+        return " | ".join(line.strip() for line in text.splitlines()[-lines:] if line.strip())
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, then wait up to ``timeout_s`` (SIGKILL after that); returns the exit status
+        (negative: the signal that ended it)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        self.exit_status = self.proc.returncode
+        return self.exit_status
+
+
+def launch(
+    name: str, command: list[str], log: Path, *, port: int, startup_timeout_s: float, env: Any = None
+) -> LaunchedServer:
+    """Start ``command`` (output to ``log``) and wait for ``GET /health`` on ``port``; a
+    ``RuntimeError`` with the log's last lines if it exits or does not answer within
+    ``startup_timeout_s`` (the process is stopped then)."""
+    from specdec.bench.serve_load import wait_healthy
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = LaunchedServer(name, command, proc, f"http://127.0.0.1:{port}", log)
+    try:
+        healthy = wait_healthy(server.base_url, startup_timeout_s, alive=lambda: proc.poll() is None)
+    except BaseException:
+        server.stop(10)
+        raise
+    if not healthy:
+        status = proc.poll()
+        server.stop(10)
+        why = (
+            f"exited with status {status}"
+            if status is not None
+            else f"not healthy after {startup_timeout_s:g} s"
+        )
+        raise RuntimeError(f"{name} {why}; its log ({log}): {server.log_tail()}")
+    return server
