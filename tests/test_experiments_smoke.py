@@ -93,3 +93,25 @@ def test_smoke_results_of_the_engine_experiments(smoke_results):
     for row in exact:  # l = 1 is exact: greedy output equals plain greedy output
         assert row["exact"] == 1.0 and row["dloglik"] == pytest.approx(0.0, abs=1e-9)
         assert row["pass1"] == plain[0.0]["pass1"]
+
+
+def test_smoke_results_of_serving_load(smoke_results):
+    """Both tiny servers answered every request at every rate, with the same greedy tokens; the
+    baseline's speedup over itself is 1; the drafter's counters came from /metrics."""
+    summaries, _ = smoke_results
+    rows = {t["name"]: t["rows"] for t in summaries["serving-load"]["tables"]}["speedup"]
+    assert [(r["drafter"], r["rate"]) for r in rows] == [
+        ("none", 4.0),
+        ("none", 16.0),
+        ("ngram", 4.0),
+        ("ngram", 16.0),
+    ]
+    assert all(r["completed"] == 2 and r["failed"] == 0 and r["output_throughput"] > 0 for r in rows)
+    none = {r["rate"]: r for r in rows if r["drafter"] == "none"}
+    for row in rows:
+        assert row["total_output_tokens"] == none[row["rate"]]["total_output_tokens"]  # lossless, T = 0
+        assert row["speedup_tps"] == pytest.approx(
+            row["output_throughput"] / none[row["rate"]]["output_throughput"]
+        )
+    assert all(r["speedup_tps"] == r["speedup_tpot"] == 1.0 and r["drafted"] == 0 for r in none.values())
+    assert all(r["drafted"] is not None for r in rows if r["drafter"] == "ngram")
