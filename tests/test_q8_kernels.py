@@ -10,8 +10,9 @@ Legend: M rows, I input features, O output features, G inputs per weight group, 
 - A row's output is bitwise the same alone, inside 7 or 16 rows of random neighbours, at any thread
   count; and a token's logits in the target are the same at T = 1, inside a 7-token block and beside
   other rows, for ``int8-q8`` / ``int4-q8`` (tiny checkpoint) and ``gguf-q8`` (SmolLM2).
+- A tree node's logits equal those of its path run as a chain, bitwise (tree verification is exact).
 - Greedy speculative output equals plain greedy decoding of ``gguf-q8`` on SmolLM2 for the ``ngram``,
-  ``eagle`` and ``default`` drafters.
+  ``eagle``, ``eagle-tree`` and ``default`` drafters.
 """
 
 from __future__ import annotations
@@ -247,6 +248,45 @@ def test_a_tokens_logits_do_not_depend_on_its_block_or_batch(tiny_path, weights)
         assert torch.equal(out.logits_BTV[1], single[start - 5 : start + 2])
 
 
+# A tree whose paths sit at scattered slots: node 5's path is nodes 0, 2, 4, 5 (slots +0, +2, +4, +5;
+# chain positions +0..+3), so the parity of a slot and of its position differ along the way.
+TREE_PARENTS = (-1, 0, 0, 1, 2, 4, 3, 1)
+
+
+def _tree(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """(ancestor-or-self mask [T, T], depth [T], each node's path from the root)."""
+    paths: list[list[int]] = []
+    for n, up in enumerate(parents):
+        paths.append((paths[up] if up >= 0 else []) + [n])
+    T = len(parents)
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for n, path in enumerate(paths):
+        mask[n, path] = True
+    return mask, torch.tensor([len(p) - 1 for p in paths]), paths
+
+
+@pytest.mark.parametrize("weights", ["int8-q8", "int4-q8"])
+def test_a_tree_nodes_logits_equal_its_path_decoded_as_a_chain(tiny_path, weights):
+    """Tree verification is exact too: a node's logits are bitwise those of its path run as a chain
+    (attention sums each slot by the position it stands for, not by the slot it sits in), for
+    contexts of either parity."""
+    from specdec.targets.llama import LlamaTarget
+
+    target = LlamaTarget.from_pretrained(tiny_path, weights=weights, load_tokenizer=False)
+    mask, depth, paths = _tree(TREE_PARENTS)
+    gen = torch.Generator().manual_seed(6)
+    for context in (5, 6):
+        prompt = torch.randint(0, 256, (1, context), generator=gen)
+        nodes = torch.randint(0, 256, (1, len(TREE_PARENTS)), generator=gen)
+        target.reset(1, 64)
+        target.forward(prompt, torch.tensor([0]))
+        tree = target.forward(nodes, torch.tensor([context]), tree_mask_TT=mask, depth_T=depth).logits_BTV[0]
+        for n, path in enumerate(paths):
+            target.rollback(torch.tensor([context]))
+            chain = target.forward(nodes[:, path], torch.tensor([context])).logits_BTV[0, -1]
+            assert torch.equal(tree[n], chain), (context, n, path)
+
+
 def test_the_native_forward_is_close_to_the_pytorch_path(tiny_path):
     """Same weights and 8-bit products; PyTorch's attention differs in the last bits, which can move
     an activation across a quantisation boundary, so this is closeness, not equality."""
@@ -312,7 +352,7 @@ def test_smollm2_gguf_q8_logits_do_not_depend_on_the_block(smollm2_q8):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("drafter", ["ngram", "eagle", "default"])
+@pytest.mark.parametrize("drafter", ["ngram", "eagle", "eagle-tree", "default"])
 def test_smollm2_gguf_q8_speculative_greedy_equals_plain_decoding(smollm2_q8, drafter):
     from _reference import SMOLLM2_TEXTS
 

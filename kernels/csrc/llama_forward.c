@@ -165,6 +165,17 @@ static float slot_sum(const float* restrict p, long n) {
     return (s0 + s1) + (s2 + s3);
 }
 
+/* slot_sum of a tree node's path decoded as a chain: the cached slots [0, st) by slot number, then
+ * the visible block slots (vis, the node's ancestors and itself, in block order) each by the position
+ * it stands for (st + its index among them), not by the slot it sits in. Bit for bit the chain's sum. */
+static float path_sum(const float* restrict p, long st, long T, const uint8_t* restrict vis) {
+    float s[4] = {0, 0, 0, 0};
+    for (long i = 0; i < st; i++) s[i & 3] += p[i];
+    for (long u = 0, pos = st; u < T; u++)
+        if (vis[u]) s[pos++ & 3] += p[st + u];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
 /* p[i] = e^(p[i] - mx), 0 where p[i] is -inf (a hidden slot; a visible one gives >= e^-87.3 > 0). */
 static void softmax_exp(float* restrict p, long n, float mx) {
     for (long i = 0; i < n; i++) {
@@ -218,7 +229,10 @@ static void pv_tile(float* restrict acc_e, float* restrict acc_o, const float* r
  * tile, so each key and value is read from memory once per item rather than once per query. A
  * query's arithmetic does not depend on the item, the tiles or the block around it (its slots in
  * order, fixed-order sums; hidden slots add exact zeros), so its output is the same at T = 1 and
- * inside any block: the batch invariance of the *A8 formats. Scratch per thread: QCH (S + 2 E). */
+ * inside any block: the batch invariance of the *A8 formats. With a mask (a tree), a node's visible
+ * block slots go into the sums by the position they stand for (path_sum, one pv_tile per slot into
+ * the even or odd chain of that position), so a node's output is that of its path run as a chain:
+ * tree verification is exact too. Scratch per thread: QCH (S + 2 E). */
 static void attention(const Model* m, long B, long T, const long* start, const float* kc, const float* vc, long L,
                       const long* rows, const uint8_t* mask, Scratch* s) {
     long H = m->H, J = m->J, E = m->E, G = H / J, W = (H + 2 * J) * E;
@@ -253,14 +267,24 @@ static void attention(const Model* m, long B, long T, const long* start, const f
                 p[sl] = vis ? p[sl] * inv_sqrt : -INFINITY;
             }
             softmax_exp(p, S, slot_max(p, S));
-            sum[k] = slot_sum(p, S);
+            sum[k] = mask ? path_sum(p, st, T, mask + tok[k] * T) : slot_sum(p, S);
             memset(acc + k * 2 * E, 0, sizeof(float) * 2 * E);
         }
-        for (long s0 = 0; s0 < S; s0 += SLOT_TILE) {
-            long ns = S - s0 < SLOT_TILE ? S - s0 : SLOT_TILE;
+        long tiled = mask ? st : S; /* a tree's block slots follow one by one, by position */
+        for (long s0 = 0; s0 < tiled; s0 += SLOT_TILE) {
+            long ns = tiled - s0 < SLOT_TILE ? tiled - s0 : SLOT_TILE;
             for (long k = 0; k < nq; k++)
                 pv_tile(acc + k * 2 * E, acc + k * 2 * E + E, score + k * S + s0, V + s0 * E, ns, E);
         }
+        if (mask)
+            for (long k = 0; k < nq; k++) {
+                float *a = acc + k * 2 * E, *p = score + k * S;
+                for (long u = 0, pos = st; u < T; u++)
+                    if (mask[tok[k] * T + u]) { /* the even or odd chain of its position, as a chain's */
+                        int odd = pos++ & 1;
+                        pv_tile(odd ? a + E : a, odd ? a : a + E, p + st + u, V + (st + u) * E, 1, E);
+                    }
+            }
         for (long k = 0; k < nq; k++) {
             float* out = s->att + (b * T + tok[k]) * H * E + h[k] * E;
             const float* a = acc + k * 2 * E;
