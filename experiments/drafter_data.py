@@ -723,8 +723,12 @@ def _continuations(
     prompt sources (benchmark prompts, function prompts, self-instructed requests) and the
     continuations by job name and prompt id."""
     from specdec.targets import load_target
+    from specdec.targets.loading import gguf_source
 
-    target = load_target(cfg.target)
+    # A GGUF model makes its data with float activations (``gguf``: transformers' output on every
+    # machine), not with the machine's default format (``gguf-q8`` where integer dot products run),
+    # so the cache, keyed by the target's name, holds the same data whichever machine made it.
+    target = load_target(cfg.target, **({"weights": "gguf"} if gguf_source(cfg.target) else {}))
     tname = target_cache_name(cfg.target)
     fn_prompts = function_prompts(tokenizer, cfg.function_prompts, cfg.seed) if cfg.function_prompts else []
     if fn_prompts:

@@ -174,7 +174,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--weights",
         choices=("fp32", "bf16", "gguf", "int8", "int4", "gguf-q8", "int8-q8", "int4-q8"),
         default=None,
-        help="native target weight format (default: gguf for a GGUF model such as smollm2-135m, else fp32)",
+        help="native target weight format (default for a GGUF model such as smollm2-135m: gguf-q8, "
+        "8-bit activations, where the CPU kernels have integer dot products (AVX2, AVX-512), else gguf, "
+        "which equals transformers' output; fp32 for a safetensors checkpoint)",
     )
     p.add_argument(
         "--dtype",

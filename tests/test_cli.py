@@ -202,6 +202,8 @@ def test_cli_smollm2_greedy_matches_transformers(capsys, smollm2_greedy):
         "24",
         "--drafter",
         "default",
+        "--weights",
+        "gguf",  # the format equal to transformers (the default may be gguf-q8)
     )
     assert res["token_ids"] == smollm2_greedy(res["prompt_token_ids"], 24)
     assert res["text"].strip()

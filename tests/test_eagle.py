@@ -601,7 +601,7 @@ def test_smollm2_greedy_equals_transformers(drafter, smollm2_greedy):
     """Greedy output with the shipped head equals transformers' greedy generate, token for token."""
     from specdec.targets import load_target
 
-    target = load_target("smollm2-135m")
+    target = load_target("smollm2-135m", weights="gguf")  # the format equal to transformers
     prompts = smollm2_greedy.prompts()
     out = specdec.generate(
         target, prompts, drafter=drafter, max_new_tokens=N, temperature=0.0, gamma=5, ignore_eos=True

@@ -256,7 +256,7 @@ def test_the_shipped_exportable_head_decodes_exactly_and_exports(smollm2_greedy,
     to vLLM's format whose aux ids are vLLM's own default for 30 layers."""
     from specdec.targets import load_target
 
-    target = load_target("smollm2-135m")
+    target = load_target("smollm2-135m", weights="gguf")  # the format equal to transformers
     head, meta = load_eagle_head("eagle3-smollm2-135m.safetensors", target.parts())
     assert isinstance(head, Eagle3Head) and head.config.aux_layers == (1, 14, 26)
     assert json.loads(meta["extra"])["config"]["compat"] == "speculators"

@@ -441,12 +441,13 @@ SMOL_EOS_PROMPT = "<|im_start|>user\nList three fruits.<|im_end|>\n<|im_start|>a
 
 @pytest.fixture(scope="module")
 def smollm(smollm2_greedy):
-    """(tokenizer, our default target for it, prompts, transformers' greedy outputs)."""
+    """(tokenizer, our target in the format equal to transformers (``gguf``), prompts, transformers'
+    greedy outputs)."""
     ref = smollm2_greedy
     prompts = ref.prompts()[:2] + [ref.tokenizer(SMOL_EOS_PROMPT).input_ids]
     refs = [ref(ids, SMOL_TOKENS) for ids in prompts]
     assert ref.eos in refs[-1], "the chat prompt must reach EOS"
-    return ref.tokenizer, specdec.load_target("smollm2-135m"), prompts, refs
+    return ref.tokenizer, specdec.load_target("smollm2-135m", weights="gguf"), prompts, refs
 
 
 @pytest.mark.model
@@ -477,7 +478,7 @@ def test_smollm2_greedy_equals_transformers(smollm, drafter, tmp_path):
 def test_smollm2_model_drafter_self_and_batch(smollm):
     """The target checkpoint as its own draft model (α = 1), on a ragged batch."""
     tokenizer, target, prompts, refs = smollm
-    draft = specdec.load_target("smollm2-135m")  # same weights, its own cache
+    draft = specdec.load_target("smollm2-135m", weights="gguf")  # same weights, its own cache
     out = specdec.generate(
         target,
         prompts,

@@ -7,8 +7,10 @@ proposes when the text repeats itself, which costs nothing and is accepted often
 EAGLE head drafts, a chain (:class:`~specdec.drafters.eagle.EagleDrafter`) or a token tree
 (:class:`~specdec.drafters.eagle.EagleTreeDrafter`). The head is loaded and packed once; the EAGLE
 drafter for a generation's mode is built when that mode is first needed, and it sees every
-``begin`` and ``observe`` (after a lookup step it still catches up on the committed tokens, so its
-cache stays in step).
+``begin`` and ``observe``. Its catch-up on the committed tokens is lazy
+(:mod:`specdec.drafters.eagle.queue`): after a lookup step or a plain step (depth 0) their features
+wait, and the head runs them all in one block when it next drafts, so steps where the head does not
+draft cost it nothing.
 
 Modes: ``chain``, ``tree``, or ``auto``: the tree for greedy single-row runs on a target with tree
 attention, the chain otherwise (the dynamic tree is a greedy, single-row construction anyway).
@@ -35,6 +37,7 @@ import torch
 
 from specdec.drafters.depth import DepthController
 from specdec.drafters.eagle import EagleDrafter, EagleTreeDrafter, load_packed_head, resolve_weights
+from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, check_max_queued
 from specdec.drafters.eagle.weights import DEFAULT_WEIGHTS, read_head_file, target_mismatch
 from specdec.drafters.ngram import NGramDrafter
 from specdec.protocols import DecodeState, FeatureTarget, Proposal, TargetOutput, TreeTarget
@@ -60,6 +63,8 @@ class NGramEagleDrafter:
             must find in every running row to be used.
         min_prob: the chain's confidence stop; tree_min_prob, tree, tree_nodes, tree_width: the
             tree's options (:class:`~specdec.drafters.eagle.EagleTreeDrafter`).
+        max_queued: committed tokens that may wait for the head's lazy catch-up
+            (:class:`~specdec.drafters.eagle.EagleDrafter`).
         head_options: ``weights``, ``draft_vocab_size``, ``dtype``, ``linear_backend``,
             ``weight_dtype`` (:class:`~specdec.drafters.eagle.EagleDrafter`), or ``head``, an
             already loaded head.
@@ -82,6 +87,7 @@ class NGramEagleDrafter:
         tree_nodes: int = 11,
         tree_width: int = 4,
         adaptive: bool = False,
+        max_queued: int = DEFAULT_MAX_QUEUED,
         **head_options: Any,
     ) -> None:
         if mode not in _MODES:
@@ -106,13 +112,15 @@ class NGramEagleDrafter:
                 f"pass either head or the head's loading options, got head and {sorted(head_options)}"
             )
         self.head = head
+        max_queued = check_max_queued(max_queued)
         self._options = {
-            "chain": {"min_prob": min_prob},
+            "chain": {"min_prob": min_prob, "max_queued": max_queued},
             "tree": {
                 "tree_min_prob": tree_min_prob,
                 "tree": tree,
                 "tree_nodes": tree_nodes,
                 "tree_width": tree_width,
+                "max_queued": max_queued,
             },
         }
         for kind in ("chain", "tree") if mode == "auto" else (mode,):  # bad options fail now
@@ -180,8 +188,7 @@ class NGramEagleDrafter:
                 keep = self.lookup_depth.depth(max(len(f) for f in found))
                 found = [f[:keep] for f in found]
             if all(len(f) >= self.min_tokens for b, f in enumerate(found) if not finished[b]):
-                eagle.catch_up(state)  # its cache takes in the committed tokens' true features
-                self._chose("lookup")
+                self._chose("lookup")  # the head's catch-up waits for its next draft
                 proposal = self.lookup.pack(state, found)
                 if self.depth is not None:
                     self.lookup_depth.drafted(proposal.tokens_BK.shape[1], 0.0)
@@ -192,11 +199,8 @@ class NGramEagleDrafter:
             return eagle.propose(state, gamma, generator)
         K = self.depth.depth(gamma)
         t0 = time.perf_counter()
-        if K == 0:  # speculation does not pay here: a plain step, the head kept in step
-            eagle.catch_up(state)
-            proposal = Proposal(state.tokens_BL.new_zeros((state.batch_size, 0)))
-        else:
-            proposal = eagle.propose(state, K, generator)
+        # K = 0: speculation does not pay here, a plain step (the head's catch-up waits)
+        proposal = eagle.propose(state, K, generator)
         self.depth.drafted(proposal.tokens_BK.shape[1], time.perf_counter() - t0)
         self.lookup_depth.drafted(proposal.tokens_BK.shape[1], 0.0, learn=False)
         return proposal

@@ -40,6 +40,7 @@ from filelock import FileLock
 from kernels.llama_forward import MAX_BLOCK
 from specdec.protocols import TargetOutput, TargetParts
 from specdec.targets.capture import check_layer_indices
+from specdec.targets.default_weights import default_weights
 from specdec.targets.kv_cache import StaticKVCache, block_attention_mask
 from specdec.targets.linear import resolve_backend
 from specdec.targets.llama_config import LlamaConfig, load_safetensors_state
@@ -133,8 +134,10 @@ class LlamaTarget:
         """Load a built-in name (``smollm2-135m``), a local checkpoint directory (safetensors only) or a
         ``.gguf`` file.
 
-        ``weights``: a format of :data:`specdec.targets.llama_weights.WEIGHT_MODES`, or ``auto``:
-        ``gguf`` when the model comes as a GGUF file (the built-in SmolLM2), else ``fp32``.
+        ``weights``: a format of :data:`specdec.targets.llama_weights.WEIGHT_MODES`, or ``auto``
+        (:func:`specdec.targets.default_weights.default_weights`): for a GGUF file (the built-in
+        SmolLM2) ``gguf-q8`` where it is the faster exact path (packed kernels on an ISA path with
+        integer dot products), else ``gguf``; ``fp32`` for a safetensors checkpoint.
         ``opts``: ``device``, ``linear_backend`` (see ``specdec.targets.linear``), ``load_tokenizer``
         (default True).
         """
@@ -151,13 +154,13 @@ class LlamaTarget:
         path = resolve_checkpoint(name_or_path)
         config = LlamaConfig.from_hf(hf_config := load_hf_config(path))
         source = gguf_source(name_or_path)
+        backend = resolve_backend(opts.get("linear_backend", "auto"), opts.get("device", "cpu"))
         if weights == "auto":
-            weights = "gguf" if source is not None else ("bf16" if dtype == torch.bfloat16 else "fp32")
+            weights = default_weights(source, dtype=dtype, linear_backend=backend)
         if weights in GGUF_MODES and source is None:
             raise ValueError(
                 f"weights={weights!r} needs a GGUF file; {name_or_path} is a safetensors checkpoint"
             )
-        backend = resolve_backend(opts.get("linear_backend", "auto"), opts.get("device", "cpu"))
         cache, key = packed_cache_path(path, source if weights in GGUF_MODES else None, weights, backend)
         eos_ids = load_eos_token_ids(path, hf_config)
         tokenizer = load_tokenizer(path) if with_tokenizer else None

@@ -5,8 +5,12 @@ length (γ), L head-cache slots.
 
 The head (:mod:`specdec.drafters.eagle.model`, run by its packed fast path) keeps a KV cache of
 (feature, token) pairs. After each verification the target's true features of the committed
-tokens replace the head's own predictions (``observe`` queues them, ``catch_up`` runs them at the
-next ``propose``); then the chain continues from the head's prediction for the next position.
+tokens replace the head's own predictions; then the chain continues from the head's prediction for
+the next position. The catch-up is lazy (:mod:`specdec.drafters.eagle.queue`): ``observe`` only
+queues the features, and ``catch_up`` runs every queued pair in one block when the head next
+drafts, so a step at depth 0 (or one where prompt lookup proposes, in
+:mod:`specdec.drafters.ngram_eagle`) costs the head nothing. At most ``max_queued`` tokens wait
+between calls; past that ``observe`` catches up at once.
 Greedy runs propose the head's argmax as a point-mass proposal (``probs_BKV=None``); sampling runs
 draw from :func:`draft_distribution` and return it. Draft probabilities are zero outside the draft
 vocabulary, which never affects exactness (verification handles any proposal).
@@ -23,11 +27,23 @@ from specdec.checks import check_logits
 from specdec.drafters.confidence import ConfidenceStop, check_min_prob
 from specdec.drafters.eagle.cache import EagleCache
 from specdec.drafters.eagle.packed import PackedEagleHead
+from specdec.drafters.eagle.queue import FeatureQueue
 from specdec.drafters.eagle.weights import load_packed_head
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
 
-__all__ = ["EagleDrafter", "draft_distribution"]
+__all__ = ["EagleDrafter", "draft_distribution", "DEFAULT_MAX_QUEUED", "check_max_queued"]
+
+_NO_FEATURES = "the EAGLE drafter needs target features: the target returned hidden_BTD=None"
+DEFAULT_MAX_QUEUED = 32
+"""Committed tokens that may wait for the head's catch-up between calls (see the module doc)."""
+
+
+def check_max_queued(max_queued: int) -> int:
+    """``max_queued`` as an int >= 0; ``ValueError`` otherwise."""
+    if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 0:
+        raise ValueError(f"max_queued must be an int >= 0, got {max_queued!r}")
+    return max_queued
 
 
 def draft_distribution(
@@ -64,6 +80,8 @@ class EagleDrafter:
             head load and pack it once); then ``weights`` and the loading options are not used. A
             path instead (``--drafter-option eagle.head=DIR``) is read as ``weights``: a head file,
             or a speculators / SGLang EAGLE-3 directory (:mod:`specdec.drafters.eagle.formats`).
+        max_queued: committed tokens whose features may wait for the head's lazy catch-up (0: catch
+            up at every ``begin`` and ``observe``, eagerly).
     """
 
     def __init__(
@@ -77,8 +95,10 @@ class EagleDrafter:
         min_prob: float = 0.0,
         weight_dtype: torch.dtype | str | None = None,
         head: PackedEagleHead | str | Path | None = None,
+        max_queued: int = DEFAULT_MAX_QUEUED,
     ) -> None:
         self.min_prob = check_min_prob(min_prob)
+        self.max_queued = check_max_queued(max_queued)
         if isinstance(head, (str, Path)):
             if weights is not None:
                 raise ValueError(f"pass either head={head!r} (a path) or weights={weights!r}, not both")
@@ -101,29 +121,53 @@ class EagleDrafter:
         self.vocab_size = head.config.vocab_size
         self.cache: EagleCache | None = None
         self.cache_len_B: torch.Tensor | None = None  # slots holding pairs with true target features
-        self._pending_feat_BTD: torch.Tensor | None = None
+        self.queue: FeatureQueue | None = None  # true features waiting for the catch-up
         self._next_feat_BD: torch.Tensor | None = None
 
     # --- protocol -------------------------------------------------------------------------
     def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
-        """Queue the prompt's pairs ``(f_i, x_{i+1})``; they run at the first ``propose``."""
+        """Queue the prompt's pairs ``(f_i, x_{i+1})``; they run when the head first drafts."""
         B, device = state.batch_size, self.head.device
+        D, A = self.head.config.hidden_size, len(self.head.config.aux_layers)
         self.cache = EagleCache(self.head, B, state.tokens_BL.shape[1] + 64)
         self.cache_len_B = torch.zeros(B, dtype=torch.long, device=device)
-        self._pending_feat_BTD = self.input_features(target_out)
-        self._next_feat_BD = torch.zeros(B, self.head.config.hidden_size, device=device)
+        self.queue = FeatureQueue(B, (A + 1) * D, device, capacity=self.max_queued + 16)
+        self._next_feat_BD = torch.zeros(B, D, device=device)
+        self._enqueue(state, target_out)
 
     def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
-        """Queue the verified block's true features; drafted slots past them become stale."""
-        self._pending_feat_BTD = self.input_features(target_out)
+        """Queue the verified block's true features (drafted slots past them become stale); the
+        head runs them when it next drafts, or now if more than ``max_queued`` tokens wait."""
+        self._enqueue(state, target_out)
+
+    def _enqueue(self, state: DecodeState, target_out: TargetOutput) -> None:
+        """Queue each row's newly committed positions of a target block: the block starts at the
+        row's first position not yet queued, and positions up to ``lengths - 2`` have features."""
+        if self.queue is None or self.cache_len_B is None:
+            raise ValueError("observe() called before begin()")
+        if target_out.hidden_BTD is None:
+            raise ValueError(_NO_FEATURES)
+        T = target_out.hidden_BTD.shape[1]
+        rows = zip(state.lengths_B.tolist(), self.cache_len_B.tolist(), self.queue.counts, strict=True)
+        new_B = [max(0, min(T, n - 1 - cached - queued)) for n, cached, queued in rows]
+        if max(new_B) > 0:
+            self.queue.push(self._raw_features(target_out, max(new_B)), new_B)
+        if self.queue.longest > self.max_queued:
+            self.catch_up(state)
 
     @torch.inference_mode()
     def input_features(self, target_out: TargetOutput) -> torch.Tensor:
         """The head's input features ``[B, T, D]`` for a target block: the last layer's features,
         fused with the aux layers' for an EAGLE-3 head."""
+        return self._project(self._raw_features(target_out))
+
+    def _raw_features(self, target_out: TargetOutput, length: int | None = None) -> torch.Tensor:
+        """What the queue holds for a target block (its first ``length`` positions): the last
+        layer's features ``[B, T, D]``, with an EAGLE-3 head the aux layers' before them
+        (``[B, T, (A + 1) · D]``), fused only at the catch-up (:meth:`_project`)."""
         if target_out.hidden_BTD is None:
-            raise ValueError("the EAGLE drafter needs target features: the target returned hidden_BTD=None")
-        hidden_BTD = target_out.hidden_BTD.float()
+            raise ValueError(_NO_FEATURES)
+        hidden_BTD = target_out.hidden_BTD[:, :length].float()
         layers = self.head.config.aux_layers
         if not layers:
             return hidden_BTD
@@ -134,15 +178,27 @@ class EagleDrafter:
                 f"the EAGLE-3 head needs the outputs of target layers {missing} (aux_hidden_BTD); "
                 "the target was not asked to capture them (capture_layers)"
             )
-        return self.head.project(hidden_BTD, torch.stack([aux[i].float() for i in layers], dim=2))
+        return torch.cat([*(aux[i][:, :length].float() for i in layers), hidden_BTD], dim=-1)
+
+    def _project(self, raw_BTI: torch.Tensor) -> torch.Tensor:
+        """The head's input features ``[B, T, D]`` of queued raw features (:meth:`_raw_features`)."""
+        A, D = len(self.head.config.aux_layers), self.head.config.hidden_size
+        if not A:
+            return raw_BTI
+        return self.head.project(raw_BTI[..., A * D :], raw_BTI[..., : A * D].unflatten(-1, (A, D)))
 
     @torch.inference_mode()
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
         """Draft ``gamma`` tokens per row (the head's argmax when greedy, else sampled)."""
         if gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {gamma}")
+        if self.cache is None:
+            raise ValueError("propose() called before begin()")
+        B = state.batch_size
+        if gamma == 0:  # a plain step: the committed tokens stay queued (lazy catch-up)
+            return Proposal(torch.zeros(B, 0, dtype=torch.long, device=self.head.device), None)
         feat_BD = self.catch_up(state)
-        B, device = state.batch_size, feat_BD.device
+        device = feat_BD.device
         tokens, probs = [], []
         slot_B = self.cache_len_B.clone()
         prev_B = state.last_tokens_B().to(device)  # the token at the first draft pair's feature
@@ -175,20 +231,21 @@ class EagleDrafter:
         return logits_BN
 
     def catch_up(self, state: DecodeState) -> torch.Tensor:
-        """Run the queued pairs with true features; return each row's next predicted feature [B, D].
+        """Run every queued pair in one block; return each row's next predicted feature [B, D].
 
         Row b's queued pairs fill slots ``cache_len[b] .. lengths[b]-2``: the feature at slot s
-        (from the queued block, which starts at ``cache_len[b]``) with committed token s+1.
+        (from the queue, which starts at ``cache_len[b]``) with committed token s+1. One forward of
+        the head over T positions computes what T forwards of one would (the same inputs at the
+        same slots and positions), equal up to float rounding: a kernel may sum in another order
+        for another number of rows.
         """
-        if self.cache is None:
+        if self.cache is None or self.queue is None:
             raise ValueError("propose() called before begin()")
-        feats_BTD = self._pending_feat_BTD
-        count_B = (state.lengths_B.to(self.cache_len_B.device) - 1 - self.cache_len_B).clamp(
-            min=0, max=feats_BTD.shape[1]
-        )
-        T = int(count_B.max())
-        if T == 0:
+        if self.queue.longest == 0:
             return self._next_feat_BD
+        raw_BTI, count_B = self.queue.take()
+        feats_BTD = self._project(raw_BTI)  # EAGLE-3: the aux layers fused in one call for the block
+        T = feats_BTD.shape[1]
         B, device = state.batch_size, feats_BTD.device
         slots_BT = self.cache_len_B.unsqueeze(1) + torch.arange(T, device=device)
         # Committed tokens at slots s .. s+T: x_s is each pair's previous token, x_{s+1} its token.
@@ -214,7 +271,6 @@ class EagleDrafter:
             has_B1, out_BTD[torch.arange(B, device=device), last_B], self._next_feat_BD
         )
         self.cache_len_B = self.cache_len_B + count_B
-        self._pending_feat_BTD = feats_BTD[:, :0]
         return self._next_feat_BD
 
     def chain_step(

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from specdec.drafters.confidence import check_min_prob
-from specdec.drafters.eagle.chain import EagleDrafter
+from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, EagleDrafter
 from specdec.drafters.eagle.packed import PackedEagleHead
 from specdec.protocols import DecodeState, Proposal, TreeTarget
 from specdec.sampling import logits_to_probs
@@ -68,8 +68,8 @@ class EagleTreeDrafter(EagleDrafter):
             head's estimate that the target accepts the node) is at least this, and stops expanding
             once no frontier node reaches it: a node costs verify time whether accepted or not, so
             unlikely ones are dropped (0 keeps ``tree_nodes`` nodes, as EAGLE-2 does).
-        weights, draft_vocab_size, dtype, linear_backend, weight_dtype, head: as for
-            :class:`specdec.drafters.eagle.EagleDrafter`.
+        weights, draft_vocab_size, dtype, linear_backend, weight_dtype, head, max_queued: as for
+            :class:`specdec.drafters.eagle.EagleDrafter` (the catch-up is lazy here too).
     """
 
     def __init__(
@@ -86,6 +86,7 @@ class EagleTreeDrafter(EagleDrafter):
         linear_backend: str = "auto",
         weight_dtype: torch.dtype | str | None = None,
         head: PackedEagleHead | str | Path | None = None,
+        max_queued: int = DEFAULT_MAX_QUEUED,
     ) -> None:
         if not isinstance(target, TreeTarget):
             raise ValueError(
@@ -100,6 +101,7 @@ class EagleTreeDrafter(EagleDrafter):
             linear_backend=linear_backend,
             weight_dtype=weight_dtype,
             head=head,
+            max_queued=max_queued,
         )
         self.dynamic = tree == "dynamic"
         self.tree = resolve_tree("small" if self.dynamic else tree)
@@ -113,13 +115,15 @@ class EagleTreeDrafter(EagleDrafter):
         """Draft a tree (depth ≤ ``gamma``); the proposal's chain is its first-candidate path."""
         if gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {gamma}")
+        if self.cache is None:
+            raise ValueError("propose() called before begin()")
         room = int(state.tokens_BL.shape[1] - (state.lengths_B.max() - 1))
-        tree = self.tree.truncate(gamma, room)
+        tree = self.tree.truncate(gamma, room) if gamma > 0 else None
+        if tree is None or tree.num_nodes == 1:  # a plain step: the committed tokens stay queued
+            return Proposal(torch.zeros(state.batch_size, 0, dtype=torch.long, device=self.head.device), None)
         feat_BD = self.catch_up(state)
         B, D = feat_BD.shape
         device = feat_BD.device
-        if tree.num_nodes == 1:
-            return Proposal(torch.zeros(B, 0, dtype=torch.long, device=device), None)
         last_B = state.last_tokens_B().to(device)  # the root's token: each node's x_t is its parent's
         if self.dynamic and B == 1 and state.sampling.greedy:
             return self._propose_dynamic(
