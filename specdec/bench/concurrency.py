@@ -11,8 +11,10 @@ specdec.bench.concurrency``). For every concurrency c and drafter, interleaved i
 
 Per row: system tokens per second (every generated token / wall time of the level, prefill
 included), per-request TPOT P50 / P99 (``(last token − first token) / (tokens − 1)``), α and τ pooled
-over the level's requests, and for greedy runs the share of engine requests whose tokens equal the
-same prompt decoded alone (``= solo``).
+over the level's requests, for greedy runs the share of engine requests whose tokens equal the
+same prompt decoded alone (``= solo``), and for the engine the scheduler's share of its step time
+(:func:`specdec.engine.engine.scheduler_seconds`: outside the target's forwards, the drafters and the
+verification rule).
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
 
 def _drive(engine: Any, prompts: list[list[int]], c: int, mode: str, params: dict[str, Any]) -> dict:
     """Run ``prompts`` through ``engine`` at concurrency ``c``; returns the level's figures and tokens."""
+    from specdec.engine.engine import scheduler_seconds
+
     engine.reset_target()
+    stats0 = dict(engine.stats)
     outputs: dict[int, Any] = {}
     ids: dict[str, int] = {}
     todo = list(range(len(prompts)))
@@ -58,6 +63,7 @@ def _drive(engine: Any, prompts: list[list[int]], c: int, mode: str, params: dic
             if out.finished:
                 outputs[ids[out.request_id]] = out
     wall = time.perf_counter() - t0
+    delta = {k: engine.stats[k] - stats0[k] for k in stats0}
     metrics = [o.metrics for o in outputs.values()]
     tokens = sum(len(o.token_ids) for o in outputs.values())
     tpots = [m.tpot_s for m in metrics if m.tpot_s is not None]
@@ -72,6 +78,7 @@ def _drive(engine: Any, prompts: list[list[int]], c: int, mode: str, params: dic
         "tpot_p99_s": _percentile(tpots, 0.99),
         "alpha": accepted / drafted if drafted else 0.0,
         "tau": (accepted + steps) / steps if steps else 1.0,
+        "scheduler_share": scheduler_seconds(delta) / delta["total_s"] if delta["total_s"] else None,
         "token_ids": {i: o.token_ids for i, o in outputs.items()},
     }
 
@@ -105,6 +112,7 @@ def _static(target: Any, drafter: str, prompts: list[list[int]], c: int, params:
         "tpot_p99_s": None,
         "alpha": 0.0 if drafter == "none" else statistics.fmean(a for a, _ in drafted_tau),
         "tau": 1.0 if drafter == "none" else statistics.fmean(t for _, t in drafted_tau),
+        "scheduler_share": None,
         "token_ids": token_ids,
     }
 
@@ -169,6 +177,7 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
                     console.print(
                         f"c={c} {d:>8} {path:<17} {row['tokens_per_second']:7.1f} tok/s  "
                         f"tau {row['tau']:.2f}  = solo {same if same is None else f'{same:.0%}'}"
+                        + ("" if row["scheduler_share"] is None else f"  sched {row['scheduler_share']:.1%}")
                     )
                 _write(out_dir, payload)
     return payload
@@ -200,6 +209,9 @@ def summarize(record: dict[str, Any]) -> Any:
                 "equal_solo": r["equal_solo"],
             }
         )
+        if "scheduler_share" in r:  # records before the column have none
+            share = r["scheduler_share"]
+            rows[-1]["scheduler_pct"] = None if share is None else 100 * share
     columns = [
         ("concurrency", "c", "d"),
         ("drafter", "drafter", ""),
@@ -212,6 +224,8 @@ def summarize(record: dict[str, Any]) -> Any:
         ("tau", "tau", ".2f"),
         ("equal_solo", "= solo", ".2f"),
     ]
+    if any("scheduler_share" in r for r in record["rows"]):  # records before the column have none
+        columns.append(("scheduler_pct", "sched %", ".1f"))
     caption = f"The engine under load against the static batch ({record['num_requests']} requests per level)"
     return Summary(
         title="Speculation under load",
@@ -234,8 +248,9 @@ def _write(out_dir: Path, payload: dict[str, Any]) -> None:
         "",
         f"`{payload['command']}`; {payload['num_requests']} requests per level.",
         "",
-        "| c | drafter | path | tok/s | × none (same path) | TPOT P50 ms | TPOT P99 ms | α | τ | = solo |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| c | drafter | path | tok/s | × none (same path) | TPOT P50 ms | TPOT P99 ms | α | τ | = solo "
+        "| scheduler % of step |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = {
         (r["concurrency"], r["path"]): r["tokens_per_second"]
@@ -248,9 +263,10 @@ def _write(out_dir: Path, payload: dict[str, Any]) -> None:
         p50 = "–" if r["tpot_p50_s"] is None else f"{1e3 * r['tpot_p50_s']:.1f}"
         p99 = "–" if r["tpot_p99_s"] is None else f"{1e3 * r['tpot_p99_s']:.1f}"
         same = "–" if r["equal_solo"] is None else f"{r['equal_solo']:.0%}"
+        sched = "–" if r.get("scheduler_share") is None else f"{100 * r['scheduler_share']:.1f}"
         lines.append(
             f"| {r['concurrency']} | {r['drafter']} | {r['path']} | {r['tokens_per_second']:.1f} | {ratio} | "
-            f"{p50} | {p99} | {r['alpha']:.2f} | {r['tau']:.2f} | {same} |"
+            f"{p50} | {p99} | {r['alpha']:.2f} | {r['tau']:.2f} | {same} | {sched} |"
         )
     (out_dir / "concurrency.md").write_text("\n".join(lines) + "\n")
 

@@ -55,7 +55,7 @@ from specdec.stop_strings import StopStrings
 from specdec.verify_gumbel import GumbelVerify, KeyedExactVerify
 from specdec.verify_rules import VerifyRule, make_verify_rule
 
-__all__ = ["Engine", "mix_seed"]
+__all__ = ["Engine", "mix_seed", "scheduler_seconds"]
 
 _DECAY, _PRIOR, _PRIOR_WEIGHT = 0.97, 0.6, 3.0  # acceptance estimates a_k per request
 PROBE_EVERY = 16
@@ -69,6 +69,13 @@ def mix_seed(seed: int, position: int, salt: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
     return z ^ (z >> 31)
+
+
+def scheduler_seconds(stats: Mapping[str, float]) -> float:
+    """The engine's own time in :attr:`Engine.stats` (or a difference of two snapshots): a step's
+    time outside the target's forwards, the drafters and the verification rule (admission, the
+    depth controller, block assembly, commit, stop strings, rollback, bookkeeping)."""
+    return stats["total_s"] - stats["forward_s"] - stats["draft_s"] - stats["rule_s"]
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -104,6 +111,12 @@ class Engine:
 
     ``recorder``: set it to a :class:`specdec.metrics.MetricsRecorder` to have every verify forward
     recorded (``specdec.generate`` does).
+
+    ``stats`` (seconds, summed over every step): ``total_s`` inside :meth:`step`; ``forward_s`` the
+    target's forwards (prefill chunks included, ``prefill_s``); ``draft_s`` the drafters (``propose``,
+    ``begin`` (``begin_s``) and ``observe``); ``rule_s`` the verification rule's calls; ``verify_s``
+    from a verify forward's end to its rows settled (the rule, commit, rollback, observe).
+    :func:`scheduler_seconds` is what is left: the engine's own time.
     """
 
     def __init__(
@@ -176,7 +189,7 @@ class Engine:
         self._ids = itertools.count()
         self.stats = {
             "steps": 0, "total_s": 0.0, "forward_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
-            "prefill_s": 0.0, "begin_s": 0.0,
+            "prefill_s": 0.0, "begin_s": 0.0, "rule_s": 0.0,
         }  # fmt: skip
         self.now = time.perf_counter
         self.recorder: MetricsRecorder | None = None
@@ -500,7 +513,9 @@ class Engine:
             kwargs = {"noise": PositionNoise([seed]), "positions_BK": (position + offsets)[None]}
         elif not sampling.greedy:
             generator = torch.Generator().manual_seed(mix_seed(seed, position, 2))
+        t_rule = self.now()
         verdict = block.verify(self.rule, out.logits_BTV, sampling, generator, **kwargs)
+        self.stats["rule_s"] += self.now() - t_rule
         accepted = int(verdict.num_accepted_B[0])
         request.metrics.num_steps += 1
         request.metrics.num_drafted += block.num_drafted
