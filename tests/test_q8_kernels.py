@@ -287,6 +287,32 @@ def test_a_tree_nodes_logits_equal_its_path_decoded_as_a_chain(tiny_path, weight
             assert torch.equal(tree[n], chain), (context, n, path)
 
 
+@pytest.mark.parametrize("weights", ["int4-q8", "fp32"])
+def test_a_prompt_longer_than_the_native_block_gives_the_logits_of_any_chunking(tiny_path, weights):
+    """A block longer than ``MAX_BLOCK`` (a prompt's prefill) runs through the native forward in
+    chunks, so each token's logits are bitwise those of the same tokens fed one at a time or in
+    chunks of any size: prefilling a long prompt at once (``specdec.generate``) or in the engine's
+    chunks gives the same target."""
+    from kernels.llama_forward import MAX_BLOCK
+    from specdec.targets.llama import LlamaTarget
+
+    target = LlamaTarget.from_pretrained(tiny_path, weights=weights, load_tokenizer=False)
+    assert target._native is not None
+    T = 2 * MAX_BLOCK + 9
+    seq_BT = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(5))
+
+    def chunked(size: int) -> torch.Tensor:
+        target.reset(2, 128)
+        parts = [
+            target.forward(seq_BT[:, s : s + size], torch.full((2,), s)).logits_BTV for s in range(0, T, size)
+        ]
+        return torch.cat(parts, dim=1)
+
+    whole = chunked(T)
+    for size in (1, 7, MAX_BLOCK, MAX_BLOCK + 3):
+        assert torch.equal(chunked(size), whole), size
+
+
 def test_the_native_forward_is_close_to_the_pytorch_path(tiny_path):
     """Same weights and 8-bit products; PyTorch's attention differs in the last bits, which can move
     an activation across a quantisation boundary, so this is closeness, not equality."""

@@ -449,12 +449,20 @@ class LlamaTarget:
         rows_B: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Embed, run ``layers`` in order (writing their K/V), return the last one's output (and put
-        the outputs of the layers in ``aux_layers`` into ``aux_out``). Blocks of up to
-        ``kernels.llama_forward.MAX_BLOCK`` tokens take the native forward when it runs here."""
+        the outputs of the layers in ``aux_layers`` into ``aux_out``). Where the native forward runs
+        here, every chain block takes it: one of up to ``kernels.llama_forward.MAX_BLOCK`` tokens in
+        one call, a longer one (a prompt's prefill) in consecutive chunks of ``MAX_BLOCK`` (each
+        chunk reads the previous chunks' K/V from the cache, as a causal block does). A token's
+        output is then the same whatever block it comes in (the native forward is block-length
+        invariant; the PyTorch path below rounds otherwise, and with 8-bit activations a rounding
+        difference can flip a quantised value). Trees of more than ``MAX_BLOCK`` nodes take the
+        PyTorch path."""
         c = self.config
         B, T = tokens_BT.shape
         if self._native is not None and T <= MAX_BLOCK:
             return self._run_native(tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux_out, rows_B)
+        if self._native is not None and tree_mask_TT is None and depth_T is None:
+            return self._run_native_chunks(tokens_BT, start_B, layers, aux_out, rows_B)
         starts = start_B.tolist()
         uniform = starts[0] if starts.count(starts[0]) == B else None
         num_slots = max(starts) + T
@@ -484,6 +492,22 @@ class LlamaTarget:
             if aux_out is not None and i in self.aux_layers:
                 aux_out[i] = x_BTD
         return x_BTD
+
+    def _run_native_chunks(self, tokens_BT, start_B, layers, aux_out, rows_B=None) -> torch.Tensor:
+        """A chain block longer than ``MAX_BLOCK`` through the native forward, chunk by chunk."""
+        outs, chunk_aux = [], []
+        for s in range(0, tokens_BT.shape[1], MAX_BLOCK):
+            part_aux: dict[int, torch.Tensor] | None = None if aux_out is None else {}
+            outs.append(
+                self._run_native(
+                    tokens_BT[:, s : s + MAX_BLOCK], start_B + s, layers, None, None, part_aux, rows_B
+                )
+            )
+            chunk_aux.append(part_aux)
+        if aux_out is not None:
+            for i in chunk_aux[0]:
+                aux_out[i] = torch.cat([a[i] for a in chunk_aux], dim=1)
+        return torch.cat(outs, dim=1)
 
     def _run_native(
         self, tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux_out, rows_B=None
