@@ -15,16 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specdec.engine import Engine, RequestOutput
+    from specdec.engine.depth import DEPTH_POLICIES, DepthPolicy, make_depth_policy
     from specdec.loop import GenerationOutput, generate
     from specdec.metrics import SpecMetrics, predicted_speedup
-    from specdec.policies import (
-        POLICIES,
-        CostModelGamma,
-        FixedGamma,
-        GammaPolicy,
-        HeuristicGamma,
-        make_policy,
-    )
     from specdec.protocols import DecodeState, Drafter, Proposal, Target, TargetOutput
     from specdec.registry import DRAFTERS, TARGETS, create_drafter
     from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
@@ -40,12 +33,9 @@ _EXPORTS = {
     "GenerationOutput": "specdec.loop",
     "SpecMetrics": "specdec.metrics",
     "predicted_speedup": "specdec.metrics",
-    "GammaPolicy": "specdec.policies",
-    "FixedGamma": "specdec.policies",
-    "HeuristicGamma": "specdec.policies",
-    "CostModelGamma": "specdec.policies",
-    "POLICIES": "specdec.policies",
-    "make_policy": "specdec.policies",
+    "DepthPolicy": "specdec.engine.depth",
+    "DEPTH_POLICIES": "specdec.engine.depth",
+    "make_depth_policy": "specdec.engine.depth",
     "Target": "specdec.protocols",
     "TargetOutput": "specdec.protocols",
     "Drafter": "specdec.protocols",
@@ -69,12 +59,9 @@ __all__ = [
     "GenerationOutput",
     "SpecMetrics",
     "predicted_speedup",
-    "GammaPolicy",
-    "FixedGamma",
-    "HeuristicGamma",
-    "CostModelGamma",
-    "POLICIES",
-    "make_policy",
+    "DepthPolicy",
+    "DEPTH_POLICIES",
+    "make_depth_policy",
     "Target",
     "TargetOutput",
     "Drafter",

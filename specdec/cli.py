@@ -78,16 +78,19 @@ def _metrics_line(m: Any, drafter: str) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import specdec
-    from specdec.policies import make_policy
+    from specdec.engine.depth import make_depth_policy
+    from specdec.engine.drafting import resolve_default
     from specdec.prompt_sets import encode_prompt
-    from specdec.registry import DRAFTERS, create_drafter
+    from specdec.registry import DRAFTERS
     from specdec.sampling import validate_sampling
     from specdec.targets import open_target
 
     prompt = check_text(args.prompt, "--prompt")
     validate_sampling(args.temperature, args.top_k, args.top_p)  # before the model loads
     drafter_options = parse_options(args.drafter_option, "--drafter-option")
-    policy = make_policy(args.gamma_policy, gamma=args.gamma)
+    gamma_options = {} if args.gamma is None else {"gamma": args.gamma}
+    policy = make_depth_policy(args.gamma_policy, gamma_options)
+    DRAFTERS.get(args.drafter)  # an unknown name fails before the model loads
     target = open_target(
         args.target, backend=args.backend, dtype=args.dtype, device=args.device, weights=args.weights
     )
@@ -105,13 +108,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(detok.push(ids))
             sys.stdout.flush()
 
-    # Built here, once, so the name reported is the drafter that ran (``default`` picks one).
-    drafter = create_drafter(args.drafter, target, **drafter_options)
-    drafter_name = getattr(drafter, "registry_name", DRAFTERS.resolve(args.drafter))
+    # The name reported is the drafter that runs (``default`` picks one for the target).
+    drafter = resolve_default(target) if args.drafter == "default" else args.drafter
+    drafter_name = DRAFTERS.resolve(drafter)
     out = specdec.generate(
         target,
         [prompt_ids],
         drafter=drafter,
+        drafter_options=drafter_options,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -164,9 +168,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=finite_float, default=None)
     p.add_argument(
-        "--gamma", type=nonnegative_int, default=4, help="draft length (fixed, or the policy's start)"
+        "--gamma",
+        type=nonnegative_int,
+        default=None,
+        help="draft depth: fixed's depth, or the deepest an adaptive policy drafts (default: the policy's)",
     )
-    p.add_argument("--gamma-policy", default="fixed", help="fixed | heuristic | cost (default: %(default)s)")
+    p.add_argument(
+        "--gamma-policy",
+        default="auto",
+        help="depth policy: fixed | batch-table | goodput | auto (default: %(default)s)",
+    )
     p.add_argument("--seed", type=seed_int, default=None, help="an integer in [0, 2**64)")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
@@ -192,7 +203,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument(
-        "--verify", default="exact", help="verification rule: exact | lenient (lossy) (default: %(default)s)"
+        "--verify",
+        default="exact",
+        help="verification rule: exact | gumbel | lenient (lossy) (default: %(default)s)",
     )
     p.add_argument(
         "--verify-option", action="append", metavar="KEY=VALUE", help="rule option, e.g. lenience=0.5"

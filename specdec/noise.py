@@ -14,7 +14,9 @@ Streams (independent families of numbers at the same position):
   drafter that wants to agree with it: :func:`draft_keyed`);
 - ``"accept"``: rejection sampling's acceptance uniform at a position;
 - ``"residual"``: sampling the recovered token from the residual at a position;
-- ``"draft"``: a drafter's own sampling, independent of the target's.
+- ``"draft"``: a drafter's own sampling, independent of the target's;
+- ``"tree"``: the acceptance uniforms of a token tree's nodes (keyed by the block's root position
+  and the node, :func:`specdec.tree.tree_rejection_sample`).
 
 **Generator.** A counter-based hash, SplitMix64's output function (Steele, Lea and Flood 2014,
 "Fast splittable pseudorandom number generators"; the finaliser of Stafford's "Mix13") in int64
@@ -53,7 +55,7 @@ from specdec.seeds import check_seed
 
 __all__ = ["STREAMS", "PositionNoise", "sample_keyed", "draft_keyed"]
 
-STREAMS: dict[str, int] = {"sample": 1, "accept": 2, "residual": 3, "draft": 4}
+STREAMS: dict[str, int] = {"sample": 1, "accept": 2, "residual": 3, "draft": 4, "tree": 5}
 """Stream name -> the id mixed into the key."""
 
 

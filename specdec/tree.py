@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from specdec.noise import PositionNoise, sample_keyed
 from specdec.sampling import sample_from_probs
 
 __all__ = [
@@ -270,6 +271,10 @@ def _normalise_rows(x_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(ok_B1, x_BV / torch.where(ok_B1, s_B1, torch.ones_like(s_B1)), x_BV), ok_B1.squeeze(-1)
 
 
+_KEYS_PER_ROOT = 1 << 16
+"""Keys of the ``"tree"`` stream per root position: a tree has fewer nodes."""
+
+
 def tree_rejection_sample(
     target_probs_BNV: torch.Tensor,
     tree: TokenTree,
@@ -279,6 +284,8 @@ def tree_rejection_sample(
     replacement: bool = False,
     generator: torch.Generator | None = None,
     validate: bool = True,
+    noise: PositionNoise | None = None,
+    positions_BN: torch.Tensor | None = None,
 ) -> TreeVerifyResult:
     """Multi-candidate recursive rejection sampling down a token tree (see the module docstring).
 
@@ -289,6 +296,11 @@ def tree_rejection_sample(
             (deterministic candidates).
         replacement: children drawn i.i.d. (SpecInfer) or without replacement (RSD).
         generator: source of randomness (the same seed gives the same tokens).
+        noise, positions_BN: keyed randomness instead (:mod:`specdec.noise`; the engine's): node i of
+            row b decides sequence position ``positions_BN[b, i]``. Node i's acceptance uniform is
+            keyed by the root's position and i (stream ``"tree"``; each step's root position is new),
+            the recovered or bonus token by the position it fills (stream ``"residual"``), so a row's
+            tokens depend on its own seed only.
 
     Rows advance in lock step, one tree depth at a time, trying their current node's candidates in
     order. Implements SpecInfer (arXiv 2305.09781) multi-step speculative sampling; the
@@ -322,7 +334,14 @@ def tree_rejection_sample(
     out_nodes = torch.full((B, A), -1, dtype=torch.long, device=device)
     num_accepted = torch.zeros(B, dtype=torch.long, device=device)
     # One uniform per node (each node is a candidate of exactly one parent), drawn up front.
-    u_BN = torch.rand((B, N), generator=generator, device=device, dtype=work)
+    if noise is not None:
+        if positions_BN is None or tuple(positions_BN.shape) != (B, N):
+            raise ValueError(f"noise needs positions_BN of shape [{B}, {N}]")
+        positions_BN = positions_BN.to(device=device, dtype=torch.long)
+        keys_BN = positions_BN[:, :1] * _KEYS_PER_ROOT + torch.arange(N, device=device)
+        u_BN = noise.uniform_BK(keys_BN, "tree", dtype=work)
+    else:
+        u_BN = torch.rand((B, N), generator=generator, device=device, dtype=work)
     node_B = torch.zeros(B, dtype=torch.long, device=device)
     live_B = torch.ones(B, dtype=torch.bool, device=device)
     for depth in range(A):
@@ -358,7 +377,16 @@ def tree_rejection_sample(
         finish_B = live_B & (chosen_B < 0)
         if bool(finish_B.any()):
             # Recovered token (all candidates rejected) or bonus token (a leaf).
-            final_B = sample_from_probs(target_BV[finish_B].float(), generator)
+            if noise is None:
+                final_B = sample_from_probs(target_BV[finish_B].float(), generator)
+            else:
+                at_B = finish_B.nonzero().flatten()
+                final_B = sample_keyed(
+                    target_BV[finish_B].float(),
+                    noise.select(at_B),
+                    positions_BN[at_B, node_B[at_B]],  # type: ignore[index]
+                    stream="residual",
+                )
             out_tokens[finish_B, depth] = final_B
             num_accepted[finish_B] = depth
         go_B = live_B & (chosen_B >= 0)

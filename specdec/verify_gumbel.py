@@ -36,7 +36,7 @@ import torch
 
 from specdec.noise import PositionNoise, sample_keyed
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.tree import TokenTree, TreeProposal, TreeVerifyResult, tree_greedy_verify
+from specdec.tree import TokenTree, TreeProposal, TreeVerifyResult, tree_greedy_verify, tree_rejection_sample
 from specdec.verify import VerifyResult, greedy_verify, validate_verify_inputs
 from specdec.verify_keyed import rejection_sample_keyed, validate_keyed_inputs
 from specdec.verify_rules import ExactVerify
@@ -237,8 +237,9 @@ class KeyedExactVerify(ExactVerify):
     with ``noise=`` and ``positions_BK=``, else :class:`specdec.verify_rules.ExactVerify` unchanged (a
     generator consumed in call order), so it can stand in for ``exact`` in today's loop.
 
-    Trees: greedy and generator runs as ``exact``; keyed tree rejection sampling is not implemented
-    (``ValueError`` when ``noise`` is given to ``verify_tree`` in a sampled run).
+    Trees: greedy and generator runs as ``exact``; with ``noise=`` and ``positions_BK=`` (``[B, N]``,
+    per node) SpecInfer's tree rejection sampling with keyed randomness
+    (:func:`specdec.tree.tree_rejection_sample`).
     """
 
     def __call__(
@@ -295,12 +296,21 @@ class KeyedExactVerify(ExactVerify):
         noise: PositionNoise | None = None,
         positions_BK: torch.Tensor | None = None,
     ) -> TreeVerifyResult:
-        if noise is not None and not sampling.greedy:
-            raise ValueError(
-                "verification rule 'exact' has no keyed tree policy yet: verify token trees with a generator "
-                "(noise=None), or use verify='gumbel', whose tree walk is keyed"
-            )
-        return super().verify_tree(target_logits_BNV, proposal, sampling=sampling, generator=generator)
+        if noise is None or sampling.greedy:
+            return super().verify_tree(target_logits_BNV, proposal, sampling=sampling, generator=generator)
+        _need_noise("exact", noise, positions_BK)
+        target_probs_BNV = logits_to_probs(
+            target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p
+        )
+        return tree_rejection_sample(
+            target_probs_BNV,
+            proposal.tree,
+            proposal.tokens_BN,
+            proposal.draft_probs_BNV,
+            replacement=proposal.replacement,
+            noise=noise,
+            positions_BN=positions_BK,
+        )
 
     def __repr__(self) -> str:
         return "KeyedExactVerify()"

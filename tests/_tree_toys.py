@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specdec.noise import sample_keyed
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 from specdec.sampling import logits_to_probs
 from specdec.testing import MarkovModel, MarkovTarget
@@ -62,7 +63,11 @@ class TreeMarkovTarget(MarkovTarget):
 class TreeMarkovDrafter:
     """Drafts a fixed-shape tree from a :class:`MarkovModel`; children drawn ``mode``:
     ``"without"`` (Gumbel-top-k), ``"with"`` (i.i.d.), ``"top"`` (deterministic top-k) or ``"second"``.
-    ``verify_replacement`` overrides what the proposal tells the verifier (to plant a bug)."""
+    ``verify_replacement`` overrides what the proposal tells the verifier (to plant a bug).
+    Stateless (``batched_rows``): given ``noise`` it draws keyed by each row's seed, output position
+    and node (stream ``"draft"``), so a row's tree never depends on the rows beside it."""
+
+    batched_rows = True
 
     def __init__(
         self,
@@ -81,7 +86,7 @@ class TreeMarkovDrafter:
     def observe(self, state: DecodeState, num_accepted_B, target_out: TargetOutput) -> None:
         pass
 
-    def propose(self, state: DecodeState, gamma: int, generator=None) -> Proposal:
+    def propose(self, state: DecodeState, gamma: int, generator=None, *, noise=None) -> Proposal:
         room = int(state.tokens_BL.shape[1] - (state.lengths_B.max() - 1))
         tree = self.tree.truncate(gamma, room)
         B, N, O, V = state.batch_size, tree.num_nodes, self.model.order, self.model.vocab_size
@@ -96,7 +101,10 @@ class TreeMarkovDrafter:
                 continue
             q_BV = logits_to_probs(self.model.logits_for(ctx[node]), s.temperature, s.top_k, s.top_p)
             draft_BNV[:, node] = q_BV
-            picks = draw_children(q_BV, len(kids), self.mode, generator)
+            keys = None
+            if noise is not None:  # a key per (row, output position, node): _KEYS_PER_POSITION slots
+                keys = (state.lengths_B - state.prompt_lengths_B) * _KEYS_PER_POSITION + node * _MAX_CHILDREN
+            picks = draw_children(q_BV, len(kids), self.mode, generator, noise=noise, keys_B=keys)
             tokens_BN[:, kids] = picks
             for j, c in enumerate(kids):
                 ctx[c] = torch.cat([ctx[node][:, 1:], picks[:, j : j + 1]], dim=1)
@@ -112,14 +120,28 @@ class TreeMarkovDrafter:
         )
 
 
-def draw_children(q_BV: torch.Tensor, k: int, mode: str, generator=None) -> torch.Tensor:
+_MAX_CHILDREN = 16
+_KEYS_PER_POSITION = 1024 * _MAX_CHILDREN  # nodes x children: keyed draws of one output position
+
+
+def draw_children(
+    q_BV: torch.Tensor, k: int, mode: str, generator=None, *, noise=None, keys_B=None
+) -> torch.Tensor:
     """k candidates per row from ``q_BV``: without replacement, with replacement, top-k, or top-k
-    with ranks 0 and 1 swapped (``"second"``: the best token is always the second candidate)."""
+    with ranks 0 and 1 swapped (``"second"``: the best token is always the second candidate).
+    With ``noise`` the draws are keyed at positions ``keys_B + j`` (j < k) of stream ``"draft"``."""
     if mode in ("top", "second"):
         order = torch.sort(q_BV, dim=-1, descending=True, stable=True).indices
         if mode == "second":
             order = order[:, [1, 0, *range(2, order.shape[1])]]
         return order[:, :k]
+    if noise is not None:
+        if mode == "with":
+            keys_BK = keys_B.unsqueeze(1) + torch.arange(k)
+            return sample_keyed(q_BV.unsqueeze(1).expand(-1, k, -1), noise, keys_BK, stream="draft")
+        u = noise.uniform_BKV(keys_B.unsqueeze(1), q_BV.shape[-1], "draft")[:, 0].double()
+        u = u.clamp_(1e-20, 1 - 1e-7)
+        return (q_BV.log() - (-u.log()).log()).topk(k, dim=-1).indices
     if mode == "with":
         return torch.multinomial(q_BV, k, replacement=True, generator=generator)
     u = torch.rand(q_BV.shape, generator=generator).clamp_(1e-20, 1 - 1e-7)

@@ -67,10 +67,13 @@ def test_generate_seeds_top_k_top_p_and_policies(ckpt, capsys):
     b = run_json(capsys, *base, *sample, "--seed", "3", "--drafter", "ngram")
     c = run_json(capsys, *base, *sample, "--seed", "4", "--drafter", "ngram")
     assert a["token_ids"] == b["token_ids"] != c["token_ids"]
-    d = run_json(capsys, *base, "--temperature", "0", "--drafter", "none", "--gamma-policy", "cost")
-    e = run_json(capsys, *base, "--temperature", "0", "--drafter", "ngram", "--gamma-policy", "heuristic")
-    assert d["token_ids"] == e["token_ids"]
-    assert d["gamma_policy"] == "cost"
+    d = run_json(capsys, *base, "--temperature", "0", "--drafter", "none", "--gamma-policy", "goodput")
+    e = run_json(capsys, *base, "--temperature", "0", "--drafter", "ngram", "--gamma-policy", "batch-table")
+    f = run_json(capsys, *base, "--temperature", "0", "--drafter", "ngram", "--gamma", "3")  # auto, γ ≤ 3
+    assert d["token_ids"] == e["token_ids"] == f["token_ids"]
+    assert d["gamma_policy"] == "goodput" and f["gamma_policy"] == "auto"
+    assert main(["generate", *base, "--gamma-policy", "heuristic"]) == 2  # removed with the static loop
+    assert "unknown depth policy 'heuristic'" in capsys.readouterr().err
 
 
 def test_generate_chat_template_and_stop(ckpt, capsys):

@@ -20,6 +20,7 @@ from specdec.engine.depth import (
     local_depth,
     make_depth_policy,
 )
+from specdec.metrics import expected_tokens_per_step
 
 
 def rows(n: int, acceptance: float, *, cap: int = 6, free: bool = True) -> list[RowView]:
@@ -129,6 +130,29 @@ def test_goodput_counts_the_draft_time():
     cheap = cost_model(per_token=0.0)
     assert policy.depths(rows(2, 0.7), cheap, 0.0) == [6, 6]
     assert policy.depths(rows(2, 0.7), cheap, 10.0) == [0, 0]  # a draft token costs 10 plain steps
+
+
+def test_goodput_matches_the_closed_form_optimum():
+    """One row of constant α (the i.i.d. model): the depth maximises τ(α, K) / (K·t_draft + t_verify(K+1)),
+    the closed form of Leviathan et al. (arXiv 2211.17192, §3.4) with a measured verify curve (the
+    test the removed γ policy ``cost`` had)."""
+    alpha, t_draft = 0.7, 0.004
+    T_grid = tuple(range(1, 10))
+    t_verify = {T: 0.03 + 0.003 * (T - 1) for T in T_grid}
+    model = VerifyCostModel((1,), T_grid, (tuple(t_verify[T] for T in T_grid),))
+    best = max(range(9), key=lambda K: expected_tokens_per_step(alpha, K) / (K * t_draft + t_verify[K + 1]))
+    assert GoodputDepth(gamma=8).depths([RowView([alpha] * 8, 8, True)], model, t_draft) == [best]
+
+
+def test_goodput_tracks_a_step_shaped_verify_curve():
+    """A verify block that doubles from 1 to 2 tokens, then stays flat (as on a CPU): one draft is never
+    worth it, many are or none are."""
+    T_grid = tuple(range(1, 10))
+    model = VerifyCostModel((1,), T_grid, (tuple(0.035 if T == 1 else 0.07 for T in T_grid),))
+    policy = GoodputDepth(gamma=8)
+    assert policy.depths([RowView([0.8] * 8, 8, True)], model, 0.002)[0] >= 4
+    for alpha in (0.3, 0.5, 0.6, 0.8, 0.95):
+        assert policy.depths([RowView([alpha] * 8, 8, True)], model, 0.002)[0] != 1
 
 
 def test_goodput_without_a_cost_model_uses_the_local_rule():

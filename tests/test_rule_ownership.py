@@ -170,12 +170,13 @@ def test_the_lossy_lenient_rule_runs_on_a_tree_drafter():
     lenient = _tree_run(LenientVerify(lenience=0.05), temperature=0.0, mode="top")
     assert lenient.metrics.acceptance_rate > exact.metrics.acceptance_rate
     assert all(len(row) == 20 for row in lenient.token_ids)
-    # Sampled: seeded, and l = 1 is the exact rule token for token.
+    # Sampled: seeded, and l = 1 is the exact rule token for token (both drawing from the engine's
+    # per-row generators: ``ExactVerify()`` as an object, not the keyed ``"exact"``).
     runs = [_tree_run("lenient", temperature=1.0, verify_options={"lenience": 0.1}) for _ in range(2)]
     assert runs[0].token_ids == runs[1].token_ids
-    assert runs[0].metrics.acceptance_rate > _tree_run("exact", temperature=1.0).metrics.acceptance_rate
+    assert runs[0].metrics.acceptance_rate > _tree_run(ExactVerify(), temperature=1.0).metrics.acceptance_rate
     same = _tree_run("lenient", temperature=1.0, verify_options={"lenience": 1.0})
-    assert same.token_ids == _tree_run("exact", temperature=1.0).token_ids
+    assert same.token_ids == _tree_run(ExactVerify(), temperature=1.0).token_ids
 
 
 @pytest.mark.parametrize("kind", ["with", "without", "point"])

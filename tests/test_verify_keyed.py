@@ -273,9 +273,22 @@ def test_rules_are_plugins():
         tree, torch.randint(0, V, (B, tree.num_nodes), generator=torch.Generator().manual_seed(7))
     )
     tree_logits = torch.randn(B, tree.num_nodes, V, generator=torch.Generator().manual_seed(8))
-    with pytest.raises(ValueError, match="no keyed tree policy"):
+    with pytest.raises(ValueError, match="positions_BK"):
         exact.verify_tree(tree_logits, proposal, sampling=SAMPLING, noise=PositionNoise([1, 2, 3, 4]))
     node_positions = torch.tensor(tree.depth).repeat(B, 1)
+    # keyed tree rejection sampling: a row's result depends on its own seed and positions only
+    keyed_tree = exact.verify_tree(
+        tree_logits, proposal, sampling=SAMPLING, noise=noise, positions_BK=node_positions
+    )
+    for b in range(B):
+        alone = exact.verify_tree(
+            tree_logits[b : b + 1],
+            TreeProposal(tree, proposal.tokens_BN[b : b + 1]),
+            sampling=SAMPLING,
+            noise=noise.select([b]),
+            positions_BK=node_positions[b : b + 1],
+        )
+        assert torch.equal(alone.tokens, keyed_tree.tokens[b : b + 1])
     tree_result = rule.verify_tree(
         tree_logits, proposal, sampling=SAMPLING, noise=noise, positions_BK=node_positions
     )

@@ -143,7 +143,9 @@ def _toy_target() -> TableTarget:
 def test_loop_takes_verify_by_name():
     target, prompt = _toy_target(), [[1, 2, 3]]
     kw = dict(drafter="ngram", gamma=3, max_new_tokens=24, temperature=0.8, seed=11)
-    exact = specdec.generate(target, prompt, **kw)
+    # l = 1 is the exact rule token for token, both drawing from per-row generators (the unkeyed
+    # ``ExactVerify()`` object; the name ``"exact"`` is the engine's keyed rule)
+    exact = specdec.generate(target, prompt, verify=ExactVerify(), **kw)
     same = specdec.generate(target, prompt, verify="lenient", verify_options={"lenience": 1.0}, **kw)
     assert same.token_ids == exact.token_ids
     greedy = dict(kw, temperature=0.0)

@@ -1,18 +1,19 @@
-"""Speculation under load: the engine at several concurrencies against the static batch, one run.
+"""Speculation under load: the engine at several concurrencies, every drafter, one interleaved run.
 
 ``specdec bench --concurrency 1,2,4,8 --drafters none,ngram,eagle,default`` (or ``python -m
 specdec.bench.concurrency``). For every concurrency c and drafter, interleaved in that order:
 
 - ``engine/together``: c requests arrive at once, the next c when all have finished;
 - ``engine/staggered``: a closed loop that keeps c requests in flight (a new one joins the step
-  after one leaves, so requests arrive and leave at different steps);
-- ``static``: ``specdec.generate`` on the same c prompts as one static batch (every row prefilled
-  together, the batch runs until its last row ends).
+  after one leaves, so requests arrive and leave at different steps).
+
+(``specdec.generate`` on c prompts is the engine with c requests arriving together; the static-batch
+loop it replaced, measured against the engine before its removal, is in docs/engine.md.)
 
 Per row: system tokens per second (every generated token / wall time of the level, prefill
 included), per-request TPOT P50 / P99 (``(last token − first token) / (tokens − 1)``), α and τ pooled
 over the level's requests, for greedy runs the share of engine requests whose tokens equal the
-same prompt decoded alone (``= solo``), and for the engine the scheduler's share of its step time
+same prompt decoded alone (``= solo``), and the scheduler's share of the engine's step time
 (:func:`specdec.engine.engine.scheduler_seconds`: outside the target's forwards, the drafters and the
 verification rule).
 """
@@ -20,7 +21,6 @@ verification rule).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -83,40 +83,6 @@ def _drive(engine: Any, prompts: list[list[int]], c: int, mode: str, params: dic
     }
 
 
-def _static(target: Any, drafter: str, prompts: list[list[int]], c: int, params: dict[str, Any]) -> dict:
-    """``specdec.generate`` in static batches of c prompts."""
-    import specdec
-
-    t0 = time.perf_counter()
-    tokens, token_ids, drafted_tau = 0, {}, []
-    for s in range(0, len(prompts), c):
-        out = specdec.generate(
-            target,
-            prompts[s : s + c],
-            drafter=drafter,
-            max_new_tokens=params["max_new_tokens"],
-            temperature=params["temperature"],
-            seed=params["seed"],
-            gamma=4,
-        )
-        for j, ids in enumerate(out.token_ids):
-            token_ids[s + j] = ids
-            tokens += len(ids)
-        drafted_tau.append((out.metrics.acceptance_rate, out.metrics.mean_accepted_tokens))
-    wall = time.perf_counter() - t0
-    return {
-        "tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_second": tokens / wall,
-        "tpot_p50_s": None,
-        "tpot_p99_s": None,
-        "alpha": 0.0 if drafter == "none" else statistics.fmean(a for a, _ in drafted_tau),
-        "tau": 1.0 if drafter == "none" else statistics.fmean(t for _, t in drafted_tau),
-        "scheduler_share": None,
-        "token_ids": token_ids,
-    }
-
-
 def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, Any]:
     """The benchmark (module doc); writes ``concurrency.json`` and ``concurrency.md`` under ``--out``
     after every level, so an interrupted run keeps what finished."""
@@ -160,7 +126,6 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
             runs = {
                 "engine/together": lambda e=engine, c=c: _drive(e, prompts, c, "together", params),
                 "engine/staggered": lambda e=engine, c=c: _drive(e, prompts, c, "staggered", params),
-                "static": lambda d=d, c=c: _static(target, d, prompts, c, params),
             }
             for path, run in runs.items():
                 with torch.inference_mode():
@@ -226,7 +191,9 @@ def summarize(record: dict[str, Any]) -> Any:
     ]
     if any("scheduler_share" in r for r in record["rows"]):  # records before the column have none
         columns.append(("scheduler_pct", "sched %", ".1f"))
-    caption = f"The engine under load against the static batch ({record['num_requests']} requests per level)"
+    # records measured before the static-batch path was removed compare against it
+    against = " against the static batch" if any(r["path"] == "static" for r in record["rows"]) else ""
+    caption = f"The engine under load{against} ({record['num_requests']} requests per level)"
     return Summary(
         title="Speculation under load",
         tables=(table_from_rows("engine-concurrency", caption, columns, rows),),

@@ -117,7 +117,7 @@ def generate_method(
     """A method that runs :func:`specdec.generate` on one prompt with this (prebuilt) drafter.
 
     ``gamma``: an int, a policy name, or a zero-argument callable returning a fresh
-    :class:`~specdec.policies.GammaPolicy` per generation (policies learn within one generation).
+    :class:`~specdec.engine.depth.DepthPolicy` per generation.
     """
     import specdec
 

@@ -224,11 +224,11 @@ def _methods(
 ) -> dict:
     """Every method of one temperature: ours/none first (the baseline), transformers', peers',
     ours/<drafter>."""
-    from specdec.policies import make_policy
+    from specdec.engine.depth import make_depth_policy
 
     def ours(label: str) -> Callable:
         gamma = cfg.drafter_gammas.get(label, cfg.gamma)
-        policy = lambda: make_policy(cfg.gamma_policy, gamma=gamma)  # noqa: E731 - fresh per generation
+        policy = lambda: make_depth_policy(cfg.gamma_policy, {"gamma": gamma})  # noqa: E731 - fresh per generation
         return generate_method(target, drafters[label], temperature=temperature, gamma=policy)
 
     hf_model, assistant = hf
@@ -400,7 +400,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="LABEL=N",
         help="γ for one drafter label (repeatable); with LABEL=DRAFTER one run compares draft lengths",
     )
-    p.add_argument("--gamma-policy", default=d.gamma_policy, help="fixed | heuristic | cost")
+    p.add_argument("--gamma-policy", default=d.gamma_policy, help="fixed | batch-table | goodput | auto")
     p.add_argument("--draft-model", default=None, help="checkpoint for ours/model and hf/assistant")
     p.add_argument(
         "--drafter-option",

@@ -5,17 +5,22 @@ Legend: B batch, V vocabulary.
 A chain drafter asked for γ tokens drafts them one at a time. Each drafted token costs drafter time
 and a verify slot whether the target accepts it or not, and a token after a rejected one is never
 used. The confidence stop ends the draft early: after each token the drafter multiplies in its own
-probability of that token, and once that running product (its estimate that the target accepts the
-whole draft so far) is below ``min_prob`` in every row, that token is dropped and drafting stops.
-This is the stop rule of transformers' assisted generation (``assistant_confidence_threshold``)
-and the hand-set form of SpecDec++'s learned one (Huang et al. 2024, arXiv 2405.19715).
+probability of that token, the running product being its estimate that the target accepts the whole
+draft so far. This is the stop rule of transformers' assisted generation
+(``assistant_confidence_threshold``) and the hand-set form of SpecDec++'s learned one (Huang et al.
+2024, arXiv 2405.19715).
 
-Exactness: where the draft stops depends only on the drafter's own tokens and randomness, never on
-the target's, and verification of any proposal is exact, so output distributions do not change
-(the statistical suite checks it for sampled drafts); only speed does.
+- **Greedy** runs (the drafter's softmax at temperature 1, the probability it gives its argmax): once
+  the product is below ``min_prob`` in every row, that token is dropped and drafting stops.
+- **Sampled** runs (the probability of the drawn token under the draft distribution that is
+  verified): a token is kept when some row's product *before* it was still at least ``min_prob``, so
+  the token that takes the product below is kept and drafting stops after it.
 
-Greedy runs use the drafter's softmax at temperature 1 (the probability it gives its argmax); sampled
-runs use the probability of the drawn token under the draft distribution that is verified.
+Exactness: in a sampled run, whether token k is proposed depends only on the tokens before it, never
+on token k itself, so a proposed token is distributed as the draft distribution the verifier is told
+(dropping the token that crossed the floor, as greedy runs do, would propose only likely tokens and
+bias the output; the statistical suite checks sampled drafts row by row through the engine). Where
+the draft stops never depends on the target's randomness; only speed changes.
 """
 
 from __future__ import annotations
@@ -47,14 +52,19 @@ class ConfidenceStop:
         logits_BV: torch.Tensor | None = None,
     ) -> bool:
         """Multiply in each row's probability of ``token_B`` (a column index into ``probs_BV`` or
-        ``logits_BV``); False when every row's product is now below ``min_prob`` (drop this token
-        and stop). With ``min_prob`` 0 it is always True and computes nothing."""
+        ``logits_BV``); False means drop this token and stop. Greedy (``logits_BV``): False when every
+        row's product is now below ``min_prob``. Sampled (``probs_BV``): False when every row's product
+        was already below it before this token (module doc: exactness). With ``min_prob`` 0 it is
+        always True and computes nothing."""
         if self.min_prob <= 0.0:
             return True
+        sampled = probs_BV is not None
+        if sampled and not bool((self.running_B >= self.min_prob).any()):
+            return False
         if probs_BV is None:
             if logits_BV is None:
                 raise ValueError("keep() needs probs_BV or logits_BV")
             probs_BV = torch.softmax(logits_BV.float(), dim=-1)
         p_B = probs_BV.gather(-1, token_B.unsqueeze(-1)).squeeze(-1).to(torch.float64)
         self.running_B = self.running_B * p_B
-        return bool((self.running_B >= self.min_prob).any())
+        return sampled or bool((self.running_B >= self.min_prob).any())

@@ -15,11 +15,9 @@ draft cost it nothing.
 Modes: ``chain``, ``tree``, or ``auto``: the tree for greedy single-row runs on a target with tree
 attention, the chain otherwise (the dynamic tree is a greedy, single-row construction anyway).
 
-``adaptive`` (what ``default`` builds) sizes every step from costs measured on the machine
-(:mod:`specdec.drafters.depth`): the head's chain depth K in 0..γ (0 is a plain step) and the
-lookup's length maximise expected tokens per second under the measured verify-cost curve, draft
-cost and acceptances; in ``auto`` mode a tree is drafted only where a tree-sized block costs little
-more than one token (a verify block of 12 tokens within 1.6x of one).
+How deep to draft is not this drafter's choice: it drafts the γ it is asked for (the engine's depth
+controller, :mod:`specdec.engine.depth`, asks per request and step; γ = 0 is a plain step, whose
+committed tokens wait for the head's lazy catch-up).
 
 The choice is made per step for the whole batch: the lookup is used when every unfinished row has at
 least ``min_tokens`` tokens from it. Either way the proposal is verified as usual, so the output
@@ -29,13 +27,11 @@ distribution stays the target's.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specdec.drafters.depth import DepthController
 from specdec.drafters.eagle import EagleDrafter, EagleTreeDrafter, load_packed_head, resolve_weights
 from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, check_max_queued
 from specdec.drafters.eagle.weights import DEFAULT_WEIGHTS, read_head_file, target_mismatch
@@ -86,7 +82,6 @@ class NGramEagleDrafter:
         tree: Any = "dynamic",
         tree_nodes: int = 11,
         tree_width: int = 4,
-        adaptive: bool = False,
         max_queued: int = DEFAULT_MAX_QUEUED,
         **head_options: Any,
     ) -> None:
@@ -126,9 +121,6 @@ class NGramEagleDrafter:
         for kind in ("chain", "tree") if mode == "auto" else (mode,):  # bad options fail now
             self._check_options(kind)
         self._drafters: dict[str, EagleDrafter] = {}
-        self.adaptive = bool(adaptive)
-        self.depth = DepthController(max_block=max(2, tree_nodes + 1)) if adaptive else None
-        self.lookup_depth = DepthController(max_block=max(2, tree_nodes + 1), prior=0.8) if adaptive else None
         self.last_mode: str | None = None
         self.last_choice: str | None = None
         self.counts = {"lookup": 0, "head": 0}
@@ -142,14 +134,10 @@ class NGramEagleDrafter:
             check_min_prob(self._options["tree"]["tree_min_prob"], "tree_min_prob")
 
     def mode_for(self, state: DecodeState) -> str:
-        """``"chain"`` or ``"tree"`` for a generation (``auto``: tree for greedy single rows, and with
-        ``adaptive`` only where a tree-sized verify block costs at most 1.6x a single token)."""
+        """``"chain"`` or ``"tree"`` for a generation (``auto``: tree for greedy single rows)."""
         if self.mode != "auto":
             return self.mode
         tree_run = state.sampling.greedy and state.batch_size == 1 and isinstance(self.target, TreeTarget)
-        if tree_run and self.depth is not None:
-            nodes = self._options["tree"]["tree_nodes"]
-            tree_run = self.depth.verify_cost(nodes + 1) <= 1.6 * self.depth.verify_cost(1)
         return "tree" if tree_run else "chain"
 
     @property
@@ -163,18 +151,10 @@ class NGramEagleDrafter:
         return self._drafters[self.last_mode]
 
     def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
-        if self.depth is not None:  # the verify-cost curve of this machine, target and batch size
-            self.depth.calibrate(self.target, state)
-            self.lookup_depth.t_verify = self.depth.t_verify
         self.last_mode = self.mode_for(state)
         self.eagle.begin(state, target_out)
 
     def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
-        if self.depth is not None:
-            rows = zip(num_accepted_B.tolist(), state.finished_B.tolist(), strict=True)
-            running = [a for a, finished in rows if not finished] or num_accepted_B.tolist()
-            for controller in (self.depth, self.lookup_depth):
-                controller.verified(running)
         self.eagle.observe(state, num_accepted_B, target_out)
 
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
@@ -184,26 +164,11 @@ class NGramEagleDrafter:
         found = self.lookup.lookups(state, gamma)
         finished = state.finished_B.tolist()
         if gamma > 0 and all(len(f) >= self.min_tokens for b, f in enumerate(found) if not finished[b]):
-            if self.lookup_depth is not None:  # the lookup's length, from its own acceptances
-                keep = self.lookup_depth.depth(max(len(f) for f in found))
-                found = [f[:keep] for f in found]
-            if all(len(f) >= self.min_tokens for b, f in enumerate(found) if not finished[b]):
-                self._chose("lookup")  # the head's catch-up waits for its next draft
-                proposal = self.lookup.pack(state, found)
-                if self.depth is not None:
-                    self.lookup_depth.drafted(proposal.tokens_BK.shape[1], 0.0)
-                    self.depth.drafted(proposal.tokens_BK.shape[1], 0.0, learn=False)
-                return proposal
+            self._chose("lookup")  # the head's catch-up waits for its next draft
+            return self.lookup.pack(state, found)
         self._chose("head")
-        if self.depth is None or self.last_mode == "tree":
-            return eagle.propose(state, gamma, generator)
-        K = self.depth.depth(gamma)
-        t0 = time.perf_counter()
-        # K = 0: speculation does not pay here, a plain step (the head's catch-up waits)
-        proposal = eagle.propose(state, K, generator)
-        self.depth.drafted(proposal.tokens_BK.shape[1], time.perf_counter() - t0)
-        self.lookup_depth.drafted(proposal.tokens_BK.shape[1], 0.0, learn=False)
-        return proposal
+        # gamma = 0: a plain step (the head's catch-up waits)
+        return eagle.propose(state, gamma, generator)
 
     def _chose(self, which: str) -> None:
         self.last_choice = which
@@ -237,12 +202,13 @@ def _shipped_head_unavailable(target: Any) -> str | None:
 
 
 def default_drafter(target: Any, **options: Any) -> Any:
-    """``default``: ``ngram-eagle-auto`` with ``adaptive=True`` for a target with a shipped head (today
-    ``smollm2-135m``), else prompt lookup (``ngram``, with a note on stderr). Options go to the drafter
-    built; the returned drafter carries ``registry_name``, the name it was built under."""
+    """``default``: ``ngram-eagle-auto`` for a target with a shipped head (today ``smollm2-135m``), else
+    prompt lookup (``ngram``, with a note on stderr). Options go to the drafter built; the returned
+    drafter carries ``registry_name``, the name it was built under. How deep it drafts is the
+    engine's depth controller's choice (:mod:`specdec.engine.depth`)."""
     reason = _shipped_head_unavailable(target)
     if reason is None:
-        drafter: Any = ngram_eagle_auto(target, **{"adaptive": True, **options})
+        drafter: Any = ngram_eagle_auto(target, **options)
         drafter.registry_name = "ngram-eagle-auto"
     else:
         print(f"[specdec] drafter 'default' -> 'ngram': {reason}", file=sys.stderr)

@@ -18,6 +18,8 @@ __all__ = ["NoDrafter"]
 class NoDrafter:
     """A :class:`specdec.protocols.Drafter` that never drafts (K = 0 at every step)."""
 
+    batched_rows = True  # stateless: the engine drafts every row with this one instance
+
     def __init__(self, target: Target, **options: object) -> None:
         if options:
             raise ValueError(f"drafter 'none' takes no options, got {sorted(options)}")

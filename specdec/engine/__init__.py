@@ -2,7 +2,9 @@
 
 ``specdec.Engine`` (:mod:`specdec.engine.engine`), requests and their outputs
 (:mod:`specdec.engine.request`), depth policies (:mod:`specdec.engine.depth`), the verify-cost model
-(:mod:`specdec.engine.cost_model`), drafters per request (:mod:`specdec.engine.drafting`).
+(:mod:`specdec.engine.cost_model`), drafters per request (:mod:`specdec.engine.drafting`), the decode
+half of a step (:mod:`specdec.engine.decode`) over units of rows (:mod:`specdec.engine.units`).
+``specdec.generate`` is a thin driver over it (:mod:`specdec.loop`).
 """
 
 from specdec.engine.depth import DEPTH_POLICIES, DepthPolicy, make_depth_policy

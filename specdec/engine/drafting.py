@@ -14,7 +14,9 @@ an object (as ``specdec.generate`` accepts) with a ``slot_factory(num_slots)`` m
 ``qself``'s, ``LayerSkipDrafter``) gives each request an instance at its cache row from that factory
 (built once per pool); any other object serves the first request itself, every other request at the
 same time gets a deep copy of it, and a request that leaves hands its instance back for the next one
-(``begin`` starts a drafter afresh).
+(``begin`` starts a drafter afresh). A drafter that declares ``batched_rows = True`` (``none``, the
+toy Markov drafters of :mod:`specdec.testing`) is one instance for every row: the engine drafts many
+rows with one call (:mod:`specdec.engine.units`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ SHARES_HEAD = ("eagle", "eagle-tree", "ngram-eagle", "ngram-eagle-tree", "ngram-
 SHARED_PARTS = {**dict.fromkeys(SHARES_HEAD, "head"), "model": "shared", "qself": "shared"}
 """Drafter name -> the attribute of its first instance that later instances get as the option of
 the same name (what is heavy to build: a packed head, a loaded draft model)."""
+HEAD_LOADING_OPTIONS = ("weights", "draft_vocab_size", "dtype", "linear_backend", "weight_dtype")
+"""Options that load an EAGLE head: later instances get the loaded head instead."""
 ENGINE_OPTIONS = ("slot", "num_slots")
 """Options the pool sets on drafters whose factory takes them (never the user's)."""
 
@@ -67,6 +71,8 @@ class DrafterPool:
         self._idle: list[Drafter] = []
         self._prototype: Drafter | None = None
         self._per_slot: Any = None  # the object's slot_factory(num_slots), if it has one
+        self.batched = False  # one instance serves every row at once (``batched_rows``)
+        self.keyed = False  # ... and its propose takes the rows' keyed ``noise``
         if not isinstance(drafter, str):
             if options:
                 raise ValueError("drafter_options only apply when drafter is given by name")
@@ -77,6 +83,8 @@ class DrafterPool:
                 )
             self.target, self.name, self.options = target, type(drafter).__name__, {}
             self._prototype = drafter
+            if self._share(drafter):
+                return
             make = getattr(drafter, "slot_factory", None)
             self._per_slot = make(num_slots) if callable(make) else None
             if self._per_slot is None:
@@ -94,10 +102,25 @@ class DrafterPool:
             params = {}
         self._engine_options = [key for key in ENGINE_OPTIONS if key in params]
         self._shared: dict[str, Any] = {}
-        self.fresh(0)  # bad options fail at construction, not at the first request
+        first = self.fresh(0)  # bad options fail at construction, not at the first request
+        if self._share(first):
+            self._prototype = first
+
+    def _share(self, drafter: Drafter) -> bool:
+        """Serve every row with this one instance if it says it can (``batched_rows = True``: it keeps
+        no per-row state and draws randomness only from the keyed ``noise`` its ``propose`` takes,
+        :mod:`specdec.engine.units`)."""
+        if getattr(drafter, "batched_rows", False) is not True:
+            return False
+        self.batched = True
+        self.keyed = "noise" in inspect.signature(drafter.propose).parameters
+        self._idle = [drafter]
+        return True
 
     def fresh(self, slot: int) -> Drafter:
         """A drafter instance for the request at cache row ``slot``."""
+        if self.batched:
+            return self._idle[0]
         if self._prototype is not None:
             if self._per_slot is not None:
                 return self._per_slot(slot)
@@ -107,7 +130,10 @@ class DrafterPool:
             return copy.deepcopy(self._prototype, memo={id(self.target): self.target})
         engine = {"slot": slot, "num_slots": self.num_slots}
         engine = {key: engine[key] for key in self._engine_options}
-        drafter = create_drafter(self.name, self.target, **{**self.options, **self._shared, **engine})
+        options = self.options
+        if "head" in self._shared:  # the loaded head replaces the options that loaded it
+            options = {k: v for k, v in options.items() if k not in HEAD_LOADING_OPTIONS}
+        drafter = create_drafter(self.name, self.target, **{**options, **self._shared, **engine})
         key = SHARED_PARTS.get(self.name)
         if key is not None and key not in self._shared and key not in self.options:
             part = getattr(drafter, key, None)
@@ -120,17 +146,26 @@ class DrafterPool:
     def give_back(self, drafter: Drafter | None) -> None:
         """A leaving request's instance: kept for the next request when the drafter was given as an
         object without a ``slot_factory``."""
-        if drafter is not None and self._prototype is not None and self._per_slot is None:
+        if (
+            drafter is not None
+            and self._prototype is not None
+            and self._per_slot is None
+            and not self.batched
+        ):
             self._idle.append(drafter)
 
 
-def row_state(prompt_ids: list[int], capacity: int, sampling: SamplingParams) -> DecodeState:
-    """A request's tokens as the one-row :class:`DecodeState` its drafter reads."""
-    tokens_BL = torch.zeros((1, capacity), dtype=torch.long)
-    tokens_BL[0, : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+def row_state(
+    prompt_ids: list[int], capacity: int, sampling: SamplingParams, tokens_1L: torch.Tensor | None = None
+) -> DecodeState:
+    """A request's tokens as the one-row :class:`DecodeState` its drafter reads; ``tokens_1L``: the
+    ``[1, capacity]`` row to hold them (the engine's token table at the request's slot), else a new one."""
+    if tokens_1L is None:
+        tokens_1L = torch.zeros((1, capacity), dtype=torch.long)
+    tokens_1L.numpy()[0, : len(prompt_ids)] = prompt_ids
     n = torch.tensor([len(prompt_ids)], dtype=torch.long)
     return DecodeState(
-        tokens_BL=tokens_BL,
+        tokens_BL=tokens_1L,
         prompt_lengths_B=n,
         lengths_B=n.clone(),
         finished_B=torch.zeros(1, dtype=torch.bool),

@@ -16,10 +16,14 @@ Each :meth:`Engine.step`:
    never attended); a token tree goes through a forward of its own (its mask is per tree); each
    row is verified by the rule with its own sampling settings and public randomness keyed by its
    seed and sequence positions (:mod:`specdec.noise`), committed, cut at its stops, its cache row
-   rolled back, and its drafter observes;
+   rolled back, and its drafter observes (:mod:`specdec.engine.decode`). Rows travel in units
+   (:mod:`specdec.engine.units`): a batched drafter drafts many rows in one call, and rows sharing
+   depth and sampling settings are verified by one rule call and rolled back by one call, so
+   thousands of rows cost no Python per row beyond their commits;
 4. **prefill**: with the token budget left (``max_num_batched_tokens``), prompts are prefilled in
    chunks of ``prefill_chunk`` tokens at fixed boundaries (a chunk is the same forward whatever else
-   runs in the step); a prompt's last chunk samples its first token, and its drafter begins.
+   runs in the step; the chunks of one length run as one forward, each row at its own cache row); a
+   prompt's last chunk samples its first token, and its drafter begins.
 
 A finished or aborted request leaves at once and its row is reused; finished rows are never
 computed again. What a request emits depends on its prompt, settings, seed and drafter only
@@ -31,6 +35,7 @@ row the same logits whatever the other rows of the block are (batch invariance).
 
 from __future__ import annotations
 
+import heapq
 import inspect
 import itertools
 import secrets
@@ -41,15 +46,16 @@ from typing import Any
 
 import torch
 
-from specdec.blocks import ChainBlock, TreeBlock, make_block
-from specdec.checks import check_logits, check_proposal
+from specdec.checks import check_logits
 from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
+from specdec.engine.decode import DecodeSteps, mix_seed
 from specdec.engine.depth import DepthPolicy, FixedDepth, RowView, make_depth_policy
 from specdec.engine.drafting import DrafterPool, join_outputs, row_state
 from specdec.engine.request import Request, RequestOutput, RequestStatus, make_params
-from specdec.metrics import MetricsRecorder, StepStats
+from specdec.engine.units import group_state, row_output
+from specdec.metrics import MetricsRecorder
 from specdec.noise import PositionNoise, sample_keyed
-from specdec.protocols import Drafter, Proposal, Target, TargetOutput, TreeTarget
+from specdec.protocols import Drafter, Target, TargetOutput, TreeTarget
 from specdec.sampling import logits_to_probs
 from specdec.stop_strings import StopStrings
 from specdec.verify_gumbel import GumbelVerify, KeyedExactVerify
@@ -57,18 +63,10 @@ from specdec.verify_rules import VerifyRule, make_verify_rule
 
 __all__ = ["Engine", "mix_seed", "scheduler_seconds"]
 
-_DECAY, _PRIOR, _PRIOR_WEIGHT = 0.97, 0.6, 3.0  # acceptance estimates a_k per request
+_PRIOR, _PRIOR_WEIGHT = 0.6, 3.0  # the prior of the acceptance estimates a_k per request
 PROBE_EVERY = 16
 """A row free to follow timings that drafted nothing for this many steps drafts one token (a probe),
 so its acceptance estimate follows the text even where the policy chose plain steps."""
-
-
-def mix_seed(seed: int, position: int, salt: int) -> int:
-    """A 64-bit seed for a torch.Generator from (request seed, position, use): splitmix64."""
-    z = (seed + 0x9E3779B97F4A7C15 * (position + 1) + salt) % 2**64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-    return z ^ (z >> 31)
 
 
 def scheduler_seconds(stats: Mapping[str, float]) -> float:
@@ -84,7 +82,7 @@ def _positive_int(value: Any, name: str) -> int:
     return value
 
 
-class Engine:
+class Engine(DecodeSteps):
     """Continuous batching with speculative decoding over one target (see the module doc).
 
     Args:
@@ -181,7 +179,11 @@ class Engine:
         self.drafters = DrafterPool(target, drafter, drafter_options, num_slots=self.max_num_seqs)
         self.drafter_name = self.drafters.name
         self.t_draft = 0.0  # seconds per drafted token (exponential average), for goodput
-        self.free_rows = list(range(self.max_num_seqs))
+        self._free_heap = list(range(self.max_num_seqs))  # a heap: the lowest free row first
+        # Every request's tokens (prompt, then committed), one row per slot; a request's DecodeState
+        # is a view of its row. Slots past a row's length are undefined.
+        self.tokens_SL = torch.zeros((self.max_num_seqs, self.max_model_len), dtype=torch.long)
+        self._tokens_np = self.tokens_SL.numpy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -264,6 +266,7 @@ class Engine:
             self.waiting.remove(request)
         request.finish_reason = "abort"
         self._release(request)
+        self.running = [r for r in self.running if r is not request]
         out = request.output([])
         self._pending[request_id] = out
         return out
@@ -278,6 +281,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         """True while a request waits or runs."""
         return bool(self.waiting or self.running)
+
+    @property
+    def free_rows(self) -> list[int]:
+        """Cache rows no request holds, in order."""
+        return sorted(self._free_heap)
 
     @property
     def num_running(self) -> int:
@@ -298,13 +306,8 @@ class Engine:
         if decoding:
             depths = self._depths(decoding)
             budget -= self._decode(decoding, depths, changed)
-        for request in [r for r in self.running if r.status is RequestStatus.PREFILL]:
-            while request.status is RequestStatus.PREFILL:
-                n = min(self.prefill_chunk, len(request.prompt_ids) - request.num_prefilled)
-                if n > budget:
-                    break
-                budget -= n
-                self._prefill_chunk(request, n, changed)
+        self._prefill(budget, changed)
+        self.running = [r for r in self.running if r.status is not RequestStatus.FINISHED]
         outputs = list(self._pending.values())
         self._pending.clear()
         outputs += [self.requests[rid].output(new) for rid, new in changed.items()]
@@ -317,20 +320,25 @@ class Engine:
 
     # --- scheduling -----------------------------------------------------------------------------
     def _admit(self) -> None:
-        while self.waiting and self.free_rows:
+        while self.waiting and self._free_heap:
             request = self.waiting.popleft()
-            request.slot = self.free_rows.pop(0)
+            request.slot = heapq.heappop(self._free_heap)  # the lowest free row
             request.status = RequestStatus.PREFILL
-            request.state = row_state(request.prompt_ids, self.max_model_len, request.params.sampling)
+            slot = request.slot
+            request.state = row_state(
+                request.prompt_ids,
+                self.max_model_len,
+                request.params.sampling,
+                self.tokens_SL[slot : slot + 1],
+            )
+            request.lengths_np = request.state.lengths_B.numpy()
             self.running.append(request)
 
     def _release(self, request: Request) -> None:
+        """Free a finishing request's row and drafter (it leaves ``running`` at the step's end)."""
         if request.slot is not None:
-            self.free_rows.append(request.slot)
-            self.free_rows.sort()
+            heapq.heappush(self._free_heap, request.slot)
             request.slot = None
-        if request in self.running:
-            self.running.remove(request)
         request.status = RequestStatus.FINISHED
         self.drafters.give_back(request.drafter)
         request.drafter = None
@@ -354,50 +362,100 @@ class Engine:
         return depths
 
     # --- prefill --------------------------------------------------------------------------------
-    def _prefill_chunk(self, request: Request, n: int, changed: dict[str, list[int]]) -> None:
-        s, slot = request.num_prefilled, request.slot
-        tokens_1T = torch.tensor([request.prompt_ids[s : s + n]], dtype=torch.long)
+    def _prefill(self, budget: int, changed: dict[str, list[int]]) -> None:
+        """Prefill chunks within ``budget``, in rounds: each round takes the next chunk of every
+        prefilling request (first come first served, while the budget lasts), and the chunks of one
+        length run as one forward (each row at its own cache row and start)."""
+        while True:
+            chunks: dict[int, list[Request]] = {}
+            for request in self.running:
+                if request.status is not RequestStatus.PREFILL:
+                    continue
+                n = min(self.prefill_chunk, len(request.prompt_ids) - request.num_prefilled)
+                if n > budget:
+                    break
+                budget -= n
+                chunks.setdefault(n, []).append(request)
+            if not chunks:
+                return
+            for n, rows in chunks.items():
+                self._prefill_chunks(rows, n, changed)
+
+    def _prefill_chunks(self, rows: list[Request], n: int, changed: dict[str, list[int]]) -> None:
+        """The next ``n`` prompt tokens of every row in one forward; rows whose prompt is complete
+        sample their first token (output position 0) and their drafters begin."""
+        tokens_GT = torch.tensor(
+            [r.prompt_ids[r.num_prefilled : r.num_prefilled + n] for r in rows], dtype=torch.long
+        )
         t0 = self.now()
         out = self.target.forward(
-            tokens_1T,
-            torch.tensor([s]),
-            rows_B=torch.tensor([slot]),
-            logits_index_BN=torch.tensor([[n - 1]]),
+            tokens_GT,
+            torch.tensor([r.num_prefilled for r in rows]),
+            rows_B=torch.tensor([r.slot for r in rows]),
+            logits_index_BN=torch.full((len(rows), 1), n - 1),
         )
         self.stats["forward_s"] += self.now() - t0
         self.stats["prefill_s"] += self.now() - t0
-        request.prefill_parts.append(out)
-        request.num_prefilled += n
-        if request.num_prefilled < len(request.prompt_ids):
+        done: list[tuple[Request, int]] = []
+        for i, request in enumerate(rows):
+            request.prefill_parts.append(row_output(out, i))
+            request.num_prefilled += n
+            if request.num_prefilled == len(request.prompt_ids):
+                done.append((request, i))
+        if not done:
             return
         check_logits(out.logits_BTV, step="prefill", source="the target")
-        sampling = request.params.sampling
-        logits_V = out.logits_BTV[0, -1]
-        if sampling.greedy:
-            first = int(logits_V.argmax())
-        else:
-            probs_1V = logits_to_probs(logits_V[None], sampling.temperature, sampling.top_k, sampling.top_p)
-            noise = PositionNoise([request.params.seed])
-            first = int(sample_keyed(probs_1V, noise, torch.tensor([0]))[0])  # output position 0
-        request.metrics.first_token_s = self.now()
-        self._commit(request, [first], changed)
-        if request.status is RequestStatus.FINISHED:
+        by_sampling: dict[Any, list[tuple[Request, int]]] = {}
+        for request, i in done:
+            by_sampling.setdefault(request.params.sampling, []).append((request, i))
+        for sampling, group in by_sampling.items():
+            logits_GV = out.logits_BTV[[i for _, i in group], -1]
+            if sampling.greedy:
+                first = logits_GV.argmax(dim=-1).tolist()
+            else:
+                probs_GV = logits_to_probs(logits_GV, sampling.temperature, sampling.top_k, sampling.top_p)
+                noise = PositionNoise([r.params.seed for r, _ in group])
+                first = sample_keyed(probs_GV, noise, torch.zeros(len(group), dtype=torch.long)).tolist()
+            t_first = self.now()
+            started = []
+            for (request, _), token in zip(group, first, strict=True):
+                request.metrics.first_token_s = t_first
+                self._commit(request, [token], changed)
+                if request.status is not RequestStatus.FINISHED:
+                    request.status = RequestStatus.DECODE
+                    started.append(request)
+            self._begin(started, sampling)
+
+    def _begin(self, rows: list[Request], sampling: Any) -> None:
+        """Drafters begin on prefilled rows: a batched drafter once for all of them, others per row."""
+        if not rows:
             return
-        request.status = RequestStatus.DECODE
         t0 = self.now()
-        request.drafter = self.drafters.fresh(request.slot)
-        request.drafter.begin(request.state, join_outputs(request.prefill_parts))
+        if self.drafters.batched:
+            drafter = self.drafters.fresh(0)
+            parts = [r.prefill_parts[-1] for r in rows]
+            drafter.begin(
+                group_state(rows, sampling, self.tokens_SL),
+                TargetOutput(torch.cat([p.logits_BTV for p in parts])),
+            )
+            for r in rows:
+                r.drafter = drafter
+                r.prefill_parts = []
+        else:
+            for r in rows:
+                r.drafter = self.drafters.fresh(r.slot)
+                r.drafter.begin(r.state, join_outputs(r.prefill_parts))
+                r.prefill_parts = []
         self.stats["draft_s"] += self.now() - t0
         self.stats["begin_s"] += self.now() - t0
-        request.prefill_parts = []
 
     def _commit(self, request: Request, tokens: list[int], changed: dict[str, list[int]]) -> list[int]:
+        n0 = request.length
         kept = request.commit(tokens)
         state = request.state
-        n0 = int(state.lengths_B[0])
         if kept:
-            state.tokens_BL[0, n0 : n0 + len(kept)] = torch.tensor(kept, dtype=torch.long)
-            state.lengths_B = state.lengths_B + len(kept)
+            self._tokens_np[request.slot, n0 : n0 + len(kept)] = kept
+            request.lengths_np[0] += len(kept)  # in place: state.lengths_B
             t = self.now()
             request.metrics.token_times_s.extend([t] * len(kept))
         changed.setdefault(request.request_id, []).extend(kept)
@@ -405,145 +463,3 @@ class Engine:
             state.finished_B = torch.ones(1, dtype=torch.bool)
             self._release(request)
         return kept
-
-    # --- decode ---------------------------------------------------------------------------------
-    def _propose(self, request: Request, K: int) -> ChainBlock | TreeBlock:
-        position = int(request.state.lengths_B[0])
-        generator = torch.Generator().manual_seed(
-            mix_seed(request.params.seed, position - len(request.prompt_ids), 1)
-        )
-        proposal = request.drafter.propose(request.state, K, generator)
-        check_proposal(
-            proposal,
-            batch_size=1,
-            gamma=K,
-            vocab_size=self.vocab_size,
-            step=request.metrics.num_steps + 1,
-            source=self.drafter_name,
-        )
-        if proposal.tree is not None:
-            nodes = proposal.tree.tree.num_nodes
-            if not self.tree_ok or position - 1 + nodes > self.max_model_len:
-                proposal = Proposal(proposal.tokens_BK, proposal.probs_BKV)  # its first-candidate chain
-        return make_block(proposal, self.target)
-
-    def _decode(self, rows: list[Request], depths: list[int], changed: dict[str, list[int]]) -> int:
-        """Draft, verify and commit every decoding row; returns the tokens the target ran (padding
-        and tree nodes included), which the step's budget pays for."""
-        t0 = self.now()
-        blocks = [self._propose(r, K) for r, K in zip(rows, depths, strict=True)]
-        t1 = self.now()
-        drafted = sum(b.num_drafted for b in blocks)
-        if drafted:
-            per_token = (t1 - t0) / drafted
-            self.t_draft = per_token if self.t_draft == 0 else 0.8 * self.t_draft + 0.2 * per_token
-        self.stats["draft_s"] += t1 - t0
-        chains = [i for i, b in enumerate(blocks) if isinstance(b, ChainBlock)]
-        groups = [chains] if chains else []
-        groups += [[i] for i, b in enumerate(blocks) if isinstance(b, TreeBlock)]
-        forwarded = 0
-        for g, group in enumerate(groups):
-            forwarded += self._verify_group(
-                [rows[i] for i in group],
-                [blocks[i] for i in group],
-                [depths[i] for i in group],
-                changed,
-                draft_s=(t1 - t0) if g == 0 else 0.0,
-            )
-        return forwarded
-
-    def _verify_group(
-        self,
-        rows: list[Request],
-        blocks: list[Any],
-        depths: list[int],
-        changed: dict[str, list[int]],
-        *,
-        draft_s: float,
-    ) -> int:
-        """One target forward over these rows' blocks, then verify, commit, settle, observe per row;
-        returns the tokens forwarded (rows x the longest block). ``draft_s``: proposal time to record."""
-        roots = [int(r.state.tokens_BL[0, int(r.state.lengths_B[0]) - 1]) for r in rows]
-        seqs = [b.tokens_BT(torch.tensor([root]))[0] for b, root in zip(blocks, roots, strict=True)]
-        T_max = max(len(s) for s in seqs)
-        tokens_BT = torch.zeros((len(rows), T_max), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tokens_BT[i, : len(s)] = s
-        start_B = torch.tensor([int(r.state.lengths_B[0]) - 1 for r in rows])
-        rows_B = torch.tensor([r.slot for r in rows])
-        t0 = self.now()
-        out = self.target.forward(tokens_BT, start_B, rows_B=rows_B, **blocks[0].forward_kwargs("cpu"))
-        t1 = self.now()
-        self.stats["forward_s"] += t1 - t0
-        check_logits(out.logits_BTV, step=self.stats["steps"] + 1, source="the target")
-        accepted, observe_s = [], 0.0
-        for i, (request, block) in enumerate(zip(rows, blocks, strict=True)):
-            row_out = _row_output(out, i, len(seqs[i]))
-            a, dt = self._settle_row(request, block, row_out, int(start_B[i]), changed)
-            accepted.append(a)
-            observe_s += dt
-        t2 = self.now()
-        self.stats["verify_s"] += t2 - t1
-        if self.recorder is not None:
-            self.recorder.record_step(
-                StepStats(
-                    gamma=max(depths),
-                    num_drafted=T_max - 1,
-                    num_accepted=accepted,
-                    draft_time_s=draft_s + observe_s,
-                    target_time_s=t1 - t0,
-                    verify_time_s=t2 - t0 - observe_s,
-                    row_drafted=[b.num_drafted for b in blocks],
-                    row_depth=[b.depth for b in blocks],
-                )
-            )
-        return len(rows) * T_max
-
-    def _settle_row(
-        self, request: Request, block: Any, out: TargetOutput, start: int, changed
-    ) -> tuple[int, float]:
-        """Verify, commit, settle and observe one row; returns (accepted drafts, observe seconds)."""
-        sampling, seed = request.params.sampling, request.params.seed
-        # The output-stream index of the token the block's first logits decide (docs/randomness.md).
-        position = start + 1 - len(request.prompt_ids)
-        kwargs: dict[str, Any] = {}
-        generator = None
-        if self.keyed:
-            offsets = block.forward_kwargs("cpu").get("depth_T", torch.arange(out.logits_BTV.shape[1]))
-            kwargs = {"noise": PositionNoise([seed]), "positions_BK": (position + offsets)[None]}
-        elif not sampling.greedy:
-            generator = torch.Generator().manual_seed(mix_seed(seed, position, 2))
-        t_rule = self.now()
-        verdict = block.verify(self.rule, out.logits_BTV, sampling, generator, **kwargs)
-        self.stats["rule_s"] += self.now() - t_rule
-        accepted = int(verdict.num_accepted_B[0])
-        request.metrics.num_steps += 1
-        request.metrics.num_drafted += block.num_drafted
-        request.idle_steps = 0 if block.num_drafted else request.idle_steps + 1
-        request.learn(block.depth, accepted, _DECAY)
-        tokens = verdict.tokens_BA[0, : accepted + 1].tolist()
-        slot = request.slot
-        self._commit(request, tokens, changed)
-        length = start + 1 + len(tokens)  # what the cache must read like (stop cuts do not matter)
-        observed = block.settle(
-            self.target,
-            out,
-            verdict,
-            torch.tensor([start]),
-            torch.tensor([length]),
-            rows_B=torch.tensor([slot]),
-        )
-        observe_s = 0.0
-        if request.status is RequestStatus.DECODE:
-            t0 = self.now()
-            request.drafter.observe(request.state, verdict.num_accepted_B, observed)
-            observe_s = self.now() - t0
-            self.stats["draft_s"] += observe_s
-        return accepted, observe_s
-
-
-def _row_output(out: TargetOutput, i: int, T: int) -> TargetOutput:
-    """Row i of a block's output, its first T positions (a padded chain's own block)."""
-    aux = None if not out.aux_hidden_BTD else {k: h[i : i + 1, :T] for k, h in out.aux_hidden_BTD.items()}
-    hidden = None if out.hidden_BTD is None else out.hidden_BTD[i : i + 1, :T]
-    return TargetOutput(logits_BTV=out.logits_BTV[i : i + 1, :T], hidden_BTD=hidden, aux_hidden_BTD=aux)

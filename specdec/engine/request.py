@@ -165,6 +165,7 @@ class Request:
         self.metrics = RequestMetrics()
         self.drafter: Any = None
         self.state: Any = None  # the one-row DecodeState its drafter reads (from admission on)
+        self.lengths_np: Any = None  # a numpy view of state.lengths_B (the engine commits in place)
         self.prefill_parts: list[Any] = []  # the prefill chunks' target outputs, for drafter.begin
         # Decayed acceptance counts per draft position (the depth controller's estimate a_k).
         self.accepted_k: list[float] = []

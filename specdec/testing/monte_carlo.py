@@ -211,7 +211,7 @@ def sample_output_distribution(
     """Count what speculative decoding emits in ``num_samples`` independent runs of the real code.
 
     Same meaning of ``gamma`` (with ``via="generate"`` also a policy name or
-    :class:`specdec.policies.GammaPolicy`), ``context``, ``num_tokens``, ``draft``, ``sampling`` and
+    :class:`specdec.engine.depth.DepthPolicy`), ``context``, ``num_tokens``, ``draft``, ``sampling`` and
     ``eos_token_ids`` as :func:`specdec.testing.expected_output_distribution`, so the two results
     can be compared directly with :func:`specdec.testing.assert_same_distribution`.
 
@@ -250,7 +250,8 @@ def sample_output_distribution(
         if via == "generate":
             if verify_fn is not rejection_sample:
                 raise ValueError(
-                    "via='generate' runs specdec.generate, which always verifies with rejection_sample"
+                    "via='generate' runs specdec.generate, which always verifies with its exact rule "
+                    "(keyed rejection sampling)"
                 )
             if num_tokens is None:
                 raise ValueError("via='generate' needs num_tokens (the max_new_tokens of each run)")

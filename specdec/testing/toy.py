@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specdec.noise import PositionNoise, sample_keyed
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
 
@@ -239,7 +240,14 @@ class MarkovTarget:
 
 class MarkovDrafter:
     """A :class:`MarkovModel` as a :class:`~specdec.protocols.Drafter`: samples γ tokens from its
-    own processed rows (``state.sampling``), or proposes its argmax chain as a point mass."""
+    own processed rows (``state.sampling``), or proposes its argmax chain as a point mass.
+
+    Stateless, so the engine drafts any set of rows with one instance (``batched_rows``); given
+    ``noise`` (:class:`specdec.noise.PositionNoise`, one seed per row) it draws each token keyed by
+    its row's seed and output position (stream ``"draft"``), so a row's drafts never depend on the
+    rows beside it; else from ``generator``."""
+
+    batched_rows = True
 
     def __init__(self, model: MarkovModel, *, point_mass: bool = False) -> None:
         self.model = model
@@ -248,18 +256,31 @@ class MarkovDrafter:
     def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
         """Stateless: the context is read from ``state`` at every proposal."""
 
-    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
+    def propose(
+        self,
+        state: DecodeState,
+        gamma: int,
+        generator: torch.Generator | None = None,
+        *,
+        noise: PositionNoise | None = None,
+    ) -> Proposal:
         """``gamma`` tokens per row continuing each row's committed tokens."""
         O, V = self.model.order, self.model.vocab_size
         B = state.batch_size
         index_BO = state.lengths_B.unsqueeze(1) - O + torch.arange(O, device=state.lengths_B.device)
         ctx_BO = state.tokens_BL.gather(1, index_BO.clamp(min=0))
         ctx_BO = torch.where(index_BO >= 0, ctx_BO, V).cpu()
+        position_B = (state.lengths_B - state.prompt_lengths_B).cpu()  # output position of draft 1
         s = state.sampling
         tokens, probs = [], []
-        for _ in range(gamma):
+        for k in range(gamma):
             probs_BV = logits_to_probs(self.model.logits_for(ctx_BO), s.temperature, s.top_k, s.top_p)
-            x_B = probs_BV.argmax(dim=-1) if self.point_mass else sample_from_probs(probs_BV, generator)
+            if self.point_mass:
+                x_B = probs_BV.argmax(dim=-1)
+            elif noise is not None:
+                x_B = sample_keyed(probs_BV, noise, position_B + k, stream="draft")
+            else:
+                x_B = sample_from_probs(probs_BV, generator)
             tokens.append(x_B)
             probs.append(probs_BV)
             ctx_BO = torch.cat([ctx_BO[:, 1:], x_B.unsqueeze(1)], dim=1)

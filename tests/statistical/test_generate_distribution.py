@@ -17,10 +17,9 @@ verify call, so these checks are sized for DESIGN_TV = 0.03.
 
 import pytest
 
-import specdec.loop
-import specdec.verify_rules
+import specdec.verify_gumbel
 from specdec import generate
-from specdec.sampling import sample_from_probs
+from specdec.noise import sample_keyed
 from specdec.testing import (
     GoodnessOfFit,
     MarkovModel,
@@ -30,7 +29,8 @@ from specdec.testing import (
     target_sequence_distribution,
     total_variation,
 )
-from specdec.verify import VerifyResult, rejection_sample
+from specdec.verify import VerifyResult
+from specdec.verify_keyed import rejection_sample_keyed
 
 pytestmark = pytest.mark.statistical
 
@@ -60,9 +60,7 @@ CASES = {
     "point-mass-drafter+filters": dict(
         drafter=DRAFTER, draft="point_mass", gamma=3, sampling=dict(temperature=1.5, top_k=3, top_p=0.9)
     ),
-    "heuristic-gamma": dict(
-        drafter=DRAFTER, draft="sample", gamma="heuristic", sampling=dict(temperature=1.2)
-    ),
+    "adaptive-gamma": dict(drafter=DRAFTER, draft="sample", gamma="auto", sampling=dict(temperature=1.2)),
 }
 
 
@@ -117,20 +115,24 @@ def test_generate_with_ragged_prompts_in_one_batch():
 
 
 def _recovered_from_target(
-    target_probs_BKV, draft_tokens_BK, draft_probs_BKV=None, *, generator=None, validate=True
+    target_probs_BKV, draft_tokens_BK, draft_probs_BKV=None, *, noise, positions_BK, validate=True
 ):
     """Planted bug: the recovered token is drawn from the target row instead of the residual."""
-    tokens, n = rejection_sample(target_probs_BKV, draft_tokens_BK, draft_probs_BKV, generator=generator)
+    tokens, n = rejection_sample_keyed(
+        target_probs_BKV, draft_tokens_BK, draft_probs_BKV, noise=noise, positions_BK=positions_BK
+    )
     rows = (n < draft_tokens_BK.shape[1]).nonzero().flatten()
-    tokens[rows, n[rows]] = sample_from_probs(target_probs_BKV[rows, n[rows]], generator)
+    tokens[rows, n[rows]] = sample_keyed(
+        target_probs_BKV[rows, n[rows]], noise.select(rows), positions_BK[rows, n[rows]], stream="residual"
+    )
     return VerifyResult(tokens, n)
 
 
 def test_generate_check_rejects_a_planted_verifier_bug(monkeypatch):
-    """The loop check can fail: with the loop's verifier swapped for a mutant (test-local patch of
-    the name the loop's default ``exact`` rule calls, product code untouched) the same check at the
-    same N rejects."""
-    monkeypatch.setattr(specdec.verify_rules, "rejection_sample", _recovered_from_target)
+    """The loop check can fail: with the engine's verifier swapped for a mutant (test-local patch of
+    the name the engine's default keyed ``exact`` rule calls, product code untouched) the same check
+    at the same N rejects."""
+    monkeypatch.setattr(specdec.verify_gumbel, "rejection_sample_keyed", _recovered_from_target)
     c = CASES["sampled-drafter"]
     expected = target_sequence_distribution(TARGET, num_tokens=3, context=(1, 2), eos_token_ids=(EOS,))
     counts = sample_output_distribution(

@@ -1,0 +1,121 @@
+"""Verify units: the engine's rows grouped so that one call serves many rows.
+
+Legend: G rows of a unit, K draft depth, T = K + 1 block length, V vocabulary, L cache slots per row.
+
+A step of the engine may hold thousands of rows (``specdec.generate`` runs every prompt of a call as
+one request). Per-row Python (one propose, one rule call, one rollback per row) would then dominate,
+so rows travel in **units**: a unit is G rows and one block of G rows (a chain ``[G, K]`` or a token
+tree shared by the G rows), drafted by one call and verified by one rule call, its cache rows rolled
+back by one call. Rows are grouped only where that cannot change what any row emits:
+
+- a **cohort** of a batched drafter (``batched_rows = True``: one instance serves any set of rows at
+  once, keeps no per-row state, and draws its randomness from the keyed ``noise`` it is given,
+  :mod:`specdec.noise`, stream ``"draft"``): the rows that share a depth and sampling settings are
+  drafted by one ``propose`` over a G-row :class:`~specdec.protocols.DecodeState`;
+- rows drafted one by one (a drafter instance per request) whose chains share depth, sampling
+  settings and the kind of proposal (probabilities or a point mass) are **merged** into one unit
+  for verification (:func:`merge_chains`).
+
+A row's verification reads only its own logits, drafts and keyed noise (its seed and sequence
+positions), so grouping never changes a row's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdec.blocks import ChainBlock, TreeBlock, Verdict
+from specdec.protocols import DecodeState, TargetOutput
+
+__all__ = ["Unit", "group_state", "merge_chains", "row_output", "slice_output", "row_block", "join_verdicts"]
+
+
+@dataclass
+class Unit:
+    """G rows and their block. ``drafter``: the cohort's shared instance (batched drafters), or None
+    when every row has its own (``request.drafter``)."""
+
+    rows: list[Any]
+    block: ChainBlock | TreeBlock
+    drafter: Any = None
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+
+def group_state(rows: list[Any], sampling: Any, tokens_SL: torch.Tensor) -> DecodeState:
+    """The G rows' states as one ``DecodeState``: their rows of the engine's token table ``tokens_SL``
+    (a copy: drafters read it)."""
+    return DecodeState(
+        tokens_BL=tokens_SL[[r.slot for r in rows]],
+        prompt_lengths_B=torch.tensor([len(r.prompt_ids) for r in rows], dtype=torch.long),
+        lengths_B=torch.tensor([r.length for r in rows], dtype=torch.long),
+        finished_B=torch.zeros(len(rows), dtype=torch.bool),
+        sampling=sampling,
+    )
+
+
+def merge_chains(units: list[Unit]) -> list[Unit]:
+    """One-row chain units of per-request drafters with the same depth, sampling settings and kind of
+    proposal, merged into one unit each (drafts and probabilities concatenated); others unchanged."""
+    merged: dict[tuple, list[Unit]] = {}
+    rest: list[Unit] = []
+    for u in units:
+        b = u.block
+        if u.drafter is None and isinstance(b, ChainBlock):
+            key = (b.num_drafted, u.rows[0].params.sampling, b.draft_probs_BKV is None)
+            merged.setdefault(key, []).append(u)
+        else:
+            rest.append(u)
+    out = []
+    for group in merged.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        blocks = [u.block for u in group]
+        tokens = torch.cat([b.draft_tokens_BK for b in blocks])
+        probs = None
+        if blocks[0].draft_probs_BKV is not None:
+            probs = torch.cat([b.draft_probs_BKV for b in blocks])  # type: ignore[misc]
+        out.append(Unit([r for u in group for r in u.rows], ChainBlock(tokens, probs)))
+    return out + rest
+
+
+def slice_output(out: TargetOutput, r0: int, r1: int, T: int | None = None) -> TargetOutput:
+    """Rows ``r0:r1`` of a forward's output, their first T positions (all of them: None)."""
+    aux = None if not out.aux_hidden_BTD else {k: h[r0:r1, :T] for k, h in out.aux_hidden_BTD.items()}
+    hidden = None if out.hidden_BTD is None else out.hidden_BTD[r0:r1, :T]
+    return TargetOutput(logits_BTV=out.logits_BTV[r0:r1, :T], hidden_BTD=hidden, aux_hidden_BTD=aux)
+
+
+def row_output(out: TargetOutput, i: int, T: int | None = None) -> TargetOutput:
+    """Row i of an output, its first T positions (all of them: None)."""
+    return slice_output(out, i, i + 1, T)
+
+
+def row_block(block: Any, i: int) -> Any:
+    """Row i of a block (a rule that draws from a generator verifies row by row)."""
+    if isinstance(block, ChainBlock):
+        probs = None if block.draft_probs_BKV is None else block.draft_probs_BKV[i : i + 1]
+        return ChainBlock(block.draft_tokens_BK[i : i + 1], probs)
+    p = block.proposal
+    probs = None if p.draft_probs_BNV is None else p.draft_probs_BNV[i : i + 1]
+    return TreeBlock(dataclasses.replace(p, tokens_BN=p.tokens_BN[i : i + 1], draft_probs_BNV=probs))
+
+
+def join_verdicts(verdicts: list[Verdict]) -> Verdict:
+    """Per-row verdicts as one (tokens padded with −1 to the longest)."""
+    A = max(v.tokens_BA.shape[1] for v in verdicts)
+    tokens = torch.full((len(verdicts), A), -1, dtype=torch.long)
+    for i, v in enumerate(verdicts):
+        tokens[i, : v.tokens_BA.shape[1]] = v.tokens_BA[0]
+    accepted = torch.cat([v.num_accepted_B for v in verdicts])
+    path = None
+    if verdicts[0].path_BA is not None:
+        path = torch.cat([v.path_BA for v in verdicts])
+    return Verdict(tokens, accepted, path)
