@@ -196,7 +196,11 @@ class DecodeState:
 
     ``tokens_BL``: prompt and committed tokens (slots past ``lengths_B`` are undefined);
     ``prompt_lengths_B``; ``lengths_B``: valid tokens per row; ``finished_B``: rows that hit a stop
-    condition (the loop keeps them in the batch but ignores their output).
+    condition (the loop keeps them in the batch but ignores their output). ``tree_ok``: whether a
+    token tree pays at this step (the engine sets it each step: the row is verified alone, since a
+    tree takes a forward of its own, and a tree-sized block costs little more than one token on
+    this machine); a drafter that can draft either (``ngram-eagle-auto``, ``default``) drafts a
+    chain where it is False. It never changes what is emitted, only how fast.
     """
 
     tokens_BL: torch.Tensor
@@ -204,6 +208,7 @@ class DecodeState:
     lengths_B: torch.Tensor
     finished_B: torch.Tensor
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    tree_ok: bool = True
 
     @property
     def batch_size(self) -> int:
@@ -222,6 +227,7 @@ class DecodeState:
             lengths_B=self.lengths_B[b : b + 1],
             finished_B=self.finished_B[b : b + 1],
             sampling=self.sampling,
+            tree_ok=self.tree_ok,
         )
 
 

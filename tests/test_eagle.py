@@ -621,9 +621,10 @@ def test_smollm2_greedy_equals_transformers(drafter, smollm2_greedy):
 
 @pytest.mark.model
 def test_default_drafter_is_lookup_then_the_shipped_eagle_head_for_smollm2():
-    """``default`` is one NGramEagleDrafter: the head loaded and packed once, and only the EAGLE
-    drafter of the generation's mode built (the tree for a greedy request on a target with tree
-    attention, else the chain); how deep it drafts is the engine's depth controller's choice."""
+    """``default`` is one NGramEagleDrafter: the head loaded and packed once, and the EAGLE drafters
+    of the generation's mode built (a greedy request on a target with tree attention: the tree and
+    the chain, for the steps where a tree does not pay; else the chain only); how deep it drafts is
+    the engine's depth controller's choice."""
     from specdec.drafters.ngram import NGramDrafter
     from specdec.drafters.ngram_eagle import NGramEagleDrafter, default_drafter
     from specdec.targets import load_target
@@ -634,7 +635,7 @@ def test_default_drafter_is_lookup_then_the_shipped_eagle_head_for_smollm2():
     assert isinstance(drafter.lookup, NGramDrafter) and drafter._drafters == {}  # nothing built yet
     ids = target.tokenizer("def add(a, b):").input_ids
     specdec.generate(target, [ids], drafter=drafter, max_new_tokens=8, temperature=0.0)
-    assert drafter.last_mode == "tree" and list(drafter._drafters) == ["tree"]
+    assert drafter.last_mode == "tree" and list(drafter._drafters) == ["tree", "chain"]
     tree = drafter.eagle
     assert isinstance(tree, EagleTreeDrafter) and tree.tree_min_prob == 0.05 and tree.dynamic
     specdec.generate(target, [ids], drafter=drafter, max_new_tokens=8, temperature=0.7, seed=0)
@@ -706,6 +707,47 @@ def test_ngram_eagle_tree_mixes_lookup_chains_and_eagle_trees(tiny):
     out = specdec.generate(target, [prompt], drafter=drafter, **kw)
     assert out.token_ids == specdec.generate(target, [prompt], drafter="none", **kw).token_ids
     assert drafter.counts["lookup"] > 0 and drafter.counts["head"] > 0
+
+
+def test_ngram_eagle_auto_drafts_the_tree_only_at_steps_where_the_engine_says_it_pays(tiny, monkeypatch):
+    """In the engine a tree takes a forward of its own: ``auto`` drafts it only where the engine sets
+    ``DecodeState.tree_ok`` (one decoding row, trees paying on the cost model), the chain at the
+    other steps, and the output is plain decoding's either way."""
+    from specdec.engine import Engine
+
+    calls: list[tuple[str, bool]] = []
+    for cls, kind in ((EagleTreeDrafter, "tree"), (EagleDrafter, "chain")):
+        original = cls.propose
+
+        def spy(self, state, gamma, generator=None, _original=original, _kind=kind):
+            if type(self) is not EagleDrafter or _kind == "chain":  # the tree's super() call is not a draft
+                calls.append((_kind, state.tree_ok))
+            return _original(self, state, gamma, generator)
+
+        monkeypatch.setattr(cls, "propose", spy)
+    target, prompts = tiny["target"], _prompts()
+    options = {"weights": str(tiny["weights"]), "tree_width": 3}
+
+    def run(rows: list[list[int]], trees_pay: bool) -> list[list[int]]:
+        engine = Engine(target, drafter="ngram-eagle-auto", drafter_options=options, gamma=3, max_num_seqs=3)
+        engine.tree_pays = trees_pay
+        ids = [engine.add_request(p, max_new_tokens=16, temperature=0.0, ignore_eos=True) for p in rows]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        return [done[i] for i in ids]
+
+    kw = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    plain = [specdec.generate(target, [p], drafter="none", **kw).token_ids[0] for p in prompts]
+    assert run(prompts[:1], True) == plain[:1]
+    assert calls and all(kind == "tree" and ok for kind, ok in calls)  # alone: every head draft a tree
+    calls.clear()
+    assert run(prompts[:1], False) == plain[:1]
+    assert calls and all(kind == "chain" and not ok for kind, ok in calls)  # trees do not pay here
+    calls.clear()
+    assert run(prompts, True) == plain
+    assert ("chain", False) in calls  # steps shared with other rows draft chains
+    assert all(ok == (kind == "tree") for kind, ok in calls)
 
 
 def test_ngram_eagle_auto_takes_the_tree_for_greedy_requests_only(tiny):

@@ -13,7 +13,9 @@ wait, and the head runs them all in one block when it next drafts, so steps wher
 draft cost it nothing.
 
 Modes: ``chain``, ``tree``, or ``auto``: the tree for greedy single-row runs on a target with tree
-attention, the chain otherwise (the dynamic tree is a greedy, single-row construction anyway).
+attention, the chain otherwise (the dynamic tree is a greedy, single-row construction anyway); in
+``auto`` mode the tree only at steps where ``DecodeState.tree_ok`` (the engine sets it: the row is
+verified alone and a tree-sized block costs at most 1.6x one token here), the chain at the others.
 
 How deep to draft is not this drafter's choice: it drafts the γ it is asked for (the engine's depth
 controller, :mod:`specdec.engine.depth`, asks per request and step; γ = 0 is a plain step, whose
@@ -134,33 +136,49 @@ class NGramEagleDrafter:
             check_min_prob(self._options["tree"]["tree_min_prob"], "tree_min_prob")
 
     def mode_for(self, state: DecodeState) -> str:
-        """``"chain"`` or ``"tree"`` for a generation (``auto``: tree for greedy single rows)."""
+        """``"chain"`` or ``"tree"`` for a generation (``auto``: tree for greedy single rows; then
+        each step drafts the tree only where ``state.tree_ok``, else the chain)."""
         if self.mode != "auto":
             return self.mode
         tree_run = state.sampling.greedy and state.batch_size == 1 and isinstance(self.target, TreeTarget)
         return "tree" if tree_run else "chain"
 
+    def _eagle(self, kind: str) -> EagleDrafter:
+        if kind not in self._drafters:
+            cls = EagleTreeDrafter if kind == "tree" else EagleDrafter
+            self._drafters[kind] = cls(self.target, head=self.head, **self._options[kind])
+        return self._drafters[kind]
+
     @property
     def eagle(self) -> EagleDrafter:
-        """The EAGLE drafter of the current generation."""
+        """The EAGLE drafter of the current generation (in ``auto`` mode with trees, the tree's)."""
         if self.last_mode is None:
             raise ValueError("propose() or observe() called before begin()")
-        if self.last_mode not in self._drafters:
-            cls = EagleTreeDrafter if self.last_mode == "tree" else EagleDrafter
-            self._drafters[self.last_mode] = cls(self.target, head=self.head, **self._options[self.last_mode])
-        return self._drafters[self.last_mode]
+        return self._eagle(self.last_mode)
+
+    def _live(self) -> list[EagleDrafter]:
+        """The EAGLE drafters that follow the generation: in ``auto`` mode with trees both the tree's
+        and the chain's (each step drafts with one; the other's catch-up is lazy, so it costs
+        nearly nothing until it drafts), else the one of the mode."""
+        if self.mode == "auto" and self.last_mode == "tree":
+            return [self._eagle("tree"), self._eagle("chain")]
+        return [self.eagle]
 
     def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
         self.last_mode = self.mode_for(state)
-        self.eagle.begin(state, target_out)
+        for eagle in self._live():
+            eagle.begin(state, target_out)
 
     def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
-        self.eagle.observe(state, num_accepted_B, target_out)
+        for eagle in self._live():
+            eagle.observe(state, num_accepted_B, target_out)
 
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
         if gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {gamma}")
         eagle = self.eagle  # raises before begin()
+        if self.mode == "auto" and self.last_mode == "tree" and not state.tree_ok:
+            eagle = self._eagle("chain")  # a tree does not pay at this step
         found = self.lookup.lookups(state, gamma)
         finished = state.finished_B.tolist()
         if gamma > 0 and all(len(f) >= self.min_tokens for b, f in enumerate(found) if not finished[b]):

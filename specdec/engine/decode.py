@@ -66,6 +66,7 @@ class DecodeSteps:
         generator = torch.Generator().manual_seed(
             mix_seed(request.params.seed, position - len(request.prompt_ids), 1)
         )
+        request.state.tree_ok = self._trees_now
         proposal = request.drafter.propose(request.state, K, generator)
         check_proposal(
             proposal,
@@ -82,6 +83,7 @@ class DecodeSteps:
         randomness keyed by each row's seed (``noise``) where the drafter takes it."""
         drafter = self.drafters.fresh(0)
         state = group_state(rows, sampling, self.tokens_SL)
+        state.tree_ok = self._trees_now
         kwargs = {"noise": PositionNoise([r.params.seed for r in rows])} if self.drafters.keyed else {}
         proposal = drafter.propose(state, K, None, **kwargs)
         check_proposal(
@@ -98,6 +100,7 @@ class DecodeSteps:
         """Draft, verify and commit every decoding row; returns the tokens the target ran (padding
         and tree nodes included), which the step's budget pays for."""
         t0 = self.now()
+        self._trees_now = self.tree_pays and len(rows) == 1  # a tree would take a forward of its own
         units: list[Unit] = []
         if self.drafters.batched:
             cohorts: dict[tuple, list[Request]] = {}

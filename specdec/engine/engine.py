@@ -64,6 +64,10 @@ from specdec.verify_rules import VerifyRule, make_verify_rule
 __all__ = ["Engine", "mix_seed", "scheduler_seconds"]
 
 _PRIOR, _PRIOR_WEIGHT = 0.6, 3.0  # the prior of the acceptance estimates a_k per request
+TREE_BLOCK, TREE_COST_RATIO = 12, 1.6
+"""A drafter that can draft a chain or a tree is told trees pay (``DecodeState.tree_ok``) where a
+verify block of ``TREE_BLOCK`` tokens (a tree of 11 nodes and its root) costs at most
+``TREE_COST_RATIO`` times one token, and the row is verified alone in its step."""
 PROBE_EVERY = 16
 """A row free to follow timings that drafted nothing for this many steps drafts one token (a probe),
 so its acceptance estimate follows the text even where the policy chose plain steps."""
@@ -176,6 +180,12 @@ class Engine(DecodeSteps):
         self.cost: VerifyCostModel | None = None
         if measure_cost and not isinstance(self.policy, FixedDepth):
             self.cost = verify_cost_for(target, max_rows=self.max_num_seqs)
+        # Trees (drafters that can draft either) only where a tree-sized block costs little more
+        # than one token (without a cost model, wherever the target takes trees).
+        self.tree_pays = self.tree_ok and (
+            self.cost is None or self.cost.cost(1, TREE_BLOCK) <= TREE_COST_RATIO * self.cost.cost(1, 1)
+        )
+        self._trees_now = False  # this step's DecodeState.tree_ok
         self.drafters = DrafterPool(target, drafter, drafter_options, num_slots=self.max_num_seqs)
         self.drafter_name = self.drafters.name
         self.t_draft = 0.0  # seconds per drafted token (exponential average), for goodput
