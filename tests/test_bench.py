@@ -48,6 +48,7 @@ def test_bench_compares_everything_in_one_run(ckpts, tiny_sets, tmp_path):
         max_new_tokens=10,
         temperatures=(0.0, 0.7),
         drafters=("none", "ngram", "model", "no-such-drafter"),
+        gamma_policy="fixed",  # the draft model is the target: auto would rightly draft little
         backend="hf",
         draft_model=draft,
         out=str(tmp_path / "out"),
@@ -260,6 +261,7 @@ def test_drafter_gammas_give_labels_their_own_draft_length(ckpts, tiny_sets, tmp
         drafters=("none", "model", "model-g1=model"),
         drafter_gammas={"model-g1": 1},
         gamma=4,
+        gamma_policy="fixed",  # exactly γ per step (auto would choose each depth)
         hf_baselines=(),
         draft_model=draft,
     )

@@ -21,7 +21,9 @@ that raises is dropped from that temperature's results with a note (the error, t
 others go on; only a failure of plain decoding, the baseline of every ratio, ends the run.
 ``--device cuda`` puts the target, a model drafter and transformers' models on a GPU.
 ``--drafter-gamma LABEL=N`` gives one drafter label its own γ (with ``LABEL=DRAFTER`` labels, one run
-compares draft lengths of one drafter side by side).
+compares draft lengths of one drafter side by side). ``--gamma-policy`` (default ``auto``, as
+``specdec generate`` and the engine: each step's depth in 0..γ from the measured verify cost and
+the request's acceptance) takes ``fixed`` for drafting exactly γ every step.
 
 Prompts (:mod:`specdec.prompt_sets`): HumanEval and the first turn of the 80 MT-Bench questions,
 read as data files; ``--num-prompts`` takes that many per set, evenly spaced.
@@ -99,7 +101,7 @@ class BenchConfig:
     drafter_gammas: dict[str, int] = field(default_factory=dict)
     """γ for some drafter labels (others use ``gamma``), so one interleaved run compares draft
     lengths: ``drafters=("ngram-eagle", "ne-g6=ngram-eagle")``, ``drafter_gammas={"ne-g6": 6}``."""
-    gamma_policy: str = "fixed"
+    gamma_policy: str = "auto"
     draft_model: str | None = None
     drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     chat: bool = False
@@ -400,7 +402,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="LABEL=N",
         help="γ for one drafter label (repeatable); with LABEL=DRAFTER one run compares draft lengths",
     )
-    p.add_argument("--gamma-policy", default=d.gamma_policy, help="fixed | batch-table | goodput | auto")
+    p.add_argument(
+        "--gamma-policy",
+        default=d.gamma_policy,
+        help="fixed (exactly --gamma each step) | batch-table | goodput | auto (default; depth 0..γ)",
+    )
     p.add_argument("--draft-model", default=None, help="checkpoint for ours/model and hf/assistant")
     p.add_argument(
         "--drafter-option",

@@ -156,6 +156,11 @@ class NGramEagleDrafter:
             raise ValueError("propose() or observe() called before begin()")
         return self._eagle(self.last_mode)
 
+    @property
+    def catch_up_s(self) -> float:
+        """Seconds its EAGLE drafters spent catching up (:attr:`EagleDrafter.catch_up_s`)."""
+        return sum(d.catch_up_s for d in self._drafters.values())
+
     def _live(self) -> list[EagleDrafter]:
         """The EAGLE drafters that follow the generation: in ``auto`` mode with trees both the tree's
         and the chain's (each step drafts with one; the other's catch-up is lazy, so it costs

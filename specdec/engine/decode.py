@@ -47,6 +47,13 @@ def mix_seed(seed: int, position: int, salt: int) -> int:
     return z ^ (z >> 31)
 
 
+def _catch_up_seconds(rows: list[Request]) -> float:
+    """Seconds the rows' drafters have spent on lazy catch-up (``catch_up_s``, EAGLE drafters), each
+    drafter once."""
+    drafters = {id(r.drafter): r.drafter for r in rows}
+    return sum(getattr(d, "catch_up_s", 0.0) for d in drafters.values())
+
+
 class DecodeSteps:
     """Decoding rows of one engine step (mixed into :class:`specdec.engine.Engine`, whose attributes
     it reads: target, rule, keyed, drafters, tokens_SL, stats, recorder, ...)."""
@@ -101,6 +108,7 @@ class DecodeSteps:
         and tree nodes included), which the step's budget pays for."""
         t0 = self.now()
         self._trees_now = self.tree_pays and len(rows) == 1  # a tree would take a forward of its own
+        caught0 = _catch_up_seconds(rows)
         units: list[Unit] = []
         if self.drafters.batched:
             cohorts: dict[tuple, list[Request]] = {}
@@ -111,8 +119,8 @@ class DecodeSteps:
             units = [self._propose(r, K) for r, K in zip(rows, depths, strict=True)]
         t1 = self.now()
         drafted = sum(u.block.num_drafted * u.size for u in units)
-        if drafted:
-            per_token = (t1 - t0) / drafted
+        if drafted:  # a lazy catch-up is owed for committed tokens whatever the depth: not a draft cost
+            per_token = max(0.0, t1 - t0 - (_catch_up_seconds(rows) - caught0)) / drafted
             self.t_draft = per_token if self.t_draft == 0 else 0.8 * self.t_draft + 0.2 * per_token
         self.stats["draft_s"] += t1 - t0
         units = merge_chains(units)

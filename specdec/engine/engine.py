@@ -70,7 +70,8 @@ verify block of ``TREE_BLOCK`` tokens (a tree of 11 nodes and its root) costs at
 ``TREE_COST_RATIO`` times one token, and the row is verified alone in its step."""
 PROBE_EVERY = 16
 """A row free to follow timings that drafted nothing for this many steps drafts one token (a probe),
-so its acceptance estimate follows the text even where the policy chose plain steps."""
+so its acceptance estimate follows the text even where the policy chose plain steps; the other free
+rows idle for at least half as long probe in the same step (one padded forward for all of them)."""
 
 
 def scheduler_seconds(stats: Mapping[str, float]) -> float:
@@ -366,9 +367,14 @@ class Engine(DecodeSteps):
             acc = [r.acceptance(k, _PRIOR, _PRIOR_WEIGHT) for k in range(1, cap + 1)]
             views.append(RowView(acc, cap, self._free(r)))
         depths = self.policy.depths(views, self.cost, self.t_draft)
-        for i, (r, view) in enumerate(zip(rows, views, strict=True)):
-            if depths[i] == 0 and view.free and view.cap >= 1 and r.idle_steps >= PROBE_EVERY:
-                depths[i] = 1
+        # Probes share a step: a probe pads every row of the forward to 2 tokens, so once one row is
+        # due, the rows at least half-way there probe with it (their counters then run in step).
+        idle = [
+            r.idle_steps if d == 0 and v.free and v.cap >= 1 else -1
+            for r, v, d in zip(rows, views, depths, strict=True)
+        ]
+        if max(idle, default=-1) >= PROBE_EVERY:
+            depths = [1 if n >= PROBE_EVERY // 2 else d for n, d in zip(idle, depths, strict=True)]
         return depths
 
     # --- prefill --------------------------------------------------------------------------------

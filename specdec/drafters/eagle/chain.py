@@ -18,6 +18,7 @@ vocabulary, which never affects exactness (verification handles any proposal).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,9 @@ class EagleDrafter:
         self.cache: EagleCache | None = None
         self.cache_len_B: torch.Tensor | None = None  # slots holding pairs with true target features
         self.queue: FeatureQueue | None = None  # true features waiting for the catch-up
+        self.catch_up_s = 0.0
+        """Seconds spent catching up so far: work owed for committed tokens whatever the depth, which
+        the engine leaves out of its per-drafted-token cost (the depth choice cannot avoid it)."""
         self._next_feat_BD: torch.Tensor | None = None
 
     # --- protocol -------------------------------------------------------------------------
@@ -243,6 +247,14 @@ class EagleDrafter:
             raise ValueError("propose() called before begin()")
         if self.queue.longest == 0:
             return self._next_feat_BD
+        t0 = time.perf_counter()
+        try:
+            return self._catch_up(state)
+        finally:
+            self.catch_up_s += time.perf_counter() - t0
+
+    def _catch_up(self, state: DecodeState) -> torch.Tensor:
+        """:meth:`catch_up` once the queue holds something."""
         raw_BTI, count_B = self.queue.take()
         feats_BTD = self._project(raw_BTI)  # EAGLE-3: the aux layers fused in one call for the block
         T = feats_BTD.shape[1]

@@ -1,0 +1,88 @@
+"""Two pieces of the engine's depth control that cost nothing in correctness but matter for speed:
+
+- probes share a step: a probe pads the whole verify forward to two tokens, so once one row is due
+  (``PROBE_EVERY`` plain steps), the free rows idle at least half as long probe with it;
+- the per-drafted-token draft time the goodput policy reads leaves out a drafter's lazy catch-up
+  (``catch_up_s``), which is owed for committed tokens whatever the depth.
+
+A table target (``_tiny.TableTarget``) and a fake clock: nothing is timed for real.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _tiny import TableTarget, random_table
+
+from specdec.engine import Engine
+from specdec.engine.depth import DepthPolicy, RowView
+from specdec.engine.engine import PROBE_EVERY
+from specdec.engine.request import RequestStatus
+from specdec.protocols import DecodeState, Proposal, TargetOutput
+
+
+class PlainSteps(DepthPolicy):
+    """Depth 0 for every row (so only probes draft); γ 4."""
+
+    gamma = 4
+
+    def depths(self, rows: list[RowView], cost: Any, t_draft: float) -> list[int]:
+        return [0] * len(rows)
+
+
+def _decoding(engine: Engine, temperatures: list[float]) -> list[Any]:
+    for k, temperature in enumerate(temperatures):
+        engine.add_request([1 + k, 2, 3], max_new_tokens=40, temperature=temperature, seed=k)
+    while sum(r.status is RequestStatus.DECODE for r in engine.running) < len(temperatures):
+        engine.step()
+    return [r for r in engine.running if r.status is RequestStatus.DECODE]
+
+
+def test_rows_half_way_to_a_probe_probe_with_the_row_that_is_due():
+    engine = Engine(
+        TableTarget(random_table(16, seed=0)), drafter="none", gamma=PlainSteps(), measure_cost=False
+    )
+    rows = _decoding(engine, [0.0, 0.0, 0.0, 0.0, 0.8])  # the last sampled: its depth is pinned
+    assert engine._depths(rows) == [0, 0, 0, 0, 0]  # nobody due
+    for r, idle in zip(rows, (PROBE_EVERY - 1, PROBE_EVERY // 2, 3, 0, PROBE_EVERY), strict=True):
+        r.idle_steps = idle
+    assert engine._depths(rows) == [0, 0, 0, 0, 0]  # no free row due (the sampled row never probes)
+    rows[0].idle_steps = PROBE_EVERY
+    assert engine._depths(rows) == [1, 1, 0, 0, 0]  # the due row, and the one half-way there
+
+
+class SlowCatchUp:
+    """A drafter proposing ``K`` copies of the last token; each propose advances the engine's fake
+    clock by ``catch_up`` seconds of catch-up (counted in ``catch_up_s``) plus ``per_token`` per
+    drafted token."""
+
+    def __init__(self, clock: list[float], catch_up: float, per_token: float) -> None:
+        self.clock, self.catch_up, self.per_token = clock, catch_up, per_token
+        self.catch_up_s = 0.0
+
+    def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
+        pass
+
+    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
+        self.clock[0] += self.catch_up + self.per_token * gamma
+        self.catch_up_s += self.catch_up
+        return Proposal(state.last_tokens_B()[:, None].repeat(1, gamma))
+
+    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
+        pass
+
+
+@pytest.mark.parametrize("catch_up", [0.0, 0.5])
+def test_the_draft_cost_per_token_leaves_out_the_catch_up(catch_up):
+    clock = [0.0]
+    drafter = SlowCatchUp(clock, catch_up, per_token=0.01)
+    engine = Engine(
+        TableTarget(random_table(16, seed=1)), drafter=drafter, gamma=3, max_num_seqs=1, measure_cost=False
+    )
+    engine.now = lambda: clock[0]
+    engine.add_request([1, 2, 3], max_new_tokens=12, temperature=0.0)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.t_draft == pytest.approx(0.01)
