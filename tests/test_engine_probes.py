@@ -17,8 +17,9 @@ import torch
 from _tiny import TableTarget, random_table
 
 from specdec.engine import Engine
+from specdec.engine.cost_model import VerifyCostModel
 from specdec.engine.depth import DepthPolicy, RowView
-from specdec.engine.engine import PROBE_EVERY
+from specdec.engine.engine import PROBE_COST_RATIO, PROBE_EVERY
 from specdec.engine.request import RequestStatus
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 
@@ -51,6 +52,10 @@ def test_rows_half_way_to_a_probe_probe_with_the_row_that_is_due():
     assert engine._depths(rows) == [0, 0, 0, 0, 0]  # no free row due (the sampled row never probes)
     rows[0].idle_steps = PROBE_EVERY
     assert engine._depths(rows) == [1, 1, 0, 0, 0]  # the due row, and the one half-way there
+    # Where a 2-token block of these 5 rows costs much more than one token, nobody probes.
+    for ratio, want in ((PROBE_COST_RATIO + 0.05, [0] * 5), (PROBE_COST_RATIO - 0.05, [1, 1, 0, 0, 0])):
+        engine.cost = VerifyCostModel((1, 8), (1, 2), ((1.0, ratio), (1.0, ratio)))
+        assert engine._depths(rows) == want, ratio
 
 
 class SlowCatchUp:

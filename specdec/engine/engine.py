@@ -71,7 +71,10 @@ verify block of ``TREE_BLOCK`` tokens (a tree of 11 nodes and its root) costs at
 PROBE_EVERY = 16
 """A row free to follow timings that drafted nothing for this many steps drafts one token (a probe),
 so its acceptance estimate follows the text even where the policy chose plain steps; the other free
-rows idle for at least half as long probe in the same step (one padded forward for all of them)."""
+rows idle for at least half as long probe in the same step (one padded forward for all of them),
+and only where a 2-token block of the step's rows costs at most ``PROBE_COST_RATIO`` times one token
+(on this CPU: one to two rows, not four or eight)."""
+PROBE_COST_RATIO = 1.25
 
 
 def scheduler_seconds(stats: Mapping[str, float]) -> float:
@@ -373,9 +376,15 @@ class Engine(DecodeSteps):
             r.idle_steps if d == 0 and v.free and v.cap >= 1 else -1
             for r, v, d in zip(rows, views, depths, strict=True)
         ]
-        if max(idle, default=-1) >= PROBE_EVERY:
+        if max(idle, default=-1) >= PROBE_EVERY and self._probe_pays(len(rows)):
             depths = [1 if n >= PROBE_EVERY // 2 else d for n, d in zip(idle, depths, strict=True)]
         return depths
+
+    def _probe_pays(self, B: int) -> bool:
+        """A probe step of ``B`` rows costs at most ``PROBE_COST_RATIO`` times a plain one (no cost
+        model: always). Where a 2-token block costs much more, a draft cannot pay at this load
+        anyway, and the estimates learnt at lighter loads serve when the load drops."""
+        return self.cost is None or self.cost.cost(B, 2) <= PROBE_COST_RATIO * self.cost.cost(B, 1)
 
     # --- prefill --------------------------------------------------------------------------------
     def _prefill(self, budget: int, changed: dict[str, list[int]]) -> None:

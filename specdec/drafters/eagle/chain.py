@@ -36,7 +36,7 @@ from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
 __all__ = ["EagleDrafter", "draft_distribution", "DEFAULT_MAX_QUEUED", "check_max_queued"]
 
 _NO_FEATURES = "the EAGLE drafter needs target features: the target returned hidden_BTD=None"
-DEFAULT_MAX_QUEUED = 32
+DEFAULT_MAX_QUEUED = 512
 """Committed tokens that may wait for the head's catch-up between calls (see the module doc)."""
 
 
