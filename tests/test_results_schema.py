@@ -27,12 +27,8 @@ def _benchmark(name: str):
         return lambda raw, doc: bench_document(raw, name, created_at=doc["created_at"])
     if name == "gpu-moe-bench":
         return lambda raw, doc: gpu_moe_report.gpu_document(raw, doc["command"])
-    summarize = {
-        "bench-moe": bench_moe,
-        "packed-gemm": bench_packed_gemm,
-        "target-formats": target,
-        "engine-concurrency": concurrency,
-    }[name]
+    modules = {"bench-moe": bench_moe, "packed-gemm": bench_packed_gemm, "engine-concurrency": concurrency}
+    summarize = target if name.startswith("target-formats") else modules[name]  # one file per ISA path
     return lambda raw, doc: benchmark_document(
         raw,
         experiment=name,
@@ -49,9 +45,13 @@ def _benchmark(name: str):
         "specdec-bench-qself",
         "specdec-bench-gpu",
         "specdec-bench-heads",
+        "specdec-bench-avx512vnni",
+        "specdec-bench-avx2",
         "bench-moe",
         "packed-gemm",
         "target-formats",
+        "target-formats-avx512vnni",
+        "target-formats-avx2",
         "gpu-moe-bench",
         "engine-concurrency",
     ],

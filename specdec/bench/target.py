@@ -26,6 +26,7 @@ The header names the CPU, the kernels' ISA path, the threads and the commit.
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 import time
@@ -279,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument(
+        "--name",
+        default="target-formats",
+        help="the experiment name in the --json file (one per result file of paper/results, e.g. "
+        "target-formats-avx2 for a run on another ISA path)",
+    )
+    p.add_argument(
         "--no-llama-bench",
         dest="llama_bench",
         action="store_false",
@@ -287,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not re.fullmatch(r"[a-z0-9-]+", args.name):
+        print(
+            f"python -m specdec.bench.target: error: --name must match [a-z0-9-]+ (it names a result "
+            f"file), got {args.name!r}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         result = run(args)
     except ValueError as err:
@@ -298,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report(result))
     if args.json:
         document = benchmark_document(
-            result, experiment="target-formats", summarize=summarize, description=__doc__.split("\n")[0]
+            result, experiment=args.name, summarize=summarize, description=__doc__.split("\n")[0]
         )
         write_json(Path(args.json), document)
     return 0
