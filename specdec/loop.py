@@ -21,6 +21,7 @@ a time (:mod:`specdec.locks`).
 
 from __future__ import annotations
 
+import functools
 import gc
 import numbers
 import time
@@ -233,6 +234,25 @@ def generate(
         })  # fmt: skip
 
 
+def _without_cyclic_gc(fn: Callable[..., GenerationOutput]) -> Callable[..., GenerationOutput]:
+    """Run ``fn`` with Python's cyclic garbage collector paused: thousands of live requests (a
+    Monte-Carlo call holds tens of thousands) make its full passes a quarter of the time, and the
+    engine's objects are freed by reference counting anyway."""
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> GenerationOutput:
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if collecting:
+                gc.enable()
+
+    return paused
+
+
+@_without_cyclic_gc
 def _drive(
     engine: Engine,
     prompts: list[list[int]],
@@ -240,27 +260,7 @@ def _drive(
     on_commit: Callable[[int, list[int]], None] | None,
     params: dict[str, Any],
 ) -> GenerationOutput:
-    """Add every prompt, step the engine to the end, and gather the rows and the call's metrics.
-
-    Python's cyclic garbage collector is paused meanwhile: thousands of live requests (a Monte-Carlo
-    call holds tens of thousands) make its full passes a quarter of the time, and the engine's
-    objects are freed by reference counting anyway."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return _run(engine, prompts, seeds, on_commit, params)
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _run(
-    engine: Engine,
-    prompts: list[list[int]],
-    seeds: list[int | None],
-    on_commit: Callable[[int, list[int]], None] | None,
-    params: dict[str, Any],
-) -> GenerationOutput:
+    """Add every prompt, step the engine to the end, and gather the rows and the call's metrics."""
     B = len(prompts)
     recorder = MetricsRecorder()
     engine.recorder = recorder

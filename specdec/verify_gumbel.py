@@ -36,7 +36,7 @@ import torch
 
 from specdec.noise import PositionNoise, sample_keyed
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.tree import TokenTree, TreeProposal, TreeVerifyResult, tree_greedy_verify, tree_rejection_sample
+from specdec.tree import TokenTree, TreeProposal, TreeVerifyResult, tree_greedy_verify
 from specdec.verify import VerifyResult, greedy_verify, validate_verify_inputs
 from specdec.verify_keyed import rejection_sample_keyed, validate_keyed_inputs
 from specdec.verify_rules import ExactVerify
@@ -299,17 +299,8 @@ class KeyedExactVerify(ExactVerify):
         if noise is None or sampling.greedy:
             return super().verify_tree(target_logits_BNV, proposal, sampling=sampling, generator=generator)
         _need_noise("exact", noise, positions_BK)
-        target_probs_BNV = logits_to_probs(
-            target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p
-        )
-        return tree_rejection_sample(
-            target_probs_BNV,
-            proposal.tree,
-            proposal.tokens_BN,
-            proposal.draft_probs_BNV,
-            replacement=proposal.replacement,
-            noise=noise,
-            positions_BN=positions_BK,
+        return self._sample_tree(
+            target_logits_BNV, proposal, sampling, noise=noise, positions_BN=positions_BK
         )
 
     def __repr__(self) -> str:

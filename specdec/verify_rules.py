@@ -155,6 +155,15 @@ class ExactVerify:
         if sampling.greedy:
             argmax_BN = target_logits_BNV.argmax(dim=-1).cpu()
             return tree_greedy_verify(argmax_BN, proposal.tree, proposal.tokens_BN.cpu())
+        return self._sample_tree(target_logits_BNV, proposal, sampling, generator=generator, validate=False)
+
+    @staticmethod
+    def _sample_tree(
+        target_logits_BNV: torch.Tensor, proposal: TreeProposal, sampling: SamplingParams, **randomness: Any
+    ) -> TreeVerifyResult:
+        """Recursive rejection sampling of a tree under the sampling settings; ``randomness``: the
+        ``generator`` or the keyed ``noise`` and ``positions_BN`` (and ``validate``) of
+        :func:`specdec.tree.tree_rejection_sample`."""
         target_probs_BNV = logits_to_probs(
             target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p
         )
@@ -164,8 +173,7 @@ class ExactVerify:
             proposal.tokens_BN,
             proposal.draft_probs_BNV,
             replacement=proposal.replacement,
-            generator=generator,
-            validate=False,
+            **randomness,
         )
 
     def __repr__(self) -> str:

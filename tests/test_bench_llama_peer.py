@@ -211,6 +211,15 @@ def test_the_target_bench_reports_llama_bench_beside_every_format(tmp_path):
     assert "llama-bench not run: no llama-bench on PATH" in skipped and "| llama-bench | not run |" in skipped
 
 
+def test_the_target_bench_refuses_a_result_name_that_cannot_name_a_file(capsys, monkeypatch):
+    """``--name`` becomes the experiment (a file name and LaTeX label): refused before anything runs."""
+    from specdec.bench import target
+
+    monkeypatch.setattr(target, "run", lambda args: pytest.fail("the bench ran"))
+    assert target.main(["--name", "Target Formats", "--no-llama-bench"]) == 2
+    assert "--name must be a [a-z0-9-] name" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # a tiny checkpoint through transformers and our loop: ~5 s on 2 busy cores
 def test_specdec_bench_puts_llama_bench_beside_every_method(monkeypatch, tmp_path, no_llama_bench):
     """``--peers llama.cpp`` end to end on a tiny checkpoint (its GGUF file faked): the binary runs

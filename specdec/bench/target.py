@@ -26,7 +26,6 @@ The header names the CPU, the kernels' ISA path, the threads and the commit.
 
 from __future__ import annotations
 
-import re
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ from specdec.bench.llama_bench import (
 )
 from specdec.bench.report import benchmark_document, environment
 from specdec.cli_args import ArgumentParser, csv, positive_int
-from specdec.summary import Summary, table_from_rows, write_json
+from specdec.summary import Summary, check_experiment_name, table_from_rows, write_json
 from specdec.targets.llama import LlamaTarget
 
 __all__ = ["greedy_decode", "read_bandwidth", "forward_curves", "main"]
@@ -294,14 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not re.fullmatch(r"[a-z0-9-]+", args.name):
-        print(
-            f"python -m specdec.bench.target: error: --name must match [a-z0-9-]+ (it names a result "
-            f"file), got {args.name!r}",
-            file=sys.stderr,
-        )
-        return 2
     try:
+        check_experiment_name(args.name, "--name")
         result = run(args)
     except ValueError as err:
         print(f"python -m specdec.bench.target: error: {err}", file=sys.stderr)
