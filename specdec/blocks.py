@@ -88,6 +88,16 @@ class ChainBlock:
         )
         return Verdict(result.tokens, result.num_accepted)
 
+    def verify_greedy(self, rule: VerifyRule, logits_BTV: torch.Tensor) -> Verdict | None:
+        """A greedy run's verdict from the rule's ``verify_greedy`` fast path, or None where the
+        rule has none or it does not answer (then :meth:`verify`, with the rule's arguments)."""
+        fast = getattr(rule, "verify_greedy", None)
+        if not callable(fast):
+            return None
+        draft_BK = self.draft_tokens_BK.to(logits_BTV.device)
+        result = fast(logits_BTV, draft_BK, self.draft_probs_BKV)
+        return None if result is None else Verdict(result.tokens, result.num_accepted)
+
     def settle(
         self,
         target: Any,

@@ -18,12 +18,21 @@ import torch
 
 from specdec.protocols import Proposal
 
-__all__ = ["check_proposal", "check_logits", "PROB_SUM_ATOL"]
+__all__ = ["check_proposal", "check_logits", "PROB_SUM_ATOL", "value_range"]
 
 PROB_SUM_ATOL = 1e-3
 """Tolerance on Σ probs = 1 (float32 sums over a 50k vocabulary are off by ~1e-5)."""
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def value_range(values: torch.Tensor) -> tuple[int | float, int | float]:
+    """(min, max) of a non-empty tensor as Python numbers; on the CPU through numpy (one pass each,
+    single-threaded: a few µs where two ATen reductions and ``.item()`` cost tens)."""
+    if values.device.type == "cpu" and values.dtype != torch.bfloat16:
+        array = values.detach().numpy()
+        return array.min().item(), array.max().item()
+    return values.min().item(), values.max().item()
 
 
 def check_logits(logits_BTV: torch.Tensor, *, step: int | str, source: str) -> None:

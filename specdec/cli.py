@@ -27,43 +27,9 @@ from specdec.cli_args import (
     seed_int,
     stderr_line,
 )
+from specdec.detokenize import IncrementalDetokenizer
 
 __all__ = ["main", "build_parser", "IncrementalDetokenizer"]
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text pieces as they become printable.
-
-    Decodes a short window of recent tokens (so a token's leading space and merges with its left
-    neighbour come out right) and holds text back while it ends in an incomplete UTF-8 sequence
-    (U+FFFD), as vLLM's incremental detokenizer does.
-    """
-
-    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-
-    def push(self, new_ids: Sequence[int]) -> str:
-        """Add ids; return the newly printable text (possibly empty)."""
-        self.ids.extend(new_ids)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip)
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
-        full = decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return full[len(prefix) :]
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is left (an incomplete sequence included) at the end of generation."""
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip)
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
-        full = decode(self.ids[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix) :]
 
 
 def _metrics_line(m: Any, drafter: str) -> str:

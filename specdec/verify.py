@@ -240,7 +240,12 @@ def greedy_verify(target_logits_BKV: torch.Tensor, draft_tokens_BK: torch.Tensor
         raise ValueError(
             f"draft_tokens_BK must have shape [B={B}, K={K}], got {tuple(draft_tokens_BK.shape)}"
         )
-    argmax_BK1 = target_logits_BKV.float().argmax(dim=-1)
+    if target_logits_BKV.device.type == "cpu" and target_logits_BKV.dtype == torch.float32:
+        # numpy's single-threaded argmax (first maximum, as torch's): ATen's parallel one waits on
+        # waking OpenMP threads, most of a small decode step's verification on 2 cores
+        argmax_BK1 = torch.from_numpy(target_logits_BKV.detach().numpy().argmax(axis=-1))
+    else:
+        argmax_BK1 = target_logits_BKV.float().argmax(dim=-1)
     match_BK = draft_tokens_BK.long() == argmax_BK1[:, :K]
     num_accepted_B = match_BK.long().cumprod(dim=-1).sum(dim=-1)
     positions_K1 = torch.arange(K1, device=argmax_BK1.device)

@@ -393,6 +393,8 @@ def test_bad_flags_are_argparse_errors_naming_the_flag(argv, flag, capsys):
         (["--prompt-set", "nope"], "--prompt-set"),
         (["--prompt-set", "mtbench-chat"], "--prompt-set"),
         (["--goodput", "ttft:5", "ttft:6"], "--goodput"),
+        (["--servers", "ours:none", "--concurrency", "1", "--gamma", "deep"], "--gamma"),
+        (["--servers", "ours:none", "--concurrency", "1", "--gamma", "-1"], "--gamma"),
     ],
 )
 def test_bad_values_are_one_line_errors_naming_the_flag(argv, flag, tmp_path, capsys):
@@ -431,11 +433,13 @@ def test_against_specdec_serve_on_a_tiny_model(tmp_path):
     checkpoint = save_tiny_checkpoint(tmp_path / "tiny", tokenizer=byte_tokenizer())
     config = BenchServeConfig(
         servers=("ours:ngram",), target=str(checkpoint), prompt_sets=("humaneval",), num_prompts=2,
-        max_tokens=16, concurrency=(1, 2), threads=1, out=str(tmp_path / "out"), startup_timeout_s=120,
+        max_tokens=16, concurrency=(1, 2), threads=1, gamma="2", out=str(tmp_path / "out"),
+        startup_timeout_s=120,
     )  # fmt: skip
     (entry,) = run_bench_serve(config, echo=lambda line: None)["servers"]
     assert entry["exit_status"] == 0 and entry["model"] == str(checkpoint)
     assert "--max-num-seqs 2" in entry["launch"] and "--threads 1" in entry["launch"]
+    assert "--gamma 2" in entry["launch"]  # a fixed depth: drafting does not hang on timings
     for level in entry["levels"]:
         assert level["completed"] == 2 and level["failed"] == 0
         acc = level["acceptance"]  # specdec serve exposes the counters; its usage counts agree

@@ -180,6 +180,37 @@ def test_text_stream_holds_back_partial_characters_and_stops():
     assert tail.push([], finished=True) == "b" and not tail.stopped
 
 
+@pytest.mark.model
+def test_text_stream_is_incremental_and_equals_the_whole_decoding():
+    """On the real tokenizer, pushed in random chunks: the pieces joined equal the decoding of all
+    ids (cut at the first stop string), no piece has a broken character, and each push decodes only
+    a short window of recent ids (not every id again)."""
+    import random
+
+    from specdec.serve.detokenize import TextStream, decode_text
+    from specdec.targets.loading import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    text = "Héllo wörld, 日本語 🙂 done.\n    return x  # ünïcode €5 " * 40
+    ids = tok(text).input_ids
+    rng = random.Random(0)
+    for stop in ((), ("€5 Héllo",), ("never there", "done.")):
+        stream = TextStream(tok, stop)
+        pieces, i, widest = [], 0, 0
+        while i < len(ids):
+            n = rng.randint(1, 4)
+            pieces.append(stream.push(ids[i : i + n], finished=False))
+            i += n
+            widest = max(widest, len(stream.ids) - stream.detok.prefix_offset)
+        pieces.append(stream.push([], finished=True))
+        whole = decode_text(tok, ids)
+        cuts = [whole.find(s) for s in stop if whole.find(s) >= 0]
+        assert "".join(pieces) == whole[: min(cuts, default=len(whole))]
+        assert not any("\ufffd" in p for p in pieces)
+        assert stream.stopped == bool(cuts)
+        assert widest <= 16, widest  # the window, not the whole stream
+
+
 # --- the API ----------------------------------------------------------------------------------------
 
 

@@ -72,6 +72,7 @@ class BenchServeConfig:
     goodput: tuple[str, ...] = ()
     threads: int = 2
     max_num_seqs: int | None = None
+    gamma: str = "auto"
     warmup_requests: int = 1
     request_timeout_s: float = 600.0
     startup_timeout_s: float = 600.0
@@ -118,6 +119,7 @@ class BenchServeConfig:
             raise ValueError(
                 f"--threads and --max-num-seqs must be >= 1, got {self.threads}, {self.max_num_seqs}"
             )
+        _check_gamma(self.gamma)
         if self.warmup_requests < 0:
             raise ValueError(f"--warmup-requests must be >= 0, got {self.warmup_requests}")
         for flag, value in (
@@ -194,8 +196,9 @@ def _start(
     log = out_dir / f"server-{spec.name.replace(':', '-')}.log"
     if spec.kind == "ours":
         cmd = peers.ours_command(
-            spec.drafter, target=config.target, threads=config.threads, max_num_seqs=config.slots, port=port
-        )
+            spec.drafter, target=config.target, threads=config.threads, max_num_seqs=config.slots, port=port,
+            gamma=config.gamma,
+        )  # fmt: skip
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         return peers.launch(
             spec.name, cmd, log, port=port, startup_timeout_s=config.startup_timeout_s, env=env
@@ -328,6 +331,16 @@ def run_bench_serve(
     return record
 
 
+def _check_gamma(gamma: str) -> None:
+    """``--gamma``: what ``specdec serve --gamma`` takes (an integer >= 0 or a depth policy name)."""
+    from specdec.engine.depth import DEPTH_POLICIES
+
+    if not (gamma.isdigit() or gamma in DEPTH_POLICIES.names()):
+        raise ValueError(
+            f"--gamma must be an integer >= 0 or one of {', '.join(DEPTH_POLICIES.names())}, got {gamma!r}"
+        )
+
+
 def add_bench_serve(sub: argparse._SubParsersAction) -> None:
     """Add ``bench-serve`` to the ``specdec`` subcommands."""
     p = sub.add_parser(
@@ -385,6 +398,11 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="their slots (default: the largest --concurrency)",
     )
+    p.add_argument(
+        "--gamma",
+        default="auto",
+        help="draft depth of ours:DRAFTER servers: an integer or a depth policy (default: %(default)s)",
+    )
     p.add_argument("--warmup-requests", type=int, default=1, help="untimed requests before the levels")
     p.add_argument("--request-timeout", type=finite_float, default=600.0, help="seconds per request")
     p.add_argument(
@@ -422,6 +440,7 @@ def config_from_args(args: argparse.Namespace) -> BenchServeConfig:
         goodput=tuple(args.goodput or ()),
         threads=args.threads,
         max_num_seqs=args.max_num_seqs,
+        gamma=args.gamma,
         warmup_requests=args.warmup_requests,
         request_timeout_s=args.request_timeout,
         startup_timeout_s=args.startup_timeout,

@@ -111,13 +111,14 @@ def context_per_slot(prompts: Sequence[str], max_tokens: int, *, template_tokens
 
 
 def ours_command(
-    drafter: str, *, target: str, threads: int, max_num_seqs: int, port: int, host: str = "127.0.0.1"
-) -> list[str]:
+    drafter: str, *, target: str, threads: int, max_num_seqs: int, port: int, host: str = "127.0.0.1",
+    gamma: str = "auto",
+) -> list[str]:  # fmt: skip
     """The command that starts ``specdec serve`` for ``ours:DRAFTER`` (this Python's ``-m specdec``)."""
     return [
         sys.executable, "-m", "specdec", "serve", "--target", target, "--drafter", drafter,
         "--max-num-seqs", str(max_num_seqs), "--threads", str(threads), "--host", host, "--port", str(port),
-        "--log-level", "warning",
+        "--gamma", gamma, "--log-level", "warning",
     ]  # fmt: skip
 
 

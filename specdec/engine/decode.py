@@ -196,7 +196,14 @@ class DecodeSteps:
         sampling = rows[0].params.sampling
         T = block.num_drafted + 1
         t_rule = self.now()
-        if self.keyed:
+        fast = (
+            block.verify_greedy(self.rule, out.logits_BTV)
+            if sampling.greedy and isinstance(block, ChainBlock)
+            else None
+        )
+        if fast is not None:  # argmax matching: no noise, no generator (a keyed rule's too)
+            verdict = fast
+        elif self.keyed:
             verdict = block.verify(
                 self.rule, out.logits_BTV, sampling, None, **self._rule_kwargs(rows, start_G, block, T)
             )
@@ -228,7 +235,11 @@ class DecodeSteps:
         t0 = self.now()
         if unit.drafter is not None:
             live = [i for i, r in enumerate(rows) if r.status is RequestStatus.DECODE]
-            if live:
+            if len(live) == len(rows):  # every row goes on: the outputs as they are (no copy)
+                state = group_state(rows, sampling, self.tokens_SL)
+                sub = TargetOutput(observed.logits_BTV, observed.hidden_BTD)
+                unit.drafter.observe(state, verdict.num_accepted_B, sub)
+            elif live:
                 state = group_state([rows[i] for i in live], sampling, self.tokens_SL)
                 index = torch.tensor(live)
                 sub = TargetOutput(

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from filelock import FileLock
 
 from kernels.llama_forward import MAX_BLOCK
+from specdec.checks import value_range
 from specdec.protocols import TargetOutput, TargetParts
 from specdec.targets.capture import check_layer_indices
 from specdec.targets.default_weights import default_weights
@@ -293,11 +294,12 @@ class LlamaTarget:
         rows = self._check_rows(rows_B, lengths_B.shape[0]) if rows_B is not None else None
         if rows is None and lengths_B.shape[0] != cache.batch_size:
             raise ValueError(f"lengths_B must have {cache.batch_size} entries, got {lengths_B.shape[0]}")
-        current = cache.lengths_B if rows is None else cache.lengths_B[rows]
-        if (lengths_B < 0).any() or (lengths_B > current).any():
+        # Checked on Python lists: a few rows, where each small torch op costs more than the loop.
+        new, held = lengths_B.tolist(), cache.lengths_B.tolist()
+        current = held if rows is None else [held[r] for r in rows.tolist()]
+        if any(n < 0 or n > c for n, c in zip(new, current, strict=True)):
             raise ValueError(
-                f"lengths_B must be in [0, current length] per row; got {lengths_B.tolist()}, "
-                f"cache holds {current.tolist()}"
+                f"lengths_B must be in [0, current length] per row; got {new}, cache holds {current}"
             )
         if rows is None:
             cache.lengths_B = lengths_B.clone()
@@ -384,10 +386,14 @@ class LlamaTarget:
         """``rows_B`` as a CPU long tensor of B distinct cache rows, or a ``ValueError``."""
         cache = self._need_cache()
         rows = torch.as_tensor(rows_B, dtype=torch.long).reshape(-1).cpu()
-        distinct = rows.unique().numel() == rows.shape[0]
-        if rows.shape[0] != B or (rows < 0).any() or (rows >= cache.batch_size).any() or not distinct:
+        values = rows.tolist()
+        if (
+            len(values) != B
+            or len(set(values)) != len(values)
+            or any(not 0 <= r < cache.batch_size for r in values)
+        ):
             raise ValueError(
-                f"rows_B must hold {B} distinct cache rows in [0, {cache.batch_size}), got {rows.tolist()}"
+                f"rows_B must hold {B} distinct cache rows in [0, {cache.batch_size}), got {values}"
             )
         return rows
 
@@ -412,15 +418,13 @@ class LlamaTarget:
         start_B = torch.as_tensor(start_B, dtype=torch.long).reshape(-1).cpu()
         if start_B.shape[0] != B:
             raise ValueError(f"start_B must have {B} entries, got {start_B.shape[0]}")
-        if (start_B < 0).any() or (start_B + T > cache.max_len).any():
-            raise ValueError(
-                f"blocks must fit in [0, max_len={cache.max_len}); start_B={start_B.tolist()}, T={T}"
-            )
-        held_B = cache.lengths_B if rows is None else cache.lengths_B[rows]
-        if check_length and (start_B > held_B).any():
-            raise ValueError(
-                f"start_B={start_B.tolist()} is past the cached lengths {held_B.tolist()} (a gap)"
-            )
+        starts = start_B.tolist()  # checked as a list: see rollback
+        if any(s < 0 or s + T > cache.max_len for s in starts):
+            raise ValueError(f"blocks must fit in [0, max_len={cache.max_len}); start_B={starts}, T={T}")
+        held = cache.lengths_B.tolist()
+        held = held if rows is None else [held[r] for r in rows.tolist()]
+        if check_length and any(s > h for s, h in zip(starts, held, strict=True)):
+            raise ValueError(f"start_B={starts} is past the cached lengths {held} (a gap)")
         if tree_mask_TT is not None:
             if tree_mask_TT.shape != (T, T) or tree_mask_TT.dtype != torch.bool:
                 raise ValueError(
@@ -431,9 +435,10 @@ class LlamaTarget:
         if depth_T is not None:
             if depth_T.shape != (T,):
                 raise ValueError(f"depth_T must have shape [T={T}], got {tuple(depth_T.shape)}")
-            if (depth_T < 0).any() or (start_B.max() + depth_T.max() >= cache.max_len):
+            if (depth_T < 0).any() or (max(starts) + int(depth_T.max()) >= cache.max_len):
                 raise ValueError("depth_T must be >= 0 and start_B + depth_T < max_len")
-        if (tokens_BT < 0).any() or (tokens_BT >= self.vocab_size).any():
+        lo, hi = value_range(tokens_BT)
+        if lo < 0 or hi >= self.vocab_size:
             raise ValueError(f"tokens_BT must be in [0, {self.vocab_size})")
         return tokens_BT.to(self.device), start_B, rows
 
