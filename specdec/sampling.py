@@ -158,7 +158,11 @@ def sample_from_probs(probs_NV: torch.Tensor, generator: torch.Generator | None 
             f"probs must be finite and non-negative with positive mass in every row; row {row} is not "
             f"(sum {float(total_N1[row, 0]):.4g}, min {float(flat[row].min()):.4g})"
         )
-    u_N1 = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device)
+    # the uniforms come from the generator's device (a CPU generator draws the same numbers for
+    # probabilities on any device), then move to the probabilities'
+    drawn_on = generator.device if generator is not None else flat.device
+    u_N1 = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=drawn_on)
+    u_N1 = u_N1.to(flat.device)
     # Token i owns [cdf[i-1], cdf[i]); u * total < total, so the draw is always a valid index.
     out = torch.searchsorted(cdf_NV, u_N1 * total_N1, right=True).squeeze(-1)
     # Guard against the last weighted token being followed by zero-weight ones after rounding.

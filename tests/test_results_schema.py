@@ -19,7 +19,7 @@ ENVELOPE = set(summary_document(experiment="x", summary=Summary(title=""), comma
 
 def _benchmark(name: str):
     """(summarize, document builder) of the benchmark that wrote ``paper/results/<name>.json``."""
-    from experiments import bench_moe, bench_packed_gemm, gpu_moe_report
+    from experiments import bench_moe, bench_packed_gemm, gpu_engine_check, gpu_moe_report
     from specdec.bench import concurrency, target
     from specdec.bench.report import bench_document, benchmark_document
 
@@ -27,7 +27,12 @@ def _benchmark(name: str):
         return lambda raw, doc: bench_document(raw, name, created_at=doc["created_at"])
     if name == "gpu-moe-bench":
         return lambda raw, doc: gpu_moe_report.gpu_document(raw, doc["command"])
-    modules = {"bench-moe": bench_moe, "packed-gemm": bench_packed_gemm, "engine-concurrency": concurrency}
+    modules = {
+        "bench-moe": bench_moe,
+        "packed-gemm": bench_packed_gemm,
+        "engine-concurrency": concurrency,
+        "gpu-engine-check": gpu_engine_check,
+    }
     summarize = target if name.startswith("target-formats") else modules[name]  # one file per ISA path
     return lambda raw, doc: benchmark_document(
         raw,
@@ -54,6 +59,7 @@ def _benchmark(name: str):
         "target-formats-avx2",
         "gpu-moe-bench",
         "engine-concurrency",
+        "gpu-engine-check",
     ],
 )
 def test_committed_benchmark_tables_come_from_their_raw_measurements(name):

@@ -255,7 +255,8 @@ class ModelDrafter:
         for k in range(gamma):
             out = self.draft.forward(block_BT, start_B, logits_index_BN=last_index_BN, **self._rows())
             fed += 1
-            logits_BV = self._fit_vocab(out.logits_BTV[:, -1])
+            # decided where the state lives (the host in the engine), whatever the draft model's device
+            logits_BV = self._fit_vocab(out.logits_BTV[:, -1]).to(lengths_B.device)
             draft_probs_BV = logits_to_probs(logits_BV, s.temperature, s.top_k, s.top_p)
             token_B = sample_from_probs(draft_probs_BV, generator)
             # Greedy: the draft model's own softmax at T = 1; sampled: the verified draft distribution.

@@ -14,6 +14,7 @@ on the rows beside it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from specdec.metrics import StepStats
 from specdec.noise import PositionNoise
 from specdec.protocols import Proposal, TargetOutput
 
-__all__ = ["DecodeSteps", "mix_seed"]
+__all__ = ["DecodeSteps", "mix_seed", "on_host"]
 
 _DECAY = 0.97  # forgetting of the acceptance estimates a_k per request
 
@@ -45,6 +46,33 @@ def mix_seed(seed: int, position: int, salt: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
     return z ^ (z >> 31)
+
+
+def on_host(out: TargetOutput) -> TargetOutput:
+    """A target's output with its logits on the CPU: the engine decides every token on the host
+    (its keyed noise, generators and token table live there), whatever device the target runs on.
+    The features stay on the target's device, for the drafters that run there."""
+    if out.logits_BTV.device.type == "cpu":
+        return out
+    return TargetOutput(out.logits_BTV.cpu(), out.hidden_BTD, out.aux_hidden_BTD)
+
+
+def proposal_on_host(proposal: Proposal) -> Proposal:
+    """A drafter's proposal on the CPU (a drafter may run on the target's device; the engine
+    verifies on the host, see :func:`on_host`)."""
+    tree = proposal.tree
+    on_cpu = proposal.tokens_BK.device.type == "cpu" and (
+        proposal.probs_BKV is None or proposal.probs_BKV.device.type == "cpu"
+    )
+    if tree is not None:
+        on_cpu = on_cpu and tree.tokens_BN.device.type == "cpu"
+        on_cpu = on_cpu and (tree.draft_probs_BNV is None or tree.draft_probs_BNV.device.type == "cpu")
+    if on_cpu:
+        return proposal
+    cpu = lambda t: None if t is None else t.cpu()
+    if tree is not None:
+        tree = replace(tree, tokens_BN=tree.tokens_BN.cpu(), draft_probs_BNV=cpu(tree.draft_probs_BNV))
+    return Proposal(proposal.tokens_BK.cpu(), cpu(proposal.probs_BKV), tree)
 
 
 def _catch_up_seconds(rows: list[Request]) -> float:
@@ -74,7 +102,7 @@ class DecodeSteps:
             mix_seed(request.params.seed, position - len(request.prompt_ids), 1)
         )
         request.state.tree_ok = self._trees_now
-        proposal = request.drafter.propose(request.state, K, generator)
+        proposal = proposal_on_host(request.drafter.propose(request.state, K, generator))
         check_proposal(
             proposal,
             batch_size=1,
@@ -92,7 +120,7 @@ class DecodeSteps:
         state = group_state(rows, sampling, self.tokens_SL)
         state.tree_ok = self._trees_now
         kwargs = {"noise": PositionNoise([r.params.seed for r in rows])} if self.drafters.keyed else {}
-        proposal = drafter.propose(state, K, None, **kwargs)
+        proposal = proposal_on_host(drafter.propose(state, K, None, **kwargs))
         check_proposal(
             proposal,
             batch_size=len(rows),
@@ -150,7 +178,9 @@ class DecodeSteps:
                 tokens_BT[r0 : r0 + u.size, : seq.shape[1]] = seq
                 r0 += u.size
         t0 = self.now()
-        out = self.target.forward(tokens_BT, start_B, rows_B=rows_B, **units[0].block.forward_kwargs("cpu"))
+        out = on_host(
+            self.target.forward(tokens_BT, start_B, rows_B=rows_B, **units[0].block.forward_kwargs("cpu"))
+        )
         t1 = self.now()
         self.stats["forward_s"] += t1 - t0
         check_logits(out.logits_BTV, step=self.stats["steps"] + 1, source="the target")

@@ -48,7 +48,7 @@ import torch
 
 from specdec.checks import check_logits
 from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
-from specdec.engine.decode import DecodeSteps, mix_seed
+from specdec.engine.decode import DecodeSteps, mix_seed, on_host
 from specdec.engine.depth import DepthPolicy, FixedDepth, RowView, make_depth_policy
 from specdec.engine.drafting import DrafterPool, join_outputs, row_state
 from specdec.engine.request import Request, RequestOutput, RequestStatus, make_params
@@ -413,11 +413,13 @@ class Engine(DecodeSteps):
             [r.prompt_ids[r.num_prefilled : r.num_prefilled + n] for r in rows], dtype=torch.long
         )
         t0 = self.now()
-        out = self.target.forward(
-            tokens_GT,
-            torch.tensor([r.num_prefilled for r in rows]),
-            rows_B=torch.tensor([r.slot for r in rows]),
-            logits_index_BN=torch.full((len(rows), 1), n - 1),
+        out = on_host(
+            self.target.forward(
+                tokens_GT,
+                torch.tensor([r.num_prefilled for r in rows]),
+                rows_B=torch.tensor([r.slot for r in rows]),
+                logits_index_BN=torch.full((len(rows), 1), n - 1),
+            )
         )
         self.stats["forward_s"] += self.now() - t0
         self.stats["prefill_s"] += self.now() - t0
