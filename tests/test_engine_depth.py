@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.engine.cost_model import VerifyCostModel
+from specdec.engine.cost_model import MIN_CALLS, VerifyCostModel
 from specdec.engine.depth import (
     DEPTH_POLICIES,
     BatchTableDepth,
@@ -225,3 +225,63 @@ def test_make_depth_policy_errors(gamma, options, match):
 def test_depth_policy_base_is_abstract():
     with pytest.raises(NotImplementedError):
         DepthPolicy().depths(rows(1, 0.5), None, 0.0)
+
+
+# --- measuring the cost grid ------------------------------------------------------------------
+class ClockTarget:
+    """A target whose forward costs ``base(B, T)`` on a fake clock, plus ``cold`` for the first
+    ``cold_calls`` forwards after a change of shape, plus ``stuck[(B, T)]`` on every forward of that
+    point (a point that always reads slow)."""
+
+    vocab_size = 16
+
+    def __init__(self, *, cold: float = 0.0, cold_calls: int = 0, stuck=None) -> None:
+        self.now, self.shape, self.run = 0.0, None, 0
+        self.cold, self.cold_calls, self.stuck = cold, cold_calls, dict(stuck or {})
+
+    @staticmethod
+    def base(B: int, T: int) -> float:
+        return 1.0 + 0.25 * B * T
+
+    def forward(self, tokens_BT, start_B, *, rows_B=None):
+        shape = tuple(tokens_BT.shape)
+        self.run = self.run + 1 if shape == self.shape else 1
+        self.shape = shape
+        self.now += self.base(*shape) + self.stuck.get(shape, 0.0)
+        self.now += self.cold if self.run <= self.cold_calls else 0.0
+
+    def rollback(self, lengths_B, rows_B=None) -> None:
+        pass
+
+
+def measured(target: ClockTarget, monkeypatch) -> VerifyCostModel:
+    from specdec.engine import cost_model
+
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: target.now)
+    return cost_model.measure_verify_cost(target, max_rows=4, context=4)
+
+
+def test_the_cost_grid_is_each_shapes_steady_cost(monkeypatch):
+    """The first forwards after another shape run slower (caches held the other shape's data);
+    decoding repeats a shape, so the grid holds the steady cost."""
+    model = measured(ClockTarget(cold=3.0, cold_calls=MIN_CALLS - 1), monkeypatch)
+    for i, B in enumerate(model.rows):
+        for j, T in enumerate(model.tokens):
+            assert model.seconds[i][j] == pytest.approx(ClockTarget.base(B, T))
+
+
+def test_a_point_that_reads_slow_does_not_raise_the_larger_blocks(monkeypatch):
+    """Noise only adds time: a slow small point is capped by the larger blocks' times, never the
+    other way round (which flattened the grid and made deep blocks look free)."""
+    model = measured(ClockTarget(stuck={(1, 1): 10.0}), monkeypatch)
+    assert model.cost(1, 1) == pytest.approx(min(ClockTarget.base(1, 2), ClockTarget.base(2, 1)))
+    assert model.cost(1, 2) == pytest.approx(ClockTarget.base(1, 2))
+    assert model.cost(4, 8) == pytest.approx(ClockTarget.base(4, 8))
+    flat = [x for line in model.seconds for x in line]
+    assert len(set(flat)) > len(flat) // 2  # not flattened
+    for i in range(len(model.rows)):
+        for j in range(len(model.tokens)):
+            if i:
+                assert model.seconds[i][j] >= model.seconds[i - 1][j]
+            if j:
+                assert model.seconds[i][j] >= model.seconds[i][j - 1]

@@ -86,6 +86,8 @@ class DecodeSteps:
     """Decoding rows of one engine step (mixed into :class:`specdec.engine.Engine`, whose attributes
     it reads: target, rule, keyed, drafters, tokens_SL, stats, recorder, ...)."""
 
+    _no_tokens_1K = torch.zeros((1, 0), dtype=torch.long)  # a depth-0 row's proposal
+
     def _fit_tree(self, proposal: Proposal, rows: list[Request]) -> Proposal:
         """A token tree the target cannot take (no tree attention, no room): its first-candidate chain."""
         if proposal.tree is not None:
@@ -96,7 +98,11 @@ class DecodeSteps:
         return proposal
 
     def _propose(self, request: Request, K: int) -> Unit:
-        """One request's own drafter (its randomness from a generator keyed by seed and position)."""
+        """One request's own drafter (its randomness from a generator keyed by seed and position); at
+        depth 0 a plain step without a call (a drafter proposes nothing there, and under load most
+        rows sit at depth 0: the call per row was a cost of speculation that could not pay)."""
+        if K == 0:
+            return Unit([request], make_block(Proposal(self._no_tokens_1K), self.target))
         position = request.length
         generator = torch.Generator().manual_seed(
             mix_seed(request.params.seed, position - len(request.prompt_ids), 1)
