@@ -340,6 +340,56 @@ def test_packed_fused_head_equals_the_module_path(tiny, backend, B):
     assert outs[0][-1].abs().max() > 0.1
 
 
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_an_int8_head_runs_q8a8_logits_and_int8_layer_rows(tiny, backend):
+    """``int8``: the draft LM head's rows as int8 with 8-bit activations (as a gguf-q8 target runs
+    its own head): the q8a8 oracle's function of the same rows and normed feature, close to the
+    float head's logits; the layer's products int8 rows with float activations, close to the
+    float layer's; fc stays float."""
+    from kernels.q8_reference import linear_a8_reference
+    from kernels.quant import quantize_int8
+
+    plain, _ = load_eagle_head(tiny["weights"], tiny["parts"])
+    packed, float_head = (
+        PackedEagleHead(plain, backend=backend, int8=True),
+        PackedEagleHead(plain, backend=backend),
+    )
+    assert packed.lm_head.format == "q8a8" and float_head.lm_head.format != "q8a8"
+    layer = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    assert [getattr(packed, k).format for k in layer] == [
+        "q8"
+    ] * 4 and packed.fc.format == float_head.fc.format
+    g = torch.Generator().manual_seed(4)
+    f_BTD = torch.randn(2, 3, 64, generator=g) * 3
+    with torch.no_grad():
+        want = plain.logits(f_BTD)
+        normed = torch.nn.functional.rms_norm(f_BTD, (64,), plain.norm_D.float(), plain.norm_eps)
+        exact = linear_a8_reference(normed.reshape(6, 64), quantize_int8(plain.head_ND.float())).reshape(
+            2, 3, -1
+        )
+        got = packed.logits(f_BTD)
+    torch.testing.assert_close(got, exact, atol=1e-3, rtol=1e-3)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()  # 8-bit rounding, not another function
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+    h_BTD = torch.randn(2, 3, 64, generator=g)
+    with torch.no_grad():
+        a, b = packed.qkv_proj(h_BTD), float_head.qkv_proj(h_BTD)
+    assert (a - b).abs().max() < 0.02 * b.abs().max()
+
+
+@pytest.mark.model
+def test_the_shipped_head_on_a_gguf_q8_target_runs_int8_products():
+    from specdec.drafters.eagle.weights import load_packed_head
+    from specdec.targets import load_target
+
+    for weights in ("gguf-q8", "gguf"):
+        target = load_target("smollm2-135m", weights=weights, load_tokenizer=False)
+        head, _ = load_packed_head(target)
+        int8 = weights == "gguf-q8" and head.lm_head.backend == "packed"
+        assert head.lm_head.format == ("q8a8" if int8 else "bf16"), weights
+        assert head.qkv_proj.format == ("q8" if int8 else "bf16") and head.fc.format == "bf16", weights
+
+
 def _packed_products(head):
     """Every packed product of a head: fc, fc_aux, the layer's four and the LM head."""
     names = ("fc", "fc_aux", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
@@ -622,9 +672,9 @@ def test_smollm2_greedy_equals_transformers(drafter, smollm2_greedy):
 @pytest.mark.model
 def test_default_drafter_is_lookup_then_the_shipped_eagle_head_for_smollm2():
     """``default`` is one NGramEagleDrafter: the head loaded and packed once, and the EAGLE drafters
-    of the generation's mode built (a greedy request on a target with tree attention: the tree and
-    the chain, for the steps where a tree does not pay; else the chain only); how deep it drafts is
-    the engine's depth controller's choice."""
+    of the generation's mode built (a greedy request on a target with tree attention: the tree
+    drafter, which drafts chains at the steps where a tree does not pay, from the same queued
+    features; else the chain drafter); how deep it drafts is the engine's depth controller's choice."""
     from specdec.drafters.ngram import NGramDrafter
     from specdec.drafters.ngram_eagle import NGramEagleDrafter, default_drafter
     from specdec.targets import load_target
@@ -635,9 +685,10 @@ def test_default_drafter_is_lookup_then_the_shipped_eagle_head_for_smollm2():
     assert isinstance(drafter.lookup, NGramDrafter) and drafter._drafters == {}  # nothing built yet
     ids = target.tokenizer("def add(a, b):").input_ids
     specdec.generate(target, [ids], drafter=drafter, max_new_tokens=8, temperature=0.0)
-    assert drafter.last_mode == "tree" and list(drafter._drafters) == ["tree", "chain"]
+    assert drafter.last_mode == "tree" and list(drafter._drafters) == ["tree"]  # features queued once
     tree = drafter.eagle
     assert isinstance(tree, EagleTreeDrafter) and tree.tree_min_prob == 0.05 and tree.dynamic
+    assert tree.min_prob == 0.2  # its chain steps stop where the chain drafter's would
     specdec.generate(target, [ids], drafter=drafter, max_new_tokens=8, temperature=0.7, seed=0)
     chain = drafter.eagle
     assert drafter.last_mode == "chain" and type(chain) is EagleDrafter and chain.min_prob == 0.2
@@ -697,6 +748,28 @@ def test_ngram_eagle_uses_both_drafters_and_keeps_eagle_in_step(tiny):
         NGramEagleDrafter(target, weights=tiny["weights"], min_tokens=0)
     with pytest.raises(ValueError, match="mode"):
         NGramEagleDrafter(target, weights=tiny["weights"], mode="both")
+
+
+def test_ngram_eagle_auto_chain_steps_of_its_tree_drafter_equal_a_chain_drafters(tiny):
+    """In ``auto`` mode a greedy row's tree drafter also drafts the chains (steps where a tree does
+    not pay), from the one feature queue: every such chain equals what a separately fed chain
+    drafter proposes."""
+    from specdec.drafters.ngram_eagle import NGramEagleDrafter
+
+    class NoTrees(_CheckingEagle):
+        def propose(self, state, gamma, generator=None):
+            state.tree_ok = False
+            return super().propose(state, gamma, generator)
+
+    target = tiny["target"]
+    hybrid = NGramEagleDrafter(target, mode="auto", weights=tiny["weights"], min_prob=0.0, min_ngram=2)
+    checking = NoTrees(hybrid, EagleDrafter(target, weights=tiny["weights"]))
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    kw = {"max_new_tokens": 40, "temperature": 0.0, "gamma": 3}
+    out = specdec.generate(target, [prompt], drafter=checking, **kw)
+    assert out.token_ids == specdec.generate(target, [prompt], drafter="none", **kw).token_ids
+    assert hybrid.last_mode == "tree" and list(hybrid._drafters) == ["tree"]
+    assert checking.checked == hybrid.counts["head"] > 0
 
 
 def test_ngram_eagle_tree_mixes_lookup_chains_and_eagle_trees(tiny):

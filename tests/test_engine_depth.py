@@ -285,3 +285,17 @@ def test_a_point_that_reads_slow_does_not_raise_the_larger_blocks(monkeypatch):
                 assert model.seconds[i][j] >= model.seconds[i - 1][j]
             if j:
                 assert model.seconds[i][j] >= model.seconds[i][j - 1]
+
+
+def test_goodput_counts_a_drafting_rows_fixed_cost():
+    """A row's drafter may pay a fixed cost on every step it drafts (an EAGLE head's catch-up):
+    where that outweighs the expected gain, goodput keeps the row at K = 0."""
+    model = cost_model(per_token=0.05)  # a 2-token block: 1.05 x one token
+    free = GoodputDepth(gamma=4)
+    cheap = [RowView([0.6] * 4, 4, True, overhead=0.0)]
+    dear = [RowView([0.6] * 4, 4, True, overhead=2.0)]  # twice a whole step
+    assert free.depths(cheap, model, 0.05)[0] > 0
+    assert free.depths(dear, model, 0.05) == [0]
+    # the same row with a moderate fixed cost drafts deeper (the cost spreads over more tokens)
+    some = [RowView([0.9] * 4, 4, True, overhead=0.5)]
+    assert free.depths(some, model, 0.05)[0] == 4

@@ -19,7 +19,7 @@ from _tiny import TableTarget, random_table
 from specdec.engine import Engine
 from specdec.engine.cost_model import VerifyCostModel
 from specdec.engine.depth import DepthPolicy, RowView
-from specdec.engine.engine import PROBE_COST_RATIO, PROBE_EVERY
+from specdec.engine.engine import PROBE_ACCEPTANCE, PROBE_COST_RATIO, PROBE_EVERY
 from specdec.engine.request import RequestStatus
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 
@@ -56,16 +56,25 @@ def test_rows_half_way_to_a_probe_probe_with_the_row_that_is_due():
     for ratio, want in ((PROBE_COST_RATIO + 0.05, [0] * 5), (PROBE_COST_RATIO - 0.05, [1, 1, 0, 0, 0])):
         engine.cost = VerifyCostModel((1, 8), (1, 2), ((1.0, ratio), (1.0, ratio)))
         assert engine._depths(rows) == want, ratio
+    # Nor where the drafters' own costs are such that a drafted token could not pay even if the
+    # target accepted it at PROBE_ACCEPTANCE: a cheap 2-token block, but each draft costs a step.
+    engine.cost = VerifyCostModel((1, 8), (1, 2), ((1.0, 1.1), (1.0, 1.1)))
+    B = len(rows)
+    pays = (1 + PROBE_ACCEPTANCE) / 1.1 - 1  # extra tokens per unit of time beyond a plain step
+    for t_catch, want in ((1.2 * pays * 1.1 / B, [0] * 5), (0.8 * pays * 1.1 / B, [1, 1, 0, 0, 0])):
+        engine.t_draft, engine.t_catch = 0.0, t_catch
+        assert engine._depths(rows) == want, t_catch
 
 
 class SlowCatchUp:
     """A drafter proposing ``K`` copies of the last token; each propose advances the engine's fake
-    clock by ``catch_up`` seconds of catch-up (counted in ``catch_up_s``) plus ``per_token`` per
-    drafted token."""
+    clock by ``catch_up`` seconds of catch-up of ``caught`` positions (counted in ``catch_up_s`` and
+    ``catch_up_tokens``) plus ``per_token`` per drafted token."""
 
-    def __init__(self, clock: list[float], catch_up: float, per_token: float) -> None:
-        self.clock, self.catch_up, self.per_token = clock, catch_up, per_token
+    def __init__(self, clock: list[float], catch_up: float, per_token: float, caught: int = 2) -> None:
+        self.clock, self.catch_up, self.per_token, self.caught = clock, catch_up, per_token, caught
         self.catch_up_s = 0.0
+        self.catch_up_tokens = 0
 
     def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
         pass
@@ -73,6 +82,7 @@ class SlowCatchUp:
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
         self.clock[0] += self.catch_up + self.per_token * gamma
         self.catch_up_s += self.catch_up
+        self.catch_up_tokens += self.caught
         return Proposal(state.last_tokens_B()[:, None].repeat(1, gamma))
 
     def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
@@ -91,3 +101,19 @@ def test_the_draft_cost_per_token_leaves_out_the_catch_up(catch_up):
     while engine.has_unfinished():
         engine.step()
     assert engine.t_draft == pytest.approx(0.01)
+    assert engine.t_catch == pytest.approx(catch_up)  # the catch-up a drafting step pays, apart
+
+
+def test_a_long_catch_up_is_not_the_cost_of_drafting_on():
+    """A catch-up of more positions than one step commits (after idle or lookup steps) is paid once:
+    it does not count as what each drafting step costs."""
+    clock = [0.0]
+    drafter = SlowCatchUp(clock, 0.5, per_token=0.01, caught=9)  # gamma 3: at most 4 per step
+    engine = Engine(
+        TableTarget(random_table(16, seed=1)), drafter=drafter, gamma=3, max_num_seqs=1, measure_cost=False
+    )
+    engine.now = lambda: clock[0]
+    engine.add_request([1, 2, 3], max_new_tokens=12, temperature=0.0)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.t_catch == 0.0 and engine.t_draft == pytest.approx(0.01)

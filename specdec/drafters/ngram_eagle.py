@@ -28,6 +28,7 @@ distribution stays the target's.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -146,7 +147,10 @@ class NGramEagleDrafter:
     def _eagle(self, kind: str) -> EagleDrafter:
         if kind not in self._drafters:
             cls = EagleTreeDrafter if kind == "tree" else EagleDrafter
-            self._drafters[kind] = cls(self.target, head=self.head, **self._options[kind])
+            drafter = cls(self.target, head=self.head, **self._options[kind])
+            if kind == "tree":  # its chain steps (auto mode) stop where the chain drafter's would
+                drafter.min_prob = self._options["chain"]["min_prob"]
+            self._drafters[kind] = drafter
         return self._drafters[kind]
 
     @property
@@ -161,12 +165,16 @@ class NGramEagleDrafter:
         """Seconds its EAGLE drafters spent catching up (:attr:`EagleDrafter.catch_up_s`)."""
         return sum(d.catch_up_s for d in self._drafters.values())
 
+    @property
+    def catch_up_tokens(self) -> int:
+        """Positions its EAGLE drafters caught up (:attr:`EagleDrafter.catch_up_tokens`)."""
+        return sum(d.catch_up_tokens for d in self._drafters.values())
+
     def _live(self) -> list[EagleDrafter]:
-        """The EAGLE drafters that follow the generation: in ``auto`` mode with trees both the tree's
-        and the chain's (each step drafts with one; the other's catch-up is lazy, so it costs
-        nearly nothing until it drafts), else the one of the mode."""
-        if self.mode == "auto" and self.last_mode == "tree":
-            return [self._eagle("tree"), self._eagle("chain")]
+        """The EAGLE drafter that follows the generation: the one of its mode. In ``auto`` mode with
+        trees, the tree drafter drafts chains too (its chain steps are the chain drafter's
+        ``propose`` on the same head cache and feature queue: what the head holds of the committed
+        tokens does not depend on how it drafts), so the committed features are queued once."""
         return [self.eagle]
 
     def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
@@ -182,8 +190,10 @@ class NGramEagleDrafter:
         if gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {gamma}")
         eagle = self.eagle  # raises before begin()
+        draft = eagle.propose
         if self.mode == "auto" and self.last_mode == "tree" and not state.tree_ok:
-            eagle = self._eagle("chain")  # a tree does not pay at this step
+            # a tree does not pay at this step: the tree drafter drafts a chain
+            draft = functools.partial(EagleDrafter.propose, eagle)
         found = self.lookup.lookups(state, gamma)
         finished = state.finished_B.tolist()
         if gamma > 0 and all(len(f) >= self.min_tokens for b, f in enumerate(found) if not finished[b]):
@@ -191,7 +201,7 @@ class NGramEagleDrafter:
             return self.lookup.pack(state, found)
         self._chose("head")
         # gamma = 0: a plain step (the head's catch-up waits)
-        return eagle.propose(state, gamma, generator)
+        return draft(state, gamma, generator)
 
     def _chose(self, which: str) -> None:
         self.last_choice = which

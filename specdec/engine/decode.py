@@ -57,22 +57,26 @@ def on_host(out: TargetOutput) -> TargetOutput:
     return TargetOutput(out.logits_BTV.cpu(), out.hidden_BTD, out.aux_hidden_BTD)
 
 
+def _off_host(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+
+
 def proposal_on_host(proposal: Proposal) -> Proposal:
     """A drafter's proposal on the CPU (a drafter may run on the target's device; the engine
-    verifies on the host, see :func:`on_host`)."""
-    tree = proposal.tree
-    on_cpu = proposal.tokens_BK.device.type == "cpu" and (
-        proposal.probs_BKV is None or proposal.probs_BKV.device.type == "cpu"
-    )
-    if tree is not None:
-        on_cpu = on_cpu and tree.tokens_BN.device.type == "cpu"
-        on_cpu = on_cpu and (tree.draft_probs_BNV is None or tree.draft_probs_BNV.device.type == "cpu")
-    if on_cpu:
+    verifies on the host, see :func:`on_host`). Anything else, and what is not a tensor, is left as
+    it is, for :func:`~specdec.checks.check_proposal` to refuse with its message."""
+    if not isinstance(proposal, Proposal):
         return proposal
-    cpu = lambda t: None if t is None else t.cpu()
+    tree = proposal.tree
+    parts = [proposal.tokens_BK, proposal.probs_BKV]
     if tree is not None:
-        tree = replace(tree, tokens_BN=tree.tokens_BN.cpu(), draft_probs_BNV=cpu(tree.draft_probs_BNV))
-    return Proposal(proposal.tokens_BK.cpu(), cpu(proposal.probs_BKV), tree)
+        parts += [getattr(tree, "tokens_BN", None), getattr(tree, "draft_probs_BNV", None)]
+    if not any(_off_host(t) for t in parts):
+        return proposal
+    cpu = lambda t: t.cpu() if _off_host(t) else t
+    if tree is not None:
+        tree = replace(tree, tokens_BN=cpu(tree.tokens_BN), draft_probs_BNV=cpu(tree.draft_probs_BNV))
+    return Proposal(cpu(proposal.tokens_BK), cpu(proposal.probs_BKV), tree)
 
 
 def _catch_up_seconds(rows: list[Request]) -> float:
@@ -108,7 +112,18 @@ class DecodeSteps:
             mix_seed(request.params.seed, position - len(request.prompt_ids), 1)
         )
         request.state.tree_ok = self._trees_now
-        proposal = proposal_on_host(request.drafter.propose(request.state, K, generator))
+        drafter = request.drafter
+        caught = getattr(drafter, "catch_up_s", None)
+        caught_tokens = getattr(drafter, "catch_up_tokens", 0)
+        proposal = proposal_on_host(drafter.propose(request.state, K, generator))
+        if (
+            caught is not None
+            and 0 < getattr(drafter, "catch_up_tokens", 0) - caught_tokens <= self.gamma_max + 1
+        ):
+            # a catch-up of one step's committed tokens: what every step of a row drafting on pays
+            # (after idle or lookup steps it is larger, once: not a cost of drafting on)
+            spent = drafter.catch_up_s - caught
+            self.t_catch = spent if self.t_catch == 0 else 0.8 * self.t_catch + 0.2 * spent
         check_proposal(
             proposal,
             batch_size=1,

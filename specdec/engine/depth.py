@@ -6,14 +6,16 @@ every earlier one was.
 
 A row drafting K tokens yields on average ``E(K) = 1 + a_1 + a_1 a_2 + … + a_1…a_K`` tokens
 (Leviathan et al. 2023, arXiv 2211.17192, §3.4, with per-position acceptance). The step's block is
-padded to the deepest row, so it costs ``c(B, K_max + 1) + t_draft · Σ K`` with ``c`` the measured
-:class:`~specdec.engine.cost_model.VerifyCostModel`. Policies (:data:`DEPTH_POLICIES`):
+padded to the deepest row, so it costs ``c(B, K_max + 1) + t_draft · Σ K + Σ_{K_r > 0} o_r`` with
+``c`` the measured :class:`~specdec.engine.cost_model.VerifyCostModel` and ``o_r`` a drafting row's
+fixed cost (``RowView.overhead``: an EAGLE head's catch-up). Policies (:data:`DEPTH_POLICIES`):
 
 - ``fixed``: every row drafts γ (``gamma=G``).
 - ``batch-table``: γ from a table by batch size, as vLLM's ``num_speculative_tokens_per_batch_size``
   (``table={1: 5, 4: 3, 8: 1}``: the entry of the largest size ≤ B).
 - ``goodput``: SmartSpec's rule (arXiv 2406.14066): the K that maximises the step's expected tokens
-  per second, ``Σ_r E_r(min(K, cap_r)) / (c(B, K+1) + t_draft · Σ_r min(K, cap_r))``, over K = 0..γ;
+  per second, ``Σ_r E_r(min(K, cap_r)) / (c(B, K+1) + t_draft · Σ_r min(K, cap_r) + Σ_r o_r [K > 0])``,
+  over K = 0..γ;
   K = 0 wins where speculation does not pay, at any load.
 - ``auto`` (the default): ``goodput``.
 
@@ -46,11 +48,15 @@ __all__ = ["DepthPolicy", "DEPTH_POLICIES", "make_depth_policy", "expected_token
 @dataclass(frozen=True)
 class RowView:
     """What a policy sees of a row: its acceptance estimates a_1..a_cap, its cap (γ, what is left to
-    generate, the drafter's limit) and whether its depth may follow timings (``free``)."""
+    generate, the drafter's limit), whether its depth may follow timings (``free``), and
+    ``overhead``: the seconds its drafter spends on a step where it drafts at all, besides
+    ``t_draft`` per token (an EAGLE head's catch-up of the tokens committed since its last draft,
+    as measured on steps that follow a drafting step)."""
 
     acceptance: Sequence[float]
     cap: int
     free: bool
+    overhead: float = 0.0
 
 
 def expected_tokens(acceptance: Sequence[float], K: int) -> float:
@@ -142,13 +148,15 @@ class GoodputDepth(DepthPolicy):
         )
         fixed_drafts = sum(p for p in pinned if p is not None)
         fixed_max = max((p for p in pinned if p is not None), default=0)
+        fixed_overhead = sum(r.overhead for r, p in zip(rows, pinned, strict=True) if p)
         best, best_k = -1.0, 0
         for K in range(self.gamma + 1):
             ks = [min(K, r.cap) for r in free]
             gains = [expected_tokens(r.acceptance, k) for r, k in zip(free, ks, strict=True)]
             tokens = fixed_tokens + sum(gains)
             depth = max([fixed_max, *ks])
-            seconds = cost.cost(B, depth + 1) + t_draft * (fixed_drafts + sum(ks))
+            overhead = fixed_overhead + sum(r.overhead for r, k in zip(free, ks, strict=True) if k)
+            seconds = cost.cost(B, depth + 1) + t_draft * (fixed_drafts + sum(ks)) + overhead
             rate = tokens / seconds
             if rate > best * (1 + 1e-9):
                 best, best_k = rate, K

@@ -75,6 +75,8 @@ rows idle for at least half as long probe in the same step (one padded forward f
 and only where a 2-token block of the step's rows costs at most ``PROBE_COST_RATIO`` times one token
 (on this CPU: one to two rows, not four or eight)."""
 PROBE_COST_RATIO = 1.25
+PROBE_ACCEPTANCE = 0.8
+"""The acceptance at which a probe's draft must be able to pay (see ``Engine._probe_pays``)."""
 
 
 def scheduler_seconds(stats: Mapping[str, float]) -> float:
@@ -193,6 +195,7 @@ class Engine(DecodeSteps):
         self.drafters = DrafterPool(target, drafter, drafter_options, num_slots=self.max_num_seqs)
         self.drafter_name = self.drafters.name
         self.t_draft = 0.0  # seconds per drafted token (exponential average), for goodput
+        self.t_catch = 0.0  # seconds of lazy catch-up per drafting step of a row drafting on (ditto)
         self._free_heap = list(range(self.max_num_seqs))  # a heap: the lowest free row first
         # Every request's tokens (prompt, then committed), one row per slot; a request's DecodeState
         # is a view of its row. Slots past a row's length are undefined.
@@ -368,7 +371,8 @@ class Engine(DecodeSteps):
         for r in rows:
             cap = max(0, min(self.gamma_max, r.room - 1))
             acc = [r.acceptance(k, _PRIOR, _PRIOR_WEIGHT) for k in range(1, cap + 1)]
-            views.append(RowView(acc, cap, self._free(r)))
+            catches_up = hasattr(r.drafter, "catch_up_s")
+            views.append(RowView(acc, cap, self._free(r), self.t_catch if catches_up else 0.0))
         depths = self.policy.depths(views, self.cost, self.t_draft)
         # Probes share a step: a probe pads every row of the forward to 2 tokens, so once one row is
         # due, the rows at least half-way there probe with it (their counters then run in step).
@@ -381,10 +385,17 @@ class Engine(DecodeSteps):
         return depths
 
     def _probe_pays(self, B: int) -> bool:
-        """A probe step of ``B`` rows costs at most ``PROBE_COST_RATIO`` times a plain one (no cost
-        model: always). Where a 2-token block costs much more, a draft cannot pay at this load
-        anyway, and the estimates learnt at lighter loads serve when the load drops."""
-        return self.cost is None or self.cost.cost(B, 2) <= PROBE_COST_RATIO * self.cost.cost(B, 1)
+        """A probe step of ``B`` rows costs at most ``PROBE_COST_RATIO`` times a plain one, and one
+        drafted token per row could pay at an acceptance of ``PROBE_ACCEPTANCE`` with the measured
+        draft costs (no cost model: always). Where it could not, drafting does not pay at this load
+        whatever the text, a probe would only cost (a forward padded to two tokens, and the head's
+        catch-up of every token since its last draft), and the estimates learnt at lighter loads
+        serve when the load drops."""
+        if self.cost is None:
+            return True
+        one, two = self.cost.cost(B, 1), self.cost.cost(B, 2)
+        drafting = two + B * (self.t_draft + self.t_catch)
+        return two <= PROBE_COST_RATIO * one and (1 + PROBE_ACCEPTANCE) / drafting > 1 / one
 
     # --- prefill --------------------------------------------------------------------------------
     def _prefill(self, budget: int, changed: dict[str, list[int]]) -> None:

@@ -124,8 +124,10 @@ class EagleDrafter:
         self.cache_len_B: torch.Tensor | None = None  # slots holding pairs with true target features
         self.queue: FeatureQueue | None = None  # true features waiting for the catch-up
         self.catch_up_s = 0.0
-        """Seconds spent catching up so far: work owed for committed tokens whatever the depth, which
-        the engine leaves out of its per-drafted-token cost (the depth choice cannot avoid it)."""
+        """Seconds spent catching up so far: work owed for the committed tokens before the head drafts
+        again, which the engine counts apart from its per-drafted-token cost."""
+        self.catch_up_tokens = 0
+        """Queued positions caught up so far (the longest row's, per catch-up)."""
         self._next_feat_BD: torch.Tensor | None = None
 
     # --- protocol -------------------------------------------------------------------------
@@ -248,6 +250,7 @@ class EagleDrafter:
         if self.queue.longest == 0:
             return self._next_feat_BD
         t0 = time.perf_counter()
+        self.catch_up_tokens += self.queue.longest
         try:
             return self._catch_up(state)
         finally:

@@ -17,13 +17,21 @@ A draft step is then five kernel calls plus attention. ``weight_dtype`` sets how
 stored: a draft token streams ~36 MB of float32 weights (the layer and 8,192 LM-head rows), bound by
 memory bandwidth like the target, so ``torch.bfloat16`` (the default where the packed kernel runs)
 halves that; the trained layer weights are bf16 values already (that is how they ship). Activations
-stay float32. It exposes the interface :class:`~specdec.drafters.eagle.cache.EagleCache` calls.
+stay float32. With ``int8`` the layer's four products take int8 rows (per-row scales, float
+activations) and the draft LM head (8,192 of the target's LM-head rows) int8 rows with 8-bit
+activations, as a ``gguf-q8`` target runs its own LM head; ``fc`` / ``fc_aux`` (raw target features,
+wide in range) stay as they are. :func:`~specdec.drafters.eagle.weights.load_packed_head` sets it for
+a ``gguf-q8`` target. On a 2-core Xeon (AVX-512 VNNI), held-out prompts, a fixed-depth chain of 3:
+a draft token 0.44 ms instead of 0.57–0.67, a step's catch-up 0.65 ms instead of 0.80–0.97, and
+acceptance 0.351 against 0.344 (the layer in int8 with 8-bit activations too: 0.339). It exposes the
+interface :class:`~specdec.drafters.eagle.cache.EagleCache` calls.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.quant import quantize_int8
 from specdec.drafters.eagle.model import EagleHead, RopeTable, check_aux, fc_inputs, fc_scales
 from specdec.targets.linear import pack_linear
 from specdec.targets.rope import apply_rope_flipped, flip_sin
@@ -35,7 +43,12 @@ class PackedEagleHead:
     """An attached :class:`EagleHead`'s weights, folded and packed for inference (see the module doc)."""
 
     def __init__(
-        self, head: EagleHead, *, backend: str = "auto", weight_dtype: torch.dtype | None = None
+        self,
+        head: EagleHead,
+        *,
+        backend: str = "auto",
+        weight_dtype: torch.dtype | None = None,
+        int8: bool = False,
     ) -> None:
         if head.head_ND is None:
             raise ValueError("attach the head to its target (EagleHead.attach) before packing it")
@@ -51,13 +64,24 @@ class PackedEagleHead:
             scales = torch.tensor([*c.aux_scales, c.feature_scale], dtype=torch.float32)
             aux_scale_I = scales.repeat_interleave(D).to(head.fc_aux.weight.device)
             self.fc_aux = pack(w(head.fc_aux).float() * aux_scale_I / c.feature_scale)
-        self.qkv_proj = pack(w(head.qkv_proj))
-        self.o_proj = pack(w(head.o_proj))
-        self.gate_up_proj = pack(
+        # the layer's products (int8: int8 rows, float activations)
+        layer = (lambda weight, **kw: pack(quantize_int8(weight.float()), **kw)) if int8 else pack
+        self.qkv_proj = layer(w(head.qkv_proj))
+        self.o_proj = layer(w(head.o_proj))
+        self.gate_up_proj = layer(
             w(head.gate_up_proj), norm_weight_I=head.post_norm.detach(), norm_eps=head.norm_eps
         )
-        self.down_proj = pack(w(head.down_proj), swiglu=True)
-        self.lm_head = pack(head.head_ND, norm_weight_I=head.norm_D, norm_eps=head.norm_eps)
+        self.down_proj = layer(w(head.down_proj), swiglu=True)
+        if int8:  # int8 rows, 8-bit activations: the target's own LM-head precision
+            self.lm_head = pack_linear(
+                quantize_int8(head.head_ND.detach().float()),
+                norm_weight_I=head.norm_D,
+                norm_eps=head.norm_eps,
+                backend=backend,
+                act8=True,
+            )
+        else:
+            self.lm_head = pack(head.head_ND, norm_weight_I=head.norm_D, norm_eps=head.norm_eps)
         self.embed_VD = head.embed_VD
         self.draft_vocab_N = head.draft_vocab_N
         self.device = head.fc.weight.device

@@ -244,7 +244,8 @@ def load_packed_head(
     and ask the target to capture the head's aux layers; returns (packed head, metadata).
 
     ``weight_dtype`` (default: bfloat16 where the packed CPU kernel runs, else ``dtype``): how the
-    packed weights are stored (see :class:`PackedEagleHead`).
+    packed weights are stored (see :class:`PackedEagleHead`); the head's products take int8 rows
+    where the target's do (a ``gguf-q8`` target on the packed kernels: ``int8``).
     """
     from specdec.protocols import FeatureTarget
     from specdec.targets.linear import resolve_backend
@@ -258,11 +259,13 @@ def load_packed_head(
     parts = target.parts()
     head, meta = load_eagle_head(weights, parts, dtype=dtype, draft_vocab_size=draft_vocab_size)
     storage = weight_dtype_of(weight_dtype)
+    packed = resolve_backend(linear_backend, parts.embed_VD.device) == "packed"
     if storage is None:
-        packed = resolve_backend(linear_backend, parts.embed_VD.device) == "packed"
         storage = torch.bfloat16 if packed else dtype
     if head.config.aux_layers:  # an EAGLE-3 head reads low and middle layers too
         target.capture_layers(head.config.aux_layers)
     if isinstance(head, Eagle3Head):  # no packed fast path for this layout: the module runs as is
         return head, meta
-    return PackedEagleHead(head, backend=linear_backend, weight_dtype=storage), meta
+    # int8 rows where the target runs int8 products itself (gguf-q8)
+    int8 = packed and getattr(target, "weights", None) == "gguf-q8"
+    return PackedEagleHead(head, backend=linear_backend, weight_dtype=storage, int8=int8), meta
