@@ -89,10 +89,10 @@ class SlowCatchUp:
         pass
 
 
-@pytest.mark.parametrize("catch_up", [0.0, 0.5])
-def test_the_draft_cost_per_token_leaves_out_the_catch_up(catch_up):
+def _run_slow(catch_up: float, caught: int) -> Engine:
+    """One request through an engine whose drafter is a :class:`SlowCatchUp` on a fake clock."""
     clock = [0.0]
-    drafter = SlowCatchUp(clock, catch_up, per_token=0.01)
+    drafter = SlowCatchUp(clock, catch_up, per_token=0.01, caught=caught)
     engine = Engine(
         TableTarget(random_table(16, seed=1)), drafter=drafter, gamma=3, max_num_seqs=1, measure_cost=False
     )
@@ -100,6 +100,12 @@ def test_the_draft_cost_per_token_leaves_out_the_catch_up(catch_up):
     engine.add_request([1, 2, 3], max_new_tokens=12, temperature=0.0)
     while engine.has_unfinished():
         engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("catch_up", [0.0, 0.5])
+def test_the_draft_cost_per_token_leaves_out_the_catch_up(catch_up):
+    engine = _run_slow(catch_up, caught=2)
     assert engine.t_draft == pytest.approx(0.01)
     assert engine.t_catch == pytest.approx(catch_up)  # the catch-up a drafting step pays, apart
 
@@ -107,13 +113,5 @@ def test_the_draft_cost_per_token_leaves_out_the_catch_up(catch_up):
 def test_a_long_catch_up_is_not_the_cost_of_drafting_on():
     """A catch-up of more positions than one step commits (after idle or lookup steps) is paid once:
     it does not count as what each drafting step costs."""
-    clock = [0.0]
-    drafter = SlowCatchUp(clock, 0.5, per_token=0.01, caught=9)  # gamma 3: at most 4 per step
-    engine = Engine(
-        TableTarget(random_table(16, seed=1)), drafter=drafter, gamma=3, max_num_seqs=1, measure_cost=False
-    )
-    engine.now = lambda: clock[0]
-    engine.add_request([1, 2, 3], max_new_tokens=12, temperature=0.0)
-    while engine.has_unfinished():
-        engine.step()
+    engine = _run_slow(0.5, caught=9)  # gamma 3: at most 4 positions per step
     assert engine.t_catch == 0.0 and engine.t_draft == pytest.approx(0.01)
