@@ -138,28 +138,43 @@ def serve(config: ServeConfig) -> int:
 
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    target = open_target(config.target, backend=config.backend, dtype=config.dtype, weights=config.weights)
-    tokenizer = getattr(target, "tokenizer", None)
-    if tokenizer is None:
-        raise ValueError(
-            f"--target {config.target}: the server needs the checkpoint's tokenizer; it has none"
-        )
     options: dict[str, Any] = {}
     if config.max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = config.max_num_batched_tokens
     if config.max_model_len is not None:
         options["max_model_len"] = config.max_model_len
-    engine = Engine(
-        target,
-        drafter=config.drafter,
-        drafter_options=config.drafter_options,
-        gamma=config.gamma,
-        gamma_options=config.gamma_options,
-        verify=config.verify,
-        verify_options=config.verify_options,
-        max_num_seqs=config.max_num_seqs,
-        **options,
-    )
+
+    def build() -> Engine:
+        """The target and the engine, built on the engine thread (EngineWorker's doc says why)."""
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        target = open_target(
+            config.target, backend=config.backend, dtype=config.dtype, weights=config.weights
+        )
+        if getattr(target, "tokenizer", None) is None:
+            raise ValueError(
+                f"--target {config.target}: the server needs the checkpoint's tokenizer; it has none"
+            )
+        return Engine(
+            target,
+            drafter=config.drafter,
+            drafter_options=config.drafter_options,
+            gamma=config.gamma,
+            gamma_options=config.gamma_options,
+            verify=config.verify,
+            verify_options=config.verify_options,
+            max_num_seqs=config.max_num_seqs,
+            **options,
+        )
+
+    worker = EngineWorker(build)
+    worker.start()
+    try:
+        engine = worker.ready()
+    except BaseException:
+        worker.drain(0.0)
+        worker.join(60.0)
+        raise
     name = config.served_model_name or config.target
     prometheus_client.disable_created_metrics()
     metrics = ServerMetrics(name, engine.max_num_seqs)
@@ -168,11 +183,10 @@ def serve(config: ServeConfig) -> int:
         max_model_len=engine.max_model_len,
         reserved=engine.gamma_max + 1,
         vocab_size=engine.vocab_size,
-        tokenizer=copy.deepcopy(
-            tokenizer
-        ),  # the HTTP thread's own copy; the engine thread keeps the target's
+        # the HTTP thread's own copy; the engine thread keeps the target's
+        tokenizer=copy.deepcopy(engine.target.tokenizer),
     )
-    worker = EngineWorker(engine, metrics)
+    worker.metrics = metrics
     state = ServerState(
         worker=worker,
         model=model,
@@ -192,7 +206,6 @@ def serve(config: ServeConfig) -> int:
     )
     server = _Server(uv_config, state, config.shutdown_timeout_s)
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
-    worker.start()
     try:
         server.run()
     finally:
