@@ -19,6 +19,7 @@ class NoDrafter:
     """A :class:`specdec.protocols.Drafter` that never drafts (K = 0 at every step)."""
 
     batched_rows = True  # stateless: the engine drafts every row with this one instance
+    observes = False  # its observe does nothing: the engine need not build the rows' state for it
 
     def __init__(self, target: Target, **options: object) -> None:
         if options:

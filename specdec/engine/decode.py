@@ -138,6 +138,9 @@ class DecodeSteps:
         """A batched drafter over rows sharing depth K and sampling settings: one ``propose``, its
         randomness keyed by each row's seed (``noise``) where the drafter takes it."""
         drafter = self.drafters.fresh(0)
+        if K == 0:  # a plain step for every row: no call (as for per-request drafters)
+            empty = Proposal(torch.zeros((len(rows), 0), dtype=torch.long))
+            return Unit(rows, make_block(empty, self.target), drafter)
         state = group_state(rows, sampling, self.tokens_SL)
         state.tree_ok = self._trees_now
         kwargs = {"noise": PositionNoise([r.params.seed for r in rows])} if self.drafters.keyed else {}
@@ -284,7 +287,9 @@ class DecodeSteps:
             self.target, out, verdict, start_G, torch.tensor(lengths, dtype=torch.long), rows_B=rows_G
         )
         t0 = self.now()
-        if unit.drafter is not None:
+        if unit.drafter is not None and not getattr(unit.drafter, "observes", True):
+            pass  # a batched drafter that keeps nothing from the verified block (``none``)
+        elif unit.drafter is not None:
             live = [i for i, r in enumerate(rows) if r.status is RequestStatus.DECODE]
             if len(live) == len(rows):  # every row goes on: the outputs as they are (no copy)
                 state = group_state(rows, sampling, self.tokens_SL)
