@@ -385,12 +385,9 @@ class Engine(DecodeSteps):
         return depths
 
     def _probe_pays(self, B: int) -> bool:
-        """A probe step of ``B`` rows costs at most ``PROBE_COST_RATIO`` times a plain one, and one
-        drafted token per row could pay at an acceptance of ``PROBE_ACCEPTANCE`` with the measured
-        draft costs (no cost model: always). Where it could not, drafting does not pay at this load
-        whatever the text, a probe would only cost (a forward padded to two tokens, and the head's
-        catch-up of every token since its last draft), and the estimates learnt at lighter loads
-        serve when the load drops."""
+        """A probe step of ``B`` rows costs at most ``PROBE_COST_RATIO`` times a plain one and a drafted
+        token could pay at acceptance ``PROBE_ACCEPTANCE`` with the measured draft costs (no cost
+        model: always); else drafting cannot pay at this load, and a probe would only cost."""
         if self.cost is None:
             return True
         one, two = self.cost.cost(B, 1), self.cost.cost(B, 2)
