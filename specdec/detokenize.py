@@ -39,28 +39,28 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0  # the decoding window starts here (a character boundary)
         self.read_offset = 0  # ids whose text has been returned
-
-    def _window(self) -> tuple[str, str]:
-        decode = lambda ids: decode_text(self.tokenizer, ids, skip_special_tokens=self.skip)
-        done = decode(self.ids[self.prefix_offset : self.read_offset])
-        return done, decode(self.ids[self.prefix_offset :])
+        self._pending = ""  # the text of ids[read_offset:], as the last push decoded it
 
     def pending(self) -> str:
         """The text of the ids not yet returned (it may end in an incomplete character, U+FFFD)."""
-        done, full = self._window()
-        return full[len(done) :]
+        return self._pending
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Add ids; return the newly printable text (possibly empty)."""
         self.ids.extend(new_ids)
-        done, full = self._window()
+        decode = lambda ids: decode_text(self.tokenizer, ids, skip_special_tokens=self.skip)
+        done = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
         if len(full) > len(done) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._pending = ""
             return full[len(done) :]
+        self._pending = full[len(done) :]
         return ""
 
     def flush(self) -> str:
         """Whatever is left (an incomplete sequence included) at the end of generation."""
-        rest = self.pending()
+        rest = self._pending
         self.prefix_offset = self.read_offset = len(self.ids)
+        self._pending = ""
         return rest

@@ -90,7 +90,11 @@ class DecodeSteps:
     """Decoding rows of one engine step (mixed into :class:`specdec.engine.Engine`, whose attributes
     it reads: target, rule, keyed, drafters, tokens_SL, stats, recorder, ...)."""
 
-    _no_tokens_1K = torch.zeros((1, 0), dtype=torch.long)  # a depth-0 row's proposal
+    def _plain_unit(self, rows: list[Request], drafter: Any = None) -> Unit:
+        """Rows at depth 0: an empty chain, built without calling their drafter (it would propose
+        nothing, and under load most rows sit at depth 0)."""
+        empty = Proposal(torch.zeros((len(rows), 0), dtype=torch.long))
+        return Unit(rows, make_block(empty, self.target), drafter)
 
     def _fit_tree(self, proposal: Proposal, rows: list[Request]) -> Proposal:
         """A token tree the target cannot take (no tree attention, no room): its first-candidate chain."""
@@ -102,11 +106,9 @@ class DecodeSteps:
         return proposal
 
     def _propose(self, request: Request, K: int) -> Unit:
-        """One request's own drafter (its randomness from a generator keyed by seed and position); at
-        depth 0 a plain step without a call (a drafter proposes nothing there, and under load most
-        rows sit at depth 0: the call per row was a cost of speculation that could not pay)."""
+        """One request's own drafter (its randomness from a generator keyed by seed and position)."""
         if K == 0:
-            return Unit([request], make_block(Proposal(self._no_tokens_1K), self.target))
+            return self._plain_unit([request])
         position = request.length
         generator = torch.Generator().manual_seed(
             mix_seed(request.params.seed, position - len(request.prompt_ids), 1)
@@ -116,10 +118,8 @@ class DecodeSteps:
         caught = getattr(drafter, "catch_up_s", None)
         caught_tokens = getattr(drafter, "catch_up_tokens", 0)
         proposal = proposal_on_host(drafter.propose(request.state, K, generator))
-        if (
-            caught is not None
-            and 0 < getattr(drafter, "catch_up_tokens", 0) - caught_tokens <= self.gamma_max + 1
-        ):
+        tokens = getattr(drafter, "catch_up_tokens", 0) - caught_tokens
+        if caught is not None and 0 < tokens <= self.gamma_max + 1:
             # a catch-up of one step's committed tokens: what every step of a row drafting on pays
             # (after idle or lookup steps it is larger, once: not a cost of drafting on)
             spent = drafter.catch_up_s - caught
@@ -138,9 +138,8 @@ class DecodeSteps:
         """A batched drafter over rows sharing depth K and sampling settings: one ``propose``, its
         randomness keyed by each row's seed (``noise``) where the drafter takes it."""
         drafter = self.drafters.fresh(0)
-        if K == 0:  # a plain step for every row: no call (as for per-request drafters)
-            empty = Proposal(torch.zeros((len(rows), 0), dtype=torch.long))
-            return Unit(rows, make_block(empty, self.target), drafter)
+        if K == 0:
+            return self._plain_unit(rows, drafter)
         state = group_state(rows, sampling, self.tokens_SL)
         state.tree_ok = self._trees_now
         kwargs = {"noise": PositionNoise([r.params.seed for r in rows])} if self.drafters.keyed else {}

@@ -56,9 +56,8 @@ class TextStream:
         ``finished`` or once a stop string is found)."""
         if not self.stopped and new_ids:
             searched = len(self.text.rstrip("\ufffd"))
-            piece = self.detok.push(new_ids)
-            self._whole += piece  # when empty, the window may hold an incomplete character
-            self.text = self._cut(self._whole + ("" if piece else self.detok.pending()), searched)
+            self._whole += self.detok.push(new_ids)
+            self.text = self._cut(self._whole + self.detok.pending(), searched)
         end = len(self.text)
         if not (finished or self.stopped):
             end = len(self.text.rstrip("\ufffd")) - self.hold

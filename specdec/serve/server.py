@@ -136,8 +136,6 @@ def serve(config: ServeConfig) -> int:
     from specdec.engine import Engine
     from specdec.targets import open_target
 
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
     options: dict[str, Any] = {}
     if config.max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = config.max_num_batched_tokens
