@@ -86,12 +86,13 @@ def drive(
     arrivals: list[Arrival],
     *,
     before_step: Callable[[int], None] | None = None,
-    after_step: Callable[[int, list[RequestOutput]], None] | None = None,
+    after_step: Callable[[int, list[RequestOutput]], list[RequestOutput] | None] | None = None,
     max_steps: int = 2000,
 ) -> dict[Any, RequestOutput]:
     """Run the engine until every arrival has finished; the final output per key. Checks the
     streaming contract on the way: one output per request per step, ``new_token_ids`` adding up to
-    ``token_ids``, nothing after ``finished``."""
+    ``token_ids``, nothing after ``finished``. ``after_step`` may return outputs of its own
+    (``engine.abort``'s), taken as that step's."""
     pending = sorted(arrivals, key=lambda a: a.step)
     keys: dict[str, Any] = {}
     finals: dict[Any, RequestOutput] = {}
@@ -105,15 +106,14 @@ def drive(
             before_step(step)
         outputs = engine.step()
         assert len({o.request_id for o in outputs}) == len(outputs), "two outputs for one request"
-        for o in outputs:
+        extra = after_step(step, outputs) if after_step is not None else None
+        for o in outputs + (extra or []):
             key = keys[o.request_id]
             assert key not in finals, f"request {key} changed after it finished"
             streams.setdefault(key, []).extend(o.new_token_ids)
             assert o.token_ids == streams[key]
             if o.finished:
                 finals[key] = o
-        if after_step is not None:
-            after_step(step, outputs)
         step += 1
         assert step < max_steps, "the engine did not finish"
     assert set(finals) == {a.key for a in arrivals}
@@ -300,7 +300,7 @@ def test_abort_waiting_and_running(target, solo, monkeypatch):
         r0 = engine.requests["r0"]
         if r0.status is RequestStatus.DECODE and len(r0.generated) >= 3:
             break
-    assert [o.finish_reason for o in seen["r3"]] == ["abort"]  # reported once, in the next step
+    assert "r3" not in seen  # reported once: by abort(), never again by step()
     slot = engine.requests["r0"].slot
     assert slot not in engine.free_rows
     out = engine.abort("r0")  # running
@@ -316,8 +316,8 @@ def test_abort_waiting_and_running(target, solo, monkeypatch):
             if o.finished:
                 finals[o.request_id] = o
         step += 1
-    assert finals["r0"].finish_reason == "abort" and finals["r0"].new_token_ids == []
-    assert len(seen["r0"]) == len([o for o in seen["r0"] if not o.finished]) + 1
+    assert "r0" not in finals and not any(o.finished for o in seen["r0"])  # abort() reported it
+    assert out.new_token_ids == [] and out.token_ids == [t for o in seen["r0"] for t in o.new_token_ids]
     assert engine.abort("r0") is None  # gone once reported
     # its row went to the next waiting request in the very next step; r0 was never computed again
     assert [c.rows for c in log.at(abort_step, prefill=True)][0] == [slot]
@@ -369,9 +369,12 @@ def test_per_request_settings_in_one_batch(target, solo):
     engine = make_engine(target, "ngram", max_num_seqs=len(requests))
     arrivals = [Arrival(0, key, p, {"request_id": key, **s}) for key, (p, s) in requests.items()]
 
-    def after_step(step: int, outputs: list[RequestOutput]) -> None:
-        if step == 3:
-            assert engine.abort("abort") is not None
+    def after_step(step: int, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if step != 3:
+            return []
+        out = engine.abort("abort")
+        assert out is not None and out.finished
+        return [out]  # abort()'s report is the request's last output
 
     finals = drive(engine, arrivals, after_step=after_step)
     reasons = {key: out.finish_reason for key, out in finals.items()}

@@ -38,6 +38,7 @@ from __future__ import annotations
 import heapq
 import inspect
 import itertools
+import numbers
 import secrets
 import time
 from collections import deque
@@ -204,7 +205,6 @@ class Engine(DecodeSteps):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._pending: dict[str, RequestOutput] = {}  # aborted since the last step
         self._ids = itertools.count()
         self.stats = {
             "steps": 0, "total_s": 0.0, "forward_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
@@ -235,8 +235,8 @@ class Engine(DecodeSteps):
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence) or not prompt_ids:
             raise ValueError(f"prompt_ids must be a non-empty list of token ids, got {prompt_ids!r:.80}")
         ids = []
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+        for t in prompt_ids:  # numpy integers are ints here too (numbers.Integral)
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt_ids holds {t!r}; token ids must be ints in [0, {self.vocab_size})")
             ids.append(int(t))
         params = make_params(
@@ -252,18 +252,20 @@ class Engine(DecodeSteps):
             vocab_size=self.vocab_size,
         )
         needed = len(ids) + params.max_new_tokens + self.gamma_max + 1
-        if needed > self.max_model_len:
+        if needed > self.max_model_len:  # the prompt is to blame where it leaves no room for one token
+            full = needed - params.max_new_tokens + 1 > self.max_model_len
             raise ValueError(
-                f"the prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + gamma + 1 "
-                f"({self.gamma_max + 1}) = {needed} tokens exceeds max_model_len={self.max_model_len}"
+                f"{'prompt_ids' if full else 'max_new_tokens'}: the prompt ({len(ids)} tokens) + "
+                f"max_new_tokens ({params.max_new_tokens}) + gamma + 1 ({self.gamma_max + 1}) = {needed} "
+                f"tokens exceeds max_model_len={self.max_model_len}"
             )
         stops = None
         if params.stop_strings:
             if self.tokenizer is None:
                 raise ValueError("stop_strings need a tokenizer: pass tokenizer= (the target has none)")
             stops = StopStrings(self.tokenizer, params.stop_strings)
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
+        if request_id is None:  # req-N, past any id a caller chose that is still here
+            request_id = next(i for i in map("req-{}".format, self._ids) if i not in self.requests)
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
@@ -275,18 +277,18 @@ class Engine(DecodeSteps):
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now (finish reason ``abort``) and free its row; None if it is not here."""
-        request = self.requests.get(request_id)
-        if request is None:
+        """Stop a request now (finish reason ``abort``), free its row, return its final output (the
+        abort's only report: :meth:`step` never returns it); None if it is not here."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r:.80}")
+        if (request := self.requests.pop(request_id, None)) is None:
             return None
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         request.finish_reason = "abort"
         self._release(request)
         self.running = [r for r in self.running if r is not request]
-        out = request.output([])
-        self._pending[request_id] = out
-        return out
+        return request.output([])
 
     def reset_target(self) -> None:
         """Prepare the target's cache for this engine again, after another user of the same target
@@ -325,9 +327,7 @@ class Engine(DecodeSteps):
             budget -= self._decode(decoding, depths, changed)
         self._prefill(budget, changed)
         self.running = [r for r in self.running if r.status is not RequestStatus.FINISHED]
-        outputs = list(self._pending.values())
-        self._pending.clear()
-        outputs += [self.requests[rid].output(new) for rid, new in changed.items()]
+        outputs = [self.requests[rid].output(new) for rid, new in changed.items()]
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)

@@ -47,6 +47,41 @@ def _positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
+def _plain_number(value: Any) -> Any:
+    """A numpy (or other ``numbers``) scalar as the Python ``int`` / ``float`` it stands for; anything
+    else as it is (the checks that follow name what was expected)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def _string_list(value: Any, name: str) -> tuple[str, ...]:
+    """``stop_strings``: None or a list (any non-string sequence) of non-empty strings."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, set, frozenset)):
+        raise ValueError(f"{name} must be a list of non-empty strings, got {value!r:.80}")
+    if not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"{name} must be a list of non-empty strings, got {value!r:.80}")
+    return tuple(value)
+
+
+def _token_id_list(value: Any, name: str, vocab_size: int) -> list[int]:
+    """``eos_token_ids``: a list (any non-string sequence or set) of token ids in [0, vocab_size)."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()  # a numpy array or tensor
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, set, frozenset)):
+        raise ValueError(f"{name} must be a list of token ids in [0, {vocab_size}), got {value!r:.80}")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size:
+            raise ValueError(f"{name} holds {t!r}; token ids must be ints in [0, {vocab_size})")
+    return [int(t) for t in value]
+
+
 def make_params(
     *,
     max_new_tokens: Any,
@@ -60,24 +95,21 @@ def make_params(
     default_eos: Sequence[int],
     vocab_size: int,
 ) -> RequestParams:
-    """Check ``add_request``'s arguments; ``ValueError`` naming the first bad one."""
+    """Check ``add_request``'s arguments; ``ValueError`` naming the first bad one. Numpy scalars are
+    taken where Python ints and floats are (``numpy.bool_`` is not a bool: refused like any non-bool)."""
     max_new_tokens = _positive_int(max_new_tokens, "max_new_tokens")
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # validates
+    sampling = SamplingParams(  # validates
+        temperature=_plain_number(temperature), top_k=_plain_number(top_k), top_p=_plain_number(top_p)
+    )
     seed = 0 if seed is None else check_seed(seed)
-    if stop_strings is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stop_strings):
-        raise ValueError(f"stop_strings must be a list of non-empty strings, got {stop_strings!r}")
-    else:
-        stops = tuple(stop_strings)
+    stops = _string_list(stop_strings, "stop_strings")
     if not isinstance(ignore_eos, bool):
         raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r}")
-    ids = default_eos if eos_token_ids is None else eos_token_ids
-    if isinstance(ids, (str, bytes)) or not all(
-        isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
-    ):
-        raise ValueError(f"eos_token_ids must be token ids in [0, {vocab_size}), got {eos_token_ids!r}")
-    eos = frozenset() if ignore_eos else frozenset(int(t) for t in ids)
+    if eos_token_ids is None:
+        ids = _token_id_list(list(default_eos), "the target's eos_token_ids", vocab_size)
+    else:
+        ids = _token_id_list(eos_token_ids, "eos_token_ids", vocab_size)
+    eos = frozenset() if ignore_eos else frozenset(ids)
     return RequestParams(
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_strings=stops, eos_token_ids=eos
     )

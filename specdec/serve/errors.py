@@ -52,10 +52,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_engine_error(err: ValueError) -> APIError:
     """A 400 for a ``ValueError`` of ``Engine.add_request``, its field named as the API names it."""
     message = str(err)
-    first = message.split(" ", 1)[0]
-    if message.startswith("the prompt ("):  # the engine's own context check
-        return bad_request(message, "max_tokens", "context_length_exceeded")
+    first = message.split(" ", 1)[0].rstrip(":")
     param = _ENGINE_FIELDS.get(first)
     if param is not None and param != first:
         message = param + message[len(first) :]
-    return bad_request(message, param)
+    code = "context_length_exceeded" if "exceeds max_model_len" in message else None  # the engine's check
+    return bad_request(message, param, code)

@@ -95,7 +95,6 @@ class EngineWorker:
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._entries: dict[str, _Entry] = {}
         self._deadline: float | None = None
-        self._flush = False  # an abort left an output in the engine: step once to collect it
         self._thread = threading.Thread(target=self._run, name="specdec-engine")
         self.error: BaseException | None = None  # what ended the thread, if it was not a drain
 
@@ -155,8 +154,7 @@ class EngineWorker:
             self._ready.set()
         try:
             while True:
-                idle = not (self.engine.has_unfinished() or self._flush)
-                self._take_commands(block=idle)
+                self._take_commands(block=not self.engine.has_unfinished())
                 if self._deadline is not None and (
                     not self.engine.has_unfinished() or time.perf_counter() >= self._deadline
                 ):
@@ -164,7 +162,7 @@ class EngineWorker:
                     self._step()
                     self._publish_load()
                     return
-                if self.engine.has_unfinished() or self._flush:
+                if self.engine.has_unfinished():
                     self._step()
                 self._publish_load()
         except BaseException as err:  # a bug here: answer everyone, leave the thread
@@ -191,8 +189,7 @@ class EngineWorker:
         elif kind == "abort":
             entry = self._entries.get(command[1])
             if entry is not None:
-                out = self.engine.abort(command[1])
-                self._flush = True
+                out = self.engine.abort(command[1])  # its final output: step() will not repeat it
                 if out is not None:
                     self._dispatch(out)
         elif kind == "drain":
@@ -228,15 +225,13 @@ class EngineWorker:
                 except Exception:
                     log.exception("abort after a failed step failed")
             self._fail_all(error)
-            self._flush = True
             return
-        self._flush = False
         for out in outputs:
             self._dispatch(out)
 
     def _dispatch(self, out: RequestOutput) -> None:
         entry = self._entries.get(out.request_id)
-        if entry is None:  # an abort's output seen again, or a request already failed
+        if entry is None:  # a request already failed (its sink has its error)
             return
         if self.metrics is not None:
             self.metrics.observe(entry.track, out)
