@@ -2,9 +2,12 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true: server-sent
 events through sse-starlette, ``data: {chunk}`` then ``data: [DONE]``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text). With an API key, the ``/v1`` routes need
-``Authorization: Bearer KEY`` (401 otherwise). Checks run in this order: key (401), draining (503),
-JSON (400), model (404), fields and context (400), the waiting queue (429 with ``Retry-After``).
+``GET /health``, ``GET /metrics`` (Prometheus text); HEAD wherever GET is, and OPTIONS on every
+route (204 with ``Allow``). With an API key, the ``/v1`` routes need ``Authorization: Bearer KEY``
+(401 otherwise, unknown ``/v1`` paths included). Checks run in this order: key (401), draining (503),
+body size (413), JSON (400), model (404), prompt size, roles, fields and context (400), the waiting
+queue (429 with ``Retry-After``). The body is read on the loop and checked, parsed and tokenised on
+the intake thread (:mod:`specdec.serve.intake`), so one large request does not stall the others.
 
 A request holds a :class:`Ticket` from submission to its end: whatever ends it (the last token,
 an error, a client that disconnects mid-stream or while waiting for a whole response) closes the
@@ -25,15 +28,17 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.engine import RequestOutput
 from specdec.serve.detokenize import TextStream
-from specdec.serve.errors import APIError, bad_request
+from specdec.serve.errors import APIError
+from specdec.serve.intake import Intake, IntakeLimits
 from specdec.serve.metrics import ServerMetrics
-from specdec.serve.protocol import GenerationRequest, ServedModel, check_model, parse_chat, parse_completion
+from specdec.serve.protocol import GenerationRequest, ServedModel, parse_chat, parse_completion
 from specdec.serve.responses import FINISH_REASONS, ResponseShape, usage
 from specdec.serve.worker import ACCEPTED, EngineWorker, Failed, Sink
 
@@ -59,6 +64,7 @@ class ServerState:
     unfinished: int = 0  # requests submitted whose last output has not arrived (the 429 check)
     open: int = 0  # requests whose handler has not ended (shutdown waits for them to send their last bytes)
     started: int = 0  # unix time, for /v1/models
+    intake: Intake | None = None  # None: build_app makes one with the model's default limits
 
     def unavailable(self) -> APIError | None:
         """The 503 to answer now (draining, or no engine thread), else None."""
@@ -129,23 +135,35 @@ def _dumps(body: Any) -> str:
     return json.dumps(body, separators=(",", ":"))
 
 
-def _check_key(state: ServerState, request: Request) -> None:
+def _key_error(state: ServerState, request: Request) -> APIError | None:
+    """The 401 for a request without the server's key (None: no key set, or the right one)."""
     if state.api_key is None:
-        return
+        return None
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
-        raise APIError(401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        key.strip().encode("latin-1"), state.api_key.encode()
+    ):
+        return APIError(
+            401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key"
+        )
+    return None
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise bad_request(f"the request body is not valid JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+def _check_key(state: ServerState, request: Request) -> None:
+    error = _key_error(state, request)
+    if error is not None:
+        raise error
+
+
+def _error_response(error: APIError) -> Response:
+    """An error body in ASCII JSON: a message that quotes client input stays encodable."""
+    return Response(
+        json.dumps(error.body()),
+        status_code=error.status,
+        headers=error.headers,
+        media_type="application/json",
+    )
 
 
 async def _submit(state: ServerState, gen: GenerationRequest, request_id: str, arrival_s: float) -> Ticket:
@@ -246,9 +264,8 @@ async def _generate(state: ServerState, request: Request, *, chat: bool) -> Resp
     refusal = state.unavailable()
     if refusal is not None:
         raise refusal
-    body = await _json_body(request)
-    check_model(body, state.model.name)
-    gen = parse_chat(body, state.model) if chat else parse_completion(body, state.model)
+    parse = parse_chat if chat else parse_completion
+    gen = await state.intake.parse(request, lambda body: parse(body, state.model), chat=chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = ResponseShape(chat=chat, request_id=request_id, model=state.model.name, created=int(time.time()))
     ticket = await _submit(state, gen, request_id, arrival_s)
@@ -264,35 +281,42 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     state.started = int(time.time())
+    if state.intake is None:
+        state.intake = Intake(IntakeLimits.for_model(state.model), state.model.name)
 
     @app.exception_handler(APIError)
-    async def api_error(request: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    async def api_error(request: Request, err: APIError) -> Response:
+        return _error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, err: StarletteHTTPException) -> Response:
+        if request.url.path.startswith("/v1/") or request.url.path == "/v1":
+            refusal = _key_error(state, request)  # with a key, unknown /v1 paths are not revealed
+            if refusal is not None:
+                return _error_response(refusal)
         error = APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}")
-        return JSONResponse(error.body(), status_code=err.status_code, headers=err.headers)
+        error.headers.update(err.headers or {})
+        return _error_response(error)
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+    async def internal_error(request: Request, err: Exception) -> Response:
         log.exception("internal error on %s", request.url.path)
         error = APIError(500, f"internal server error: {type(err).__name__}: {err}", type="server_error")
-        return JSONResponse(error.body(), status_code=500)
+        return _error_response(error)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         refusal = state.unavailable()
         if refusal is not None:
             return JSONResponse(refusal.body(), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         text, content_type = state.metrics.render()
         return Response(text, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> JSONResponse:
         _check_key(state, request)
         card = {
@@ -312,4 +336,26 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _generate(state, request, chat=True)
 
+    _answer_options(app)
     return app
+
+
+def _answer_options(app: FastAPI) -> None:
+    """OPTIONS on every route's path: 204 with ``Allow`` (its methods, OPTIONS included); call it
+    after the routes are added."""
+    allowed: dict[str, set[str]] = {}
+    for route in app.routes:
+        if isinstance(route, APIRoute):
+            allowed.setdefault(route.path, set()).update(route.methods)
+    for path, methods in allowed.items():
+        allow = ", ".join(sorted(methods | {"OPTIONS"}))
+        app.add_api_route(path, _options(allow), methods=["OPTIONS"], include_in_schema=False)
+
+
+def _options(allow: str) -> Any:
+    """An OPTIONS endpoint answering ``Allow: allow``."""
+
+    async def options() -> Response:
+        return Response(status_code=204, headers={"Allow": allow})
+
+    return options

@@ -2,6 +2,7 @@
 
     specdec serve --target smollm2-135m --drafter default --host 127.0.0.1 --port 8000 \\
         [--max-num-seqs N] [--gamma auto|fixed|N] [--verify exact] [--api-key KEY] [--max-waiting N]
+        [--max-body-bytes N]
 """
 
 from __future__ import annotations
@@ -88,13 +89,20 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECDEC_API_KEY, else none)",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $SPECDEC_API_KEY, else none; "
+        "an empty key is an error)",
     )
     p.add_argument(
         "--max-waiting",
         type=nonnegative_int,
         default=256,
         help="requests waiting for a slot before new ones get 429 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=None,
+        help="largest request body; a larger one gets 413 before it is read (default: 1048576, 1 MiB)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -116,7 +124,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    from specdec.serve.server import ServeConfig, serve
+    from specdec.serve.server import ServeConfig, check_api_key, serve
+
+    api_key = args.api_key
+    if api_key is not None:
+        check_api_key(api_key, "--api-key")
+    else:
+        api_key = os.environ.get("SPECDEC_API_KEY")
+        if api_key is not None:
+            check_api_key(api_key, "$SPECDEC_API_KEY")
+    extra = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
 
     config = ServeConfig(
         target=args.target,
@@ -136,9 +153,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        api_key=args.api_key or os.environ.get("SPECDEC_API_KEY") or None,
+        api_key=api_key,
         max_waiting=args.max_waiting,
         shutdown_timeout_s=args.shutdown_timeout,
         log_level=args.log_level,
+        **extra,
     )
     return serve(config)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["APIError", "bad_request", "from_engine_error"]
+__all__ = ["APIError", "bad_request", "from_engine_error", "prompt_overflow"]
 
 # The engine's argument names, as the API calls them.
 _ENGINE_FIELDS = {
@@ -47,6 +47,17 @@ class APIError(Exception):
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 naming the field at fault."""
     return APIError(400, message, param=param, code=code)
+
+
+def prompt_overflow(field: str, num_prompt: int, max_model_len: int, reserved: int) -> APIError:
+    """The 400 for a prompt of ``num_prompt`` tokens that alone leaves no room for one new token."""
+    return bad_request(
+        f"{field} is too long: it has {num_prompt} tokens, and this model's maximum context length is "
+        f"{max_model_len} tokens, {reserved} of which are kept for speculative drafts, so a prompt may "
+        f"have at most {max_model_len - reserved - 1} tokens (one more is the first new token)",
+        field,
+        "context_length_exceeded",
+    )
 
 
 def from_engine_error(err: ValueError) -> APIError:

@@ -16,7 +16,7 @@ from typing import Any
 from specdec.prompt_sets import has_chat_template
 from specdec.sampling import validate_sampling
 from specdec.seeds import check_seed
-from specdec.serve.errors import APIError, bad_request
+from specdec.serve.errors import APIError, bad_request, prompt_overflow
 
 __all__ = ["ServedModel", "GenerationRequest", "parse_completion", "parse_chat", "check_model"]
 
@@ -177,12 +177,13 @@ def _common(
         if not isinstance(options, dict):
             raise bad_request(f"stream_options must be an object, got {options!r}", "stream_options")
         include_usage = _optional_bool(options, "include_usage")
-    max_tokens = _optional_int(body, "max_tokens", 1)
-    named = "max_tokens"
-    if chat and max_tokens is None:
+    max_tokens, named = _optional_int(body, "max_tokens", 1), "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:  # OpenAI's current name wins
         max_tokens, named = _optional_int(body, "max_completion_tokens", 1), "max_completion_tokens"
     room = model.max_model_len - model.reserved - len(prompt_ids)
     prompt_field = "messages" if chat else "prompt"
+    if room < 1:  # the prompt alone leaves no room for one token: it is to blame, not max_tokens
+        raise prompt_overflow(prompt_field, len(prompt_ids), model.max_model_len, model.reserved)
     if max_tokens is None:
         max_tokens = room if chat else COMPLETION_MAX_TOKENS
         named = prompt_field

@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from specdec.serve.app import ServerState, build_app
+from specdec.serve.intake import DEFAULT_MAX_BODY_BYTES, Intake, IntakeLimits
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import ServedModel
 from specdec.serve.worker import EngineWorker
@@ -63,8 +64,29 @@ class ServeConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_waiting: int | None = 256
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        check_api_key(self.api_key, "api_key")
+        mb = self.max_body_bytes
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+            raise ValueError(f"max_body_bytes must be an int >= 1, got {mb!r}")
+
+
+def check_api_key(key: str | None, name: str) -> None:
+    """An API key is None (no authentication) or a non-empty string without surrounding whitespace
+    (an empty key would serve everyone while looking set; a key with spaces could never match, as
+    the ``Authorization`` header's value is stripped)."""
+    if key is None:
+        return
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"{name} is empty: give a key, or leave it out to serve without authentication")
+    if key != key.strip() or not key.isprintable():
+        raise ValueError(f"{name} must not have surrounding whitespace or control characters")
+    if not key.isascii():
+        raise ValueError(f"{name} must be ASCII (HTTP headers carry it)")
 
 
 class _Server(uvicorn.Server):
@@ -193,6 +215,7 @@ def serve(config: ServeConfig) -> int:
         api_key=config.api_key,
         max_waiting=config.max_waiting,
     )
+    state.intake = Intake(IntakeLimits.for_model(model, max_body_bytes=config.max_body_bytes), model.name)
     app = build_app(state)
     uv_config = uvicorn.Config(
         app,
@@ -207,6 +230,7 @@ def serve(config: ServeConfig) -> int:
     try:
         server.run()
     finally:
+        state.intake.close()
         state.draining = True
         worker.drain(0.0)
         joined = worker.join(60.0)
