@@ -275,6 +275,13 @@ def test_an_empty_api_key_is_refused(monkeypatch, capsys):
 # --- chat fields ----------------------------------------------------------------------------------------
 
 
+def test_stop_strings_are_capped(server):
+    ok = {"prompt": "the cat", "max_tokens": 2, "stop": [f"s{i}" for i in range(64)]}
+    assert post(server, dumps(ok)).status_code == 200
+    error = error_of(post(server, dumps({**ok, "stop": [f"s{i}" for i in range(10_000)]})), 400)
+    assert error["param"] == "stop" and "10000 strings; at most 64" in error["message"]
+
+
 def test_max_completion_tokens_wins_over_max_tokens(server):
     body = {
         "messages": [{"role": "user", "content": "the cat"}],

@@ -5,9 +5,10 @@ events through sse-starlette, ``data: {chunk}`` then ``data: [DONE]``), ``GET /v
 ``GET /health``, ``GET /metrics`` (Prometheus text); HEAD wherever GET is, and OPTIONS on every
 route (204 with ``Allow``). With an API key, the ``/v1`` routes need ``Authorization: Bearer KEY``
 (401 otherwise, unknown ``/v1`` paths included). Checks run in this order: key (401), draining (503),
-body size (413), JSON (400), model (404), prompt size, roles, fields and context (400), the waiting
-queue (429 with ``Retry-After``). The body is read on the loop and checked, parsed and tokenised on
-the intake thread (:mod:`specdec.serve.intake`), so one large request does not stall the others.
+body size (413), JSON (400), model (404), prompt size, stop count, roles, fields and context (400),
+the waiting queue (429 with ``Retry-After``). The body is read on the loop and checked, parsed and
+tokenised on the intake thread (:mod:`specdec.serve.intake`), so one large request does not stall
+the others.
 
 A request holds a :class:`Ticket` from submission to its end: whatever ends it (the last token,
 an error, a client that disconnects mid-stream or while waiting for a whole response) closes the

@@ -15,13 +15,15 @@ client input may end in a 500. In order:
 3. **Prompt size before tokenising**: a list of token ids longer than the context, or a text prompt
    (chat: the messages' text together) longer than the context times the longest token's characters
    (:func:`longest_token_chars`), cannot fit, and is a 400 that blames the prompt.
-4. **Chat roles**: ``system``, ``user``, ``assistant``, and those of :data:`TEMPLATE_ROLES` that the
+4. **Stop strings**: at most :data:`MAX_STOP_STRINGS` (the engine thread checks every one after every
+   step of the request, so thousands would slow every client's stream).
+5. **Chat roles**: ``system``, ``user``, ``assistant``, and those of :data:`TEMPLATE_ROLES` that the
    model's chat template names; any other is a 400 listing the accepted ones (a role is rendered into
    the template as it is, so a free-form role could write turns of its own).
-5. **Parse and tokenise** by the route's parser, still on the intake thread: one thread, as vLLM's
+6. **Parse and tokenise** by the route's parser, still on the intake thread: one thread, as vLLM's
    async tokenizer, since a fast tokenizer is not safe to share between threads.
 
-Steps 2-5 run on that thread (:meth:`Intake.parse`), so the loop keeps serving while a request is
+Steps 2-6 run on that thread (:meth:`Intake.parse`), so the loop keeps serving while a request is
 checked; with the body limited, every step is bounded.
 """
 
@@ -40,12 +42,14 @@ from specdec.serve.protocol import ServedModel, check_model
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DRAIN_FACTOR",
+    "MAX_STOP_STRINGS",
     "TEMPLATE_ROLES",
     "Intake",
     "IntakeLimits",
     "chat_roles",
     "check_prompt_size",
     "check_roles",
+    "check_stop_count",
     "longest_token_chars",
     "parse_body",
     "read_body",
@@ -57,6 +61,7 @@ Parsing a body of this size takes the loop's thread (JSON parsing holds the GIL)
 DEFAULT_MAX_JSON_DEPTH = 32  # OpenAI's bodies nest 4 deep (messages[i].content[j].text)
 DRAIN_FACTOR = 16
 """A refused body up to this many times the limit is read and dropped before the 413 (see step 1)."""
+MAX_STOP_STRINGS = 64  # OpenAI takes 4; lm-eval's tasks send a few
 BASE_ROLES = ("system", "user", "assistant")
 TEMPLATE_ROLES = ("developer", "tool", "ipython", "function")
 """Roles accepted where the chat template names them (quoted, as a template compares roles)."""
@@ -278,8 +283,15 @@ def check_prompt_size(body: dict[str, Any], limits: IntakeLimits, *, chat: bool)
         _check_one_prompt(prompt, "prompt", limits)
 
 
+def check_stop_count(body: dict[str, Any]) -> None:
+    """Step 4: at most :data:`MAX_STOP_STRINGS` stop strings."""
+    stop = body.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are taken", "stop")
+
+
 def check_roles(body: dict[str, Any], roles: Sequence[str]) -> None:
-    """Step 4: every message's role (where it is a string) is one of ``roles``."""
+    """Step 5: every message's role (where it is a string) is one of ``roles``."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return
@@ -303,7 +315,7 @@ class Intake:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-intake")
 
     async def parse(self, request: Any, parse: Callable[[dict[str, Any]], T], *, chat: bool) -> T:
-        """The body of ``request`` through steps 1-5, ``parse`` the route's own parser (its 400s
+        """The body of ``request`` through steps 1-6, ``parse`` the route's own parser (its 400s
         pass through as they are)."""
         raw = await read_body(request, self.limits.max_body_bytes)
         loop = asyncio.get_running_loop()
@@ -313,6 +325,7 @@ class Intake:
         body = parse_body(raw, self.limits.max_json_depth)
         check_model(body, self.model_name)
         check_prompt_size(body, self.limits, chat=chat)
+        check_stop_count(body)
         if chat:
             check_roles(body, self.limits.roles)
         return parse(body)
