@@ -137,30 +137,29 @@ async def read_body(request: Any, max_bytes: int) -> bytes:
         if not declared.strip().isdigit():
             raise bad_request(f"Content-Length must be a number of bytes, got {declared!r:.40}")
         if int(declared) > max_bytes:
-            await _drain(request, int(declared), max_bytes)
+            if int(declared) <= DRAIN_FACTOR * max_bytes:
+                await _drop(request.stream(), DRAIN_FACTOR * max_bytes)
             raise _too_large(declared.strip(), max_bytes)
+    stream = request.stream()
     chunks, size = [], 0
-    async for chunk in request.stream():
+    async for chunk in stream:
         size += len(chunk)
         if size > max_bytes:
-            await _drain(request, size, max_bytes)
+            await _drop(stream, DRAIN_FACTOR * max_bytes - size)
             raise _too_large(f"more than {max_bytes}", max_bytes)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-async def _drain(request: Any, size: int, max_bytes: int) -> None:
-    """Read and drop the rest of a refused body (a client mid-send then reads the 413), up to
-    ``DRAIN_FACTOR * max_bytes``; past that the connection closes on it."""
-    if size > DRAIN_FACTOR * max_bytes:
-        return
-    read = 0
+async def _drop(stream: Any, budget: int) -> None:
+    """Read and drop the rest of a refused body, so that a client still sending it reads the 413
+    rather than a reset connection; after ``budget`` bytes, stop (the connection then closes)."""
     try:
-        async for chunk in request.stream():
-            read += len(chunk)
-            if read > DRAIN_FACTOR * max_bytes:
+        async for chunk in stream:
+            budget -= len(chunk)
+            if budget < 0:
                 return
-    except Exception:  # the client left, or the stream was consumed: nothing left to drop
+    except Exception:  # the client left: nothing left to drop
         return
 
 

@@ -81,7 +81,9 @@ def check_api_key(key: str | None, name: str) -> None:
     the ``Authorization`` header's value is stripped)."""
     if key is None:
         return
-    if not isinstance(key, str) or not key:
+    if not isinstance(key, str):
+        raise ValueError(f"{name} must be a string, got {type(key).__name__}")
+    if not key:
         raise ValueError(f"{name} is empty: give a key, or leave it out to serve without authentication")
     if key != key.strip() or not key.isprintable():
         raise ValueError(f"{name} must not have surrounding whitespace or control characters")
