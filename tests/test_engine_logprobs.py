@@ -1,10 +1,10 @@
 """Per-token log-probabilities of the engine (``add_request(logprobs=, prompt_logprobs=)``).
 
 They are ``log_softmax(float32 logits)`` of the target at the position that decided each token:
-checked against one plain forward over the whole sequence; speculative (prompt lookup, a token
-tree) and plain greedy decoding report the same values bitwise; top-k alternatives are sorted and
-hold the chosen token where it is the argmax; only requests that ask pay, and bad values are
-refused. A tiny random Llama (``tests/_tiny.py``), built once for the module.
+checked against one plain forward over the whole sequence; speculative (prompt lookup, and the
+``default`` drafter: prompt lookup on this target) and plain greedy decoding report the same
+values bitwise; top-k alternatives are sorted and hold the chosen token where it is the argmax;
+only requests that ask pay, and bad values are refused. A tiny random Llama (``tests/_tiny.py``), built once for the module.
 """
 
 from __future__ import annotations
