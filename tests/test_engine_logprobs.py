@@ -4,7 +4,8 @@ They are ``log_softmax(float32 logits)`` of the target at the position that deci
 checked against one plain forward over the whole sequence; speculative (prompt lookup, and the
 ``default`` drafter: prompt lookup on this target) and plain greedy decoding report the same
 values bitwise; top-k alternatives are sorted and hold the chosen token where it is the argmax;
-only requests that ask pay, and bad values are refused. A tiny random Llama (``tests/_tiny.py``), built once for the module.
+only requests that ask pay, and bad values are refused. A tiny random Llama (``tests/_tiny.py``),
+built once for the module.
 """
 
 from __future__ import annotations
