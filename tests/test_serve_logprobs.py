@@ -13,14 +13,13 @@ import json
 
 import pytest
 import torch
-from test_serve import KEY, PROMPT, START_TIMEOUT_S, launch, ready, sse_lines, stop, wait_idle  # noqa: F401
+from test_serve import KEY, PROMPT, launch, metric, ready, scrape, sse_lines, stop, wait_idle
 
 import specdec
 from specdec.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-_ = START_TIMEOUT_S
 GAMMA = 3
 
 
@@ -243,3 +242,20 @@ def test_logprobs_through_the_client_types(server):
         assert all(isinstance(v, float) for v in c.logprobs.token_logprobs[1:])
         assert all(v is None or isinstance(v, dict) for v in c.logprobs.top_logprobs)
     assert torch.tensor(out.choices[0].logprobs.token_logprobs[1:]).le(0).all()
+
+
+def test_a_client_leaving_a_stream_of_several_choices_frees_every_row(server):
+    body = {
+        "model": server.model, "prompt": [PROMPT, "another"], "n": 2, "max_tokens": 1500, "stream": True,
+        "temperature": 0.9, "ignore_eos": True, "logprobs": 2,
+    }  # fmt: skip
+    before = metric(scrape(server), "vllm:request_success_total", finished_reason="abort")
+    with server.http() as http, http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        seen = set()
+        for line in sse_lines(r):
+            seen.add(json.loads(line)["choices"][0]["index"])
+            if len(seen) == 4:
+                break  # every choice has streamed: leave mid-stream
+    samples = wait_idle(server, timeout_s=30)  # every row free again
+    assert metric(samples, "vllm:request_success_total", finished_reason="abort") - before == 4
