@@ -259,3 +259,24 @@ def test_a_client_leaving_a_stream_of_several_choices_frees_every_row(server):
                 break  # every choice has streamed: leave mid-stream
     samples = wait_idle(server, timeout_s=30)  # every row free again
     assert metric(samples, "vllm:request_success_total", finished_reason="abort") - before == 4
+
+
+def test_token_bytes_and_legacy_format_in_process():
+    from _tiny import byte_tokenizer
+
+    from specdec.engine.logprobs import TokenLogprob
+    from specdec.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+
+    tok = byte_tokenizer()
+    texts = TokenTexts(tok)
+    ids = tok("é!").input_ids  # two byte tokens for é, one for !
+    assert len(ids) == 3 and texts.text(ids[0]) == "\ufffd"
+    assert b"".join(bytes(texts.bytes(t)) for t in ids) == "é!".encode()
+    entries = [None, TokenLogprob(ids[1], -0.5, ((ids[2], -0.25),)), TokenLogprob(ids[2], float("-inf"))]
+    body, end = completion_logprobs(entries, ids, texts, offset=10)
+    assert body["token_logprobs"] == [None, -0.5, -9999.0] and body["top_logprobs"][0] is None
+    assert body["top_logprobs"][1] == {texts.text(ids[1]): -0.5, "!": -0.25}
+    assert body["text_offset"] == [10, 11, 12] and end == 13
+    chat = chat_logprobs(entries[1:], texts)["content"]
+    assert chat[0]["bytes"] == ["é".encode()[1]] and chat[0]["top_logprobs"][0]["token"] == "!"
+    assert chat[1]["logprob"] == -9999.0 and chat[1]["top_logprobs"] == []
