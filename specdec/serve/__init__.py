@@ -3,6 +3,7 @@
 One engine thread owns the target and the :class:`specdec.Engine` (:mod:`~specdec.serve.worker`);
 the HTTP side, a FastAPI app on uvicorn (:mod:`~specdec.serve.app`), talks to it through queues.
 Request checks (:mod:`~specdec.serve.protocol`), response shapes (:mod:`~specdec.serve.responses`),
+a choice's text and log-probabilities (:mod:`~specdec.serve.choices`, :mod:`~specdec.serve.logprobs`),
 errors (:mod:`~specdec.serve.errors`), incremental text (:mod:`~specdec.serve.detokenize`),
 Prometheus metrics (:mod:`~specdec.serve.metrics`), the process and its shutdown
 (:mod:`~specdec.serve.server`), the command line (:mod:`~specdec.serve.command`). Needs the
