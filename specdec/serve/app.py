@@ -236,6 +236,15 @@ async def _whole(
     finally:
         for ticket in tickets:
             ticket.close()
+    # Decoding and formatting many choices' text and log-probabilities (lm-eval sends batches of
+    # long echoed prompts) runs on a worker thread, not on the loop other clients' streams share.
+    return await asyncio.to_thread(_whole_body, state, lasts, shape, gen)
+
+
+def _whole_body(
+    state: ServerState, lasts: list[RequestOutput], shape: ResponseShape, gen: GenerationRequest
+) -> JSONResponse:
+    """The response of a non-streamed request from its choices' last outputs."""
     choices, completion_tokens = [], 0
     for out, choice in zip(lasts, _outputs(state, gen, shape.chat), strict=True):
         text, logprobs = choice.whole(out)
