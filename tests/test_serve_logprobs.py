@@ -190,6 +190,11 @@ def test_chat_logprobs_and_n(server, target):
     assert [c.logprob for c in streamed] == [c.logprob for c in content]
     plain_out = client.chat.completions.create(**kw)
     assert plain_out.choices[0].logprobs is None
+    neutral = client.chat.completions.create(top_logprobs=0, **kw)  # 0 without logprobs: off
+    assert (
+        neutral.choices[0].logprobs is None
+        and neutral.choices[0].message.content == out.choices[0].message.content
+    )
     many = client.chat.completions.create(n=3, **{**kw, "temperature": 1.0, "seed": 1})
     assert [c.index for c in many.choices] == [0, 1, 2]
     assert len({c.message.content for c in many.choices}) > 1

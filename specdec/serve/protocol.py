@@ -176,7 +176,7 @@ def _logprobs_fields(body: dict[str, Any], *, chat: bool) -> int | None:
             raise bad_request(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {value!r:.80}", "logprobs"
             )
-        if body.get("top_logprobs") is not None:
+        if body.get("top_logprobs") not in (None, 0):
             raise bad_request(
                 "top_logprobs is a chat field: /v1/completions takes logprobs: k", "top_logprobs"
             )
@@ -190,6 +190,8 @@ def _logprobs_fields(body: dict[str, Any], *, chat: bool) -> int | None:
             f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r:.80}", "top_logprobs"
         )
     if not wanted:
+        if top == 0:  # the neutral value: no log-probabilities
+            return None
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     return int(top)
 
