@@ -188,6 +188,18 @@ def test_chat_logprobs_and_n(server, target):
         c for ch in chunks for choice in ch.choices if choice.logprobs for c in choice.logprobs.content
     ]
     assert [c.logprob for c in streamed] == [c.logprob for c in content]
+    raw = {**kw, "logprobs": True, "top_logprobs": 2}
+    whole = server.http().post("/v1/chat/completions", json=raw).json()["choices"][0]["logprobs"]
+    assert whole == out.choices[0].logprobs.model_dump()  # raw HTTP: the same object
+    with (
+        server.http() as http,
+        http.stream("POST", "/v1/chat/completions", json={**raw, "stream": True}) as r,
+    ):
+        lines = [json.loads(x) for x in sse_lines(r) if x != "[DONE]"]
+    raw_streamed = [
+        c for x in lines for ch in x["choices"] if ch["logprobs"] for c in ch["logprobs"]["content"]
+    ]
+    assert raw_streamed == whole["content"]
     plain_out = client.chat.completions.create(**kw)
     assert plain_out.choices[0].logprobs is None
     neutral = client.chat.completions.create(top_logprobs=0, **kw)  # 0 without logprobs: off

@@ -8,7 +8,7 @@ The engine reports, per token, its log-probability and the top-k alternatives
   ``top_logprobs`` holds the chosen token and the k most likely (vLLM: up to k + 1 entries); with
   ``echo`` the prompt's first token has ``null`` for both (nothing precedes it).
 - ``/v1/chat/completions``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
-  "logprob", "bytes"}, ...k]}]}``.
+  "logprob", "bytes"}, ...k]}], "refusal": null}``.
 
 A token's text is its own decoding (special tokens included); ``bytes`` its UTF-8 bytes, exact for
 byte-level BPE and SentencePiece byte tokens even where a token holds part of a character.
@@ -104,7 +104,7 @@ def completion_logprobs(
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
-    """The chat ``logprobs`` object: ``{"content": [...]}``, one entry per token."""
+    """The chat ``logprobs`` object: ``{"content": [...], "refusal": None}``, one entry per token."""
 
     def one(token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": texts.text(token_id), "logprob": _value(logprob), "bytes": texts.bytes(token_id)}
@@ -114,4 +114,4 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict[st
         item = one(entry.token_id, entry.logprob)
         item["top_logprobs"] = [one(t, lp) for t, lp in entry.top]
         content.append(item)
-    return {"content": content}
+    return {"content": content, "refusal": None}
