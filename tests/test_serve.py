@@ -358,14 +358,14 @@ def test_errors(server):
         ({**ok, "max_tokens": 2.5}, 400, "max_tokens"),
         ({**ok, "top_p": 1.5}, 400, "top_p"),
         ({**ok, "top_k": "x"}, 400, "top_k"),
-        ({**ok, "n": 2}, 400, "n"),
+        ({**ok, "n": 0}, 400, "n"),
         ({**ok, "stop": 5}, 400, "stop"),
         ({**ok, "seed": -1}, 400, "seed"),
         ({**ok, "stream": "yes"}, 400, "stream"),
-        ({**ok, "logprobs": 3}, 400, "logprobs"),
+        ({**ok, "logprobs": 21}, 400, "logprobs"),
         ({**ok, "prompt": []}, 400, "prompt"),
         ({**ok, "prompt": [1, 2, 99999]}, 400, "prompt"),
-        ({**ok, "prompt": ["a", "b"]}, 400, "prompt"),
+        ({**ok, "prompt": ["a", 5]}, 400, "prompt"),
         ({**ok, "model": "gpt-4"}, 404, "model"),
     ]
     for body, status, param in cases:
@@ -392,7 +392,7 @@ def test_errors(server):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=server.model, prompt="x", max_tokens=2, n=3)
+        client.completions.create(model=server.model, prompt="x", max_tokens=2, n=0)
     bad_key = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.completions.create(model=server.model, prompt="x", max_tokens=2)

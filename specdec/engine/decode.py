@@ -86,6 +86,14 @@ def _catch_up_seconds(rows: list[Request]) -> float:
     return sum(getattr(d, "catch_up_s", 0.0) for d in drafters.values())
 
 
+def _decided_by(logits_BTV: torch.Tensor, verdict: Any, i: int) -> torch.Tensor:
+    """Row i's logits in the order of its committed tokens: block position j for a chain, the path's
+    j-th node for a tree (each committed token was decided at its input's position)."""
+    if verdict.path_BA is None:
+        return logits_BTV[i]
+    return logits_BTV[i, verdict.path_BA[i].to(logits_BTV.device)]
+
+
 class DecodeSteps:
     """Decoding rows of one engine step (mixed into :class:`specdec.engine.Engine`, whose attributes
     it reads: target, rule, keyed, drafters, tokens_SL, stats, recorder, ...)."""
@@ -281,7 +289,8 @@ class DecodeSteps:
             request.idle_steps = 0 if block.num_drafted else request.idle_steps + 1
             request.learn(block.depth, a, _DECAY)
             lengths.append(int(start_G[i]) + 2 + a)  # what the cache must read like (stops do not matter)
-            self._commit(request, tokens[i][: a + 1], changed)
+            logits_TV = None if request.logprobs is None else _decided_by(out.logits_BTV, verdict, i)
+            self._commit(request, tokens[i][: a + 1], changed, logits_TV)
         observed = block.settle(
             self.target, out, verdict, start_G, torch.tensor(lengths, dtype=torch.long), rows_B=rows_G
         )

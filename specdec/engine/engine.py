@@ -52,6 +52,7 @@ from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
 from specdec.engine.decode import DecodeSteps, mix_seed, on_host
 from specdec.engine.depth import DepthPolicy, FixedDepth, RowView, make_depth_policy
 from specdec.engine.drafting import DrafterPool, join_outputs, row_state
+from specdec.engine.logprobs import last_logits_only, prefill_logits_index
 from specdec.engine.request import Request, RequestOutput, RequestStatus, make_params
 from specdec.engine.units import group_state, row_output
 from specdec.metrics import MetricsRecorder
@@ -227,9 +228,12 @@ class Engine(DecodeSteps):
         stop_strings: Sequence[str] | None = None,
         eos_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> str:
         """Queue a request; returns its id. ``seed`` None draws one at random (the output is then
-        fixed by that seed, readable as ``engine.requests[id].params.seed``)."""
+        fixed by that seed, readable as ``engine.requests[id].params.seed``). ``logprobs``,
+        ``prompt_logprobs``: :mod:`specdec.engine.logprobs` (None: not reported)."""
         if hasattr(prompt_ids, "tolist") and not isinstance(prompt_ids, list):
             prompt_ids = prompt_ids.tolist()
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence) or not prompt_ids:
@@ -250,6 +254,8 @@ class Engine(DecodeSteps):
             ignore_eos=ignore_eos,
             default_eos=tuple(getattr(self.target, "eos_token_ids", ())),
             vocab_size=self.vocab_size,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         needed = len(ids) + params.max_new_tokens + self.gamma_max + 1
         if needed > self.max_model_len:  # the prompt is to blame where it leaves no room for one token
@@ -426,14 +432,15 @@ class Engine(DecodeSteps):
                 tokens_GT,
                 torch.tensor([r.num_prefilled for r in rows]),
                 rows_B=torch.tensor([r.slot for r in rows]),
-                logits_index_BN=torch.full((len(rows), 1), n - 1),
+                logits_index_BN=prefill_logits_index(rows, n),
             )
         )
         self.stats["forward_s"] += self.now() - t0
         self.stats["prefill_s"] += self.now() - t0
         done: list[tuple[Request, int]] = []
         for i, request in enumerate(rows):
-            request.prefill_parts.append(row_output(out, i))
+            request.record_prompt_logprobs(out.logits_BTV[i], request.num_prefilled)
+            request.prefill_parts.append(last_logits_only(row_output(out, i)))
             request.num_prefilled += n
             if request.num_prefilled == len(request.prompt_ids):
                 done.append((request, i))
@@ -453,9 +460,9 @@ class Engine(DecodeSteps):
                 first = sample_keyed(probs_GV, noise, torch.zeros(len(group), dtype=torch.long)).tolist()
             t_first = self.now()
             started = []
-            for (request, _), token in zip(group, first, strict=True):
+            for g, ((request, _), token) in enumerate(zip(group, first, strict=True)):
                 request.metrics.first_token_s = t_first
-                self._commit(request, [token], changed)
+                self._commit(request, [token], changed, logits_GV[g : g + 1])
                 if request.status is not RequestStatus.FINISHED:
                     request.status = RequestStatus.DECODE
                     started.append(request)
@@ -484,9 +491,10 @@ class Engine(DecodeSteps):
         self.stats["draft_s"] += self.now() - t0
         self.stats["begin_s"] += self.now() - t0
 
-    def _commit(self, request: Request, tokens: list[int], changed: dict[str, list[int]]) -> list[int]:
+    def _commit(self, request: Request, tokens: list[int], changed: dict, logits_NV: Any = None) -> list[int]:
         n0 = request.length
         kept = request.commit(tokens)
+        request.record_logprobs(kept, logits_NV)
         state = request.state
         if kept:
             self._tokens_np[request.slot, n0 : n0 + len(kept)] = kept

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.engine.logprobs import TokenLogprob, check_num_logprobs, token_logprobs
 from specdec.sampling import SamplingParams
 from specdec.seeds import check_seed
 from specdec.stop_strings import StopStrings
@@ -39,6 +40,8 @@ class RequestParams:
     seed: int = 0
     stop_strings: tuple[str, ...] = ()
     eos_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None  # alternatives per generated token (None: no log-probabilities)
+    prompt_logprobs: int | None = None  # alternatives per prompt token (None: none)
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -94,6 +97,8 @@ def make_params(
     ignore_eos: Any,
     default_eos: Sequence[int],
     vocab_size: int,
+    logprobs: Any = None,
+    prompt_logprobs: Any = None,
 ) -> RequestParams:
     """Check ``add_request``'s arguments; ``ValueError`` naming the first bad one. Numpy scalars are
     taken where Python ints and floats are (``numpy.bool_`` is not a bool: refused like any non-bool)."""
@@ -111,7 +116,13 @@ def make_params(
         ids = _token_id_list(eos_token_ids, "eos_token_ids", vocab_size)
     eos = frozenset() if ignore_eos else frozenset(ids)
     return RequestParams(
-        max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_strings=stops, eos_token_ids=eos
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+        stop_strings=stops,
+        eos_token_ids=eos,
+        logprobs=check_num_logprobs(logprobs, "logprobs", vocab_size),
+        prompt_logprobs=check_num_logprobs(prompt_logprobs, "prompt_logprobs", vocab_size),
     )
 
 
@@ -169,7 +180,12 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """What :meth:`specdec.Engine.step` returns for a request that changed in that step."""
+    """What :meth:`specdec.Engine.step` returns for a request that changed in that step.
+
+    For a request that asked for them (:mod:`specdec.engine.logprobs`): ``logprobs`` one entry per
+    token of ``token_ids`` (``new_logprobs``: of ``new_token_ids``), and ``prompt_logprobs`` one per
+    prompt token (the first None), once the prompt is prefilled; None for a request that did not ask.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -177,6 +193,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
+    new_logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Request:
@@ -203,6 +222,10 @@ class Request:
         self.accepted_k: list[float] = []
         self.idle_steps = 0  # steps since it last drafted (the engine probes after PROBE_EVERY)
         self.reached_k: list[float] = []
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no log-probability
 
     @property
     def length(self) -> int:
@@ -235,6 +258,23 @@ class Request:
             self.finish_reason = reason
         return new
 
+    def record_logprobs(self, kept: list[int], logits_NV: Any) -> None:
+        """The log-probabilities of the tokens just committed (``kept``), if the request asked for
+        them; ``logits_NV``: the logits that decided them, one row per token (more rows: ignored)."""
+        if self.logprobs is not None and kept:
+            self.logprobs += token_logprobs(logits_NV[: len(kept)], kept, self.params.logprobs)
+
+    def record_prompt_logprobs(self, logits_NV: Any, start: int) -> None:
+        """The log-probabilities of the prompt tokens that the logits of a prefill chunk beginning at
+        prompt position ``start`` score (position j scores token ``start + j + 1``)."""
+        if self.prompt_logprobs is None:
+            return
+        scored = self.prompt_ids[start + 1 : start + 1 + logits_NV.shape[0]]
+        if scored:
+            self.prompt_logprobs += token_logprobs(
+                logits_NV[: len(scored)], scored, self.params.prompt_logprobs
+            )
+
     def acceptance(self, k: int, prior: float, prior_weight: float) -> float:
         """The estimate a_k that draft position k (1-based) is accepted given position k−1 was."""
         if k <= len(self.reached_k):
@@ -264,6 +304,8 @@ class Request:
             m.accepted_per_pos[k] += 1
 
     def output(self, new: list[int]) -> RequestOutput:
+        logprobs = None if self.logprobs is None else list(self.logprobs)
+        prompt_done = self.status is not RequestStatus.WAITING and self.num_prefilled == len(self.prompt_ids)
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=list(new),
@@ -271,4 +313,7 @@ class Request:
             finished=self.status is RequestStatus.FINISHED,
             finish_reason=self.finish_reason,
             metrics=self.metrics,
+            new_logprobs=None if logprobs is None else logprobs[len(logprobs) - len(new) :],
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_done else None,
         )

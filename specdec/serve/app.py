@@ -10,9 +10,12 @@ the waiting queue (429 with ``Retry-After``). The body is read on the loop and c
 tokenised on the intake thread (:mod:`specdec.serve.intake`), so one large request does not stall
 the others.
 
-A request holds a :class:`Ticket` from submission to its end: whatever ends it (the last token,
-an error, a client that disconnects mid-stream or while waiting for a whole response) closes the
-ticket, which aborts the request in the engine unless it had finished, so its cache row is freed.
+A request holds a :class:`Ticket` per choice (per prompt and ``n``, each its own engine request)
+from submission to its end: whatever ends it (the last token, an error, a client that disconnects
+mid-stream or while waiting for a whole response) closes the tickets, which aborts the engine
+requests that had not finished, so their cache rows are freed. A stream interleaves its choices'
+chunks as their tokens come (:func:`_merged`); the waiting-queue check (429) counts a request once,
+however many choices it has.
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.engine import RequestOutput
-from specdec.serve.detokenize import TextStream
+from specdec.serve.choices import ChoiceOutput
 from specdec.serve.errors import APIError
 from specdec.serve.intake import Intake, IntakeLimits
+from specdec.serve.logprobs import TokenTexts
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import GenerationRequest, ServedModel, parse_chat, parse_completion
-from specdec.serve.responses import FINISH_REASONS, ResponseShape, usage
+from specdec.serve.responses import ResponseShape, usage
 from specdec.serve.worker import ACCEPTED, EngineWorker, Failed, Sink
 
 __all__ = ["ServerState", "Ticket", "build_app"]
@@ -66,6 +70,13 @@ class ServerState:
     open: int = 0  # requests whose handler has not ended (shutdown waits for them to send their last bytes)
     started: int = 0  # unix time, for /v1/models
     intake: Intake | None = None  # None: build_app makes one with the model's default limits
+    token_texts: TokenTexts | None = None  # per-token text for log-probabilities (built on first use)
+
+    def texts(self) -> TokenTexts:
+        """The tokenizer's cached per-token texts."""
+        if self.token_texts is None:
+            self.token_texts = TokenTexts(self.model.tokenizer)
+        return self.token_texts
 
     def unavailable(self) -> APIError | None:
         """The 503 to answer now (draining, or no engine thread), else None."""
@@ -167,8 +178,8 @@ def _error_response(error: APIError) -> Response:
     )
 
 
-async def _submit(state: ServerState, gen: GenerationRequest, request_id: str, arrival_s: float) -> Ticket:
-    """Hand the request to the engine thread and wait until it is accepted (or refused: raise)."""
+def _check_queue(state: ServerState) -> None:
+    """The 429 of a full waiting queue (checked once per request, before its choices are submitted)."""
     if state.max_waiting is not None and state.unfinished - state.max_num_seqs >= state.max_waiting:
         raise APIError(
             429,
@@ -177,9 +188,15 @@ async def _submit(state: ServerState, gen: GenerationRequest, request_id: str, a
             code="rate_limit_exceeded",
             headers={"Retry-After": str(state.retry_after_s)},
         )
+
+
+async def _submit(
+    state: ServerState, prompt_ids: list[int], options: dict[str, Any], request_id: str, arrival_s: float
+) -> Ticket:
+    """Hand one engine request to the engine thread and wait until it is accepted (or refused: raise)."""
     ticket = Ticket(state, request_id, Sink(asyncio.get_running_loop()))
     try:
-        state.worker.submit(request_id, gen.prompt_ids, gen.engine_options(), ticket.sink, arrival_s)
+        state.worker.submit(request_id, prompt_ids, options, ticket.sink, arrival_s)
         first = await ticket.next()
     except BaseException:
         ticket.close()
@@ -191,72 +208,144 @@ async def _submit(state: ServerState, gen: GenerationRequest, request_id: str, a
     return ticket
 
 
-def _finish_reason(out: RequestOutput, text: TextStream) -> str:
-    return "stop" if text.stopped else FINISH_REASONS[out.finish_reason or "abort"]
+async def _submit_choices(
+    state: ServerState, gen: GenerationRequest, request_id: str, arrival_s: float
+) -> list[Ticket]:
+    """Every choice of the request as its own engine request (ids ``{request_id}-{index}`` where there
+    are several); a refusal closes those already submitted and raises."""
+    _check_queue(state)
+    choices = gen.choices()
+    tickets: list[Ticket] = []
+    try:
+        for c in choices:
+            rid = request_id if len(choices) == 1 else f"{request_id}-{c.index}"
+            tickets.append(await _submit(state, c.prompt_ids, gen.engine_options(c.seed), rid, arrival_s))
+    except BaseException:
+        for t in tickets:
+            t.close()
+        raise
+    return tickets
 
 
 def _shutdown_abort() -> APIError:
     return _unavailable("the request was aborted: the server is shutting down")
 
 
+def _outputs(state: ServerState, gen: GenerationRequest, chat: bool) -> list[ChoiceOutput]:
+    tokenizer = state.model.tokenizer
+    return [ChoiceOutput(gen, c, tokenizer, state.texts(), chat=chat) for c in gen.choices()]
+
+
 async def _whole(
-    state: ServerState, request: Request, ticket: Ticket, shape: ResponseShape, gen: GenerationRequest
+    state: ServerState, request: Request, tickets: list[Ticket], shape: ResponseShape, gen: GenerationRequest
 ) -> Response:
-    text = TextStream(state.model.tokenizer, gen.stop)
+    """Wait for every choice's last output; one response with all of them."""
+    lasts: list[RequestOutput] = []
     try:
-        while True:
-            item = await ticket.next(request)
-            if item is None:  # the client left: close() aborts the request
-                return Response(status_code=499)
-            if isinstance(item, Failed):
-                raise item.error
-            if item.finished:
-                break
+        for ticket in tickets:  # the choices run together; their outputs wait in their queues
+            while True:
+                item = await ticket.next(request)
+                if item is None:  # the client left: close() aborts the requests
+                    return Response(status_code=499)
+                if isinstance(item, Failed):
+                    raise item.error
+                if item.finished:
+                    lasts.append(item)
+                    break
     finally:
-        ticket.close()
-    text.push(item.token_ids, True)
-    if item.finish_reason == "abort" and not text.stopped:
-        raise _shutdown_abort()
+        for ticket in tickets:
+            ticket.close()
+    # Decoding and formatting many choices' text and log-probabilities (lm-eval sends batches of
+    # long echoed prompts) runs on a worker thread, not on the loop other clients' streams share.
+    return await asyncio.to_thread(_whole_body, state, lasts, shape, gen)
+
+
+def _whole_body(
+    state: ServerState, lasts: list[RequestOutput], shape: ResponseShape, gen: GenerationRequest
+) -> JSONResponse:
+    """The response of a non-streamed request from its choices' last outputs."""
+    choices, completion_tokens = [], 0
+    for out, choice in zip(lasts, _outputs(state, gen, shape.chat), strict=True):
+        text, logprobs = choice.whole(out)
+        if out.finish_reason == "abort" and not choice.text.stopped:
+            raise _shutdown_abort()
+        choices.append(shape.choice(text, choice.finish_reason(out), index=choice.index, logprobs=logprobs))
+        completion_tokens += len(out.token_ids) if gen.max_tokens else 0
     body = shape.full(
-        text.text, _finish_reason(item, text), usage(len(gen.prompt_ids), len(item.token_ids), item.metrics)
+        choices, None, usage(gen.num_prompt_tokens, completion_tokens, [o.metrics for o in lasts])
     )
     return JSONResponse(body)
 
 
-async def _events(
-    ticket: Ticket, shape: ResponseShape, gen: GenerationRequest, tokenizer: Any
-) -> AsyncIterator[str]:
-    """The SSE ``data`` payloads of a streamed request; closing the ticket on any exit (a client that
-    disconnects cancels this generator)."""
-    text = TextStream(tokenizer, gen.stop)
-    extra = gen.include_usage
-    try:
-        if shape.chat:
-            yield _dumps(shape.chunk("", role=True, with_usage=extra))
+async def _merged(tickets: list[Ticket]) -> AsyncIterator[tuple[int, Any]]:
+    """The choices' events as they come, as (choice position, event); each choice's until its last
+    (finished or :class:`Failed`). Closing the generator stops the readers."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def read(i: int, ticket: Ticket) -> None:
         while True:
             item = await ticket.next()
+            queue.put_nowait((i, item))
+            if isinstance(item, Failed) or item.finished:
+                return
+
+    readers = [asyncio.create_task(read(i, t)) for i, t in enumerate(tickets)]
+    try:
+        while True:
+            yield await queue.get()
+    finally:
+        for r in readers:
+            r.cancel()
+
+
+async def _events(
+    state: ServerState, tickets: list[Ticket], shape: ResponseShape, gen: GenerationRequest
+) -> AsyncIterator[str]:
+    """The SSE ``data`` payloads of a streamed request; closing the tickets on any exit (a client
+    that disconnects cancels this generator)."""
+    extra = gen.include_usage
+    choices = _outputs(state, gen, shape.chat)
+    lasts: dict[int, RequestOutput] = {}
+    events = _merged(tickets)
+    try:
+        if shape.chat:
+            for c in choices:
+                yield _dumps(shape.chunk("", role=True, with_usage=extra, index=c.index))
+        failed = False
+        while len(lasts) < len(tickets) and not failed:
+            i, item = await events.__anext__()
+            choice = choices[i]
+            if i in lasts:  # a choice its stop string ended: the engine's abort output follows
+                continue
             if isinstance(item, Failed):
                 yield _dumps(item.error.body())
-                break
-            piece = text.push(item.new_token_ids, item.finished)
-            if item.finish_reason == "abort" and not text.stopped:
+                failed = True
+                continue
+            piece, logprobs = choice.push(item)
+            if item.finish_reason == "abort" and not choice.text.stopped:
                 if piece:
-                    yield _dumps(shape.chunk(piece, with_usage=extra))
+                    yield _dumps(shape.chunk(piece, with_usage=extra, index=choice.index))
                 yield _dumps(_shutdown_abort().body())
-                break
-            if item.finished or text.stopped:
-                ticket.close()  # aborts the request if the server's own stop check ended it first
-                yield _dumps(shape.chunk(piece, _finish_reason(item, text), with_usage=extra))
-                if extra:
-                    yield _dumps(
-                        shape.usage_chunk(usage(len(gen.prompt_ids), len(item.token_ids), item.metrics))
-                    )
-                break
-            if piece:
-                yield _dumps(shape.chunk(piece, with_usage=extra))
+                failed = True
+                continue
+            if item.finished or choice.text.stopped:
+                tickets[i].close()  # aborts the request if the server's own stop check ended it first
+                lasts[i] = item
+                reason = choice.finish_reason(item)
+                yield _dumps(
+                    shape.chunk(piece, reason, with_usage=extra, index=choice.index, logprobs=logprobs)
+                )
+            elif piece or logprobs is not None:
+                yield _dumps(shape.chunk(piece, with_usage=extra, index=choice.index, logprobs=logprobs))
+        if extra and not failed:
+            completion = sum(len(o.token_ids) for o in lasts.values()) if gen.max_tokens else 0
+            metrics = [o.metrics for o in lasts.values()]
+            yield _dumps(shape.usage_chunk(usage(gen.num_prompt_tokens, completion, metrics)))
         yield "[DONE]"
     finally:
-        ticket.close()
+        await events.aclose()
+        for ticket in tickets:
+            ticket.close()
 
 
 async def _generate(state: ServerState, request: Request, *, chat: bool) -> Response:
@@ -269,12 +358,17 @@ async def _generate(state: ServerState, request: Request, *, chat: bool) -> Resp
     gen = await state.intake.parse(request, lambda body: parse(body, state.model), chat=chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = ResponseShape(chat=chat, request_id=request_id, model=state.model.name, created=int(time.time()))
-    ticket = await _submit(state, gen, request_id, arrival_s)
+    tickets = await _submit_choices(state, gen, request_id, arrival_s)
     if not gen.stream:
-        return await _whole(state, request, ticket, shape, gen)
+        return await _whole(state, request, tickets, shape, gen)
     return EventSourceResponse(
-        _events(ticket, shape, gen, state.model.tokenizer), sep="\n", background=BackgroundTask(ticket.close)
+        _events(state, tickets, shape, gen), sep="\n", background=BackgroundTask(_close_all, tickets)
     )
+
+
+def _close_all(tickets: list[Ticket]) -> None:
+    for ticket in tickets:
+        ticket.close()
 
 
 def build_app(state: ServerState) -> FastAPI:

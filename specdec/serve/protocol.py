@@ -2,8 +2,16 @@
 
 Every field is checked here, before the request reaches the engine, and a bad one is a 400 that
 names it (:class:`specdec.serve.errors.APIError`). Fields OpenAI defines that the server does not
-implement (``logprobs``, ``echo``, penalties, tools, ...) are refused unless they hold their
+implement (``best_of``, ``suffix``, penalties, tools, ...) are refused unless they hold their
 neutral value; other unknown fields are ignored, as vLLM does.
+
+One request may ask for several **choices**: ``/v1/completions`` takes a list of prompts, and both
+endpoints take ``n``; every choice is its own engine request (:meth:`GenerationRequest.choices`),
+indexed ``prompt_i * n + j`` as OpenAI orders them. Log-probabilities (completions ``logprobs: k``,
+chat ``logprobs: true`` + ``top_logprobs: k``) are the target's raw ones
+(:mod:`specdec.engine.logprobs`); completions ``echo`` returns the prompt before the completion, with
+its tokens' log-probabilities when ``logprobs`` is set, and allows ``max_tokens: 0`` (scoring a text
+without generating, as lm-eval's loglikelihood requests do).
 """
 
 from __future__ import annotations
@@ -13,20 +21,20 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.engine.decode import mix_seed
 from specdec.prompt_sets import has_chat_template
 from specdec.sampling import validate_sampling
 from specdec.seeds import check_seed
 from specdec.serve.errors import APIError, bad_request, prompt_overflow
 
-__all__ = ["ServedModel", "GenerationRequest", "parse_completion", "parse_chat", "check_model"]
+__all__ = ["ServedModel", "GenerationRequest", "Choice", "parse_completion", "parse_chat", "check_model"]
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+MAX_LOGPROBS = 20  # alternatives per token, at most (vLLM's default ``max_logprobs``; chat's OpenAI limit)
+MAX_CHOICES = 128  # choices (prompts x n) in one request, at most
 
 # Fields the server does not implement, and the values that mean "off".
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "logit_bias": (None, {}),
@@ -58,10 +66,27 @@ class ServedModel:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GenerationRequest:
-    """One checked request: token ids and the engine's per-request settings."""
+class Choice:
+    """One choice of a request: its ``index`` in the response, its prompt and its seed."""
 
+    index: int
+    prompt: int  # which of the request's prompts
     prompt_ids: list[int]
+    seed: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """One checked request: its prompts' token ids, the number of choices per prompt and the engine's
+    per-request settings. ``prompt_texts``: each prompt's text as the client sent it (None: sent as
+    token ids), for ``echo``. ``logprobs``: alternatives per token (None: no log-probabilities);
+    ``max_tokens`` 0 only with ``echo`` (the engine then generates one token, not returned)."""
+
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]
+    n: int
+    logprobs: int | None
+    echo: bool
     max_tokens: int
     temperature: float
     top_p: float | None
@@ -72,16 +97,42 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
 
-    def engine_options(self) -> dict[str, Any]:
-        """Keyword arguments of ``Engine.add_request``."""
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The first prompt's token ids (a chat request has one prompt)."""
+        return self.prompts[0]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Usage's ``prompt_tokens``: every prompt once, whatever ``n``."""
+        return sum(len(p) for p in self.prompts)
+
+    def choices(self) -> list[Choice]:
+        """Every choice, in index order (``prompt_i * n + j``). Choice j of every prompt draws from
+        its own keyed stream: the request's seed for j = 0 (so ``n`` does not change the first choice,
+        and a prompt gives the same text alone or in a list), a seed derived from it for j > 0; no
+        seed: each choice draws one at random."""
+        out = []
+        for p, ids in enumerate(self.prompts):
+            for j in range(self.n):
+                seed = self.seed
+                if seed is not None and j > 0:
+                    seed = mix_seed(seed, j, _CHOICE_SALT)
+                out.append(Choice(index=p * self.n + j, prompt=p, prompt_ids=ids, seed=seed))
+        return out
+
+    def engine_options(self, seed: int | None = None) -> dict[str, Any]:
+        """Keyword arguments of ``Engine.add_request`` for a choice drawing from ``seed``."""
         return {
-            "max_new_tokens": self.max_tokens,
+            "max_new_tokens": max(self.max_tokens, 1),
             "temperature": self.temperature,
             "top_k": self.top_k,
             "top_p": self.top_p,
-            "seed": self.seed,
+            "seed": seed,
             "stop_strings": list(self.stop) or None,
             "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs,
+            "prompt_logprobs": self.logprobs if self.echo else None,
         }
 
 
@@ -111,6 +162,40 @@ def _optional_bool(body: dict[str, Any], name: str, default: bool = False) -> bo
     return value
 
 
+_CHOICE_SALT = 3  # mix_seed's salt for the seeds of choices j > 0 (the engine uses 1 and 2)
+
+
+def _logprobs_fields(body: dict[str, Any], *, chat: bool) -> int | None:
+    """Completions ``logprobs: k``, or chat ``logprobs: true`` with ``top_logprobs: k``: the number
+    of alternatives per token, or None when no log-probabilities are asked for."""
+    if not chat:
+        value = body.get("logprobs")
+        if value is None or value is False:
+            return None
+        if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+            raise bad_request(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {value!r:.80}", "logprobs"
+            )
+        if body.get("top_logprobs") not in (None, 0):
+            raise bad_request(
+                "top_logprobs is a chat field: /v1/completions takes logprobs: k", "top_logprobs"
+            )
+        return int(value)
+    wanted = _optional_bool(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is None:
+        return 0 if wanted else None
+    if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(
+            f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r:.80}", "top_logprobs"
+        )
+    if not wanted:
+        if top == 0:  # the neutral value: no log-probabilities
+            return None
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    return int(top)
+
+
 def check_model(body: dict[str, Any], served: str) -> None:
     """``model`` absent, null or the served name; another name is a 404."""
     model = body.get("model")
@@ -128,16 +213,32 @@ def check_model(body: dict[str, Any], served: str) -> None:
 
 
 def _common(
-    body: dict[str, Any], model: ServedModel, prompt_ids: list[int], *, chat: bool
+    body: dict[str, Any],
+    model: ServedModel,
+    prompts: list[list[int]],
+    *,
+    chat: bool,
+    prompt_texts: list[str | None] | None = None,
 ) -> GenerationRequest:
-    """The fields both endpoints share, and the context check."""
+    """The fields both endpoints share, and the context check (the longest prompt's)."""
     for name, neutral in _NEUTRAL.items():
         value = body.get(name)
         if value is not None and not any(value == v for v in neutral):
             raise bad_request(f"{name} is not supported by this server (got {value!r:.80})", name)
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad_request(f"n must be 1 (one choice per request), got {n!r}", "n")
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r:.80}", "n")
+    if n * len(prompts) > MAX_CHOICES:
+        raise bad_request(
+            f"n x the number of prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}", "n"
+        )
+    logprobs = _logprobs_fields(body, chat=chat)
+    echo = False
+    if chat and body.get("echo") not in (None, False):
+        raise bad_request("echo is not supported by /v1/chat/completions (use /v1/completions)", "echo")
+    if not chat:
+        echo = _optional_bool(body, "echo")
     temperature = body.get("temperature")
     temperature = 1.0 if temperature is None else temperature
     if not _is_number(temperature):
@@ -177,9 +278,10 @@ def _common(
         if not isinstance(options, dict):
             raise bad_request(f"stream_options must be an object, got {options!r}", "stream_options")
         include_usage = _optional_bool(options, "include_usage")
-    max_tokens, named = _optional_int(body, "max_tokens", 1), "max_tokens"
+    max_tokens, named = _optional_int(body, "max_tokens", 0 if echo else 1), "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:  # OpenAI's current name wins
         max_tokens, named = _optional_int(body, "max_completion_tokens", 1), "max_completion_tokens"
+    prompt_ids = max(prompts, key=len)
     room = model.max_model_len - model.reserved - len(prompt_ids)
     prompt_field = "messages" if chat else "prompt"
     if room < 1:  # the prompt alone leaves no room for one token: it is to blame, not max_tokens
@@ -187,17 +289,22 @@ def _common(
     if max_tokens is None:
         max_tokens = room if chat else COMPLETION_MAX_TOKENS
         named = prompt_field
-    if len(prompt_ids) + max_tokens + model.reserved > model.max_model_len or max_tokens < 1:
+    generated = max(max_tokens, 1)  # echo with max_tokens 0 still generates one token
+    if len(prompt_ids) + generated + model.reserved > model.max_model_len or generated < 1:
         raise bad_request(
             f"This model's maximum context length is {model.max_model_len} tokens, {model.reserved} of "
             f"which are kept for speculative drafts; the prompt has {len(prompt_ids)} tokens and "
-            f"max_tokens is {max_tokens} ({len(prompt_ids)} + {max_tokens} + {model.reserved} = "
-            f"{len(prompt_ids) + max_tokens + model.reserved} > {model.max_model_len})",
+            f"max_tokens is {max_tokens} ({len(prompt_ids)} + {generated} + {model.reserved} = "
+            f"{len(prompt_ids) + generated + model.reserved} > {model.max_model_len})",
             named,
             "context_length_exceeded",
         )
     return GenerationRequest(
-        prompt_ids=prompt_ids,
+        prompts=prompts,
+        prompt_texts=list(prompt_texts) if prompt_texts is not None else [None] * len(prompts),
+        n=int(n),
+        logprobs=logprobs,
+        echo=echo,
         max_tokens=max_tokens,
         temperature=float(temperature),
         top_p=None if top_p is None else float(top_p),
@@ -220,22 +327,37 @@ def _token_ids(value: list[Any], model: ServedModel) -> list[int]:
 
 
 def parse_completion(body: dict[str, Any], model: ServedModel) -> GenerationRequest:
-    """A ``/v1/completions`` body: ``prompt`` a string or a list of token ids (or a list of one of
-    either); several prompts in one request are refused (one choice per request)."""
+    """A ``/v1/completions`` body: ``prompt`` a string, a list of token ids, or a list of prompts
+    (strings or lists of token ids), each its own choice(s)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = list(model.tokenizer(prompt).input_ids)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = _token_ids(prompt, model)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request(f"prompt: one prompt per request, got a batch of {len(prompt)}", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        batch = prompt
     else:
-        raise bad_request(f"prompt must be a string or a list of token ids, got {prompt!r:.80}", "prompt")
-    if not ids:
-        raise bad_request("prompt is empty (no tokens)", "prompt")
-    return _common(body, model, ids, chat=False)
+        raise bad_request(
+            "prompt must be a string, a list of token ids, or a list of strings or of token-id lists, "
+            f"got {prompt!r:.80}",
+            "prompt",
+        )
+    if len(batch) > MAX_CHOICES:
+        raise bad_request(f"prompt: at most {MAX_CHOICES} prompts per request, got {len(batch)}", "prompt")
+    prompts, texts = [], []
+    for i, one in enumerate(batch):
+        where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        if isinstance(one, str):
+            ids = list(model.tokenizer(one).input_ids)
+        elif one and all(_is_int(t) for t in one):
+            ids = _token_ids(one, model)
+        else:
+            raise bad_request(
+                f"{where} must be a string or a non-empty list of token ids, got {one!r:.80}", "prompt"
+            )
+        if not ids:
+            raise bad_request(f"{where} is empty (no tokens)", "prompt")
+        prompts.append(ids)
+        texts.append(one if isinstance(one, str) else None)
+    return _common(body, model, prompts, chat=False, prompt_texts=texts)
 
 
 def _message_text(content: Any, i: int) -> str:
@@ -278,4 +400,4 @@ def parse_chat(body: dict[str, Any], model: ServedModel) -> GenerationRequest:
     except Exception as err:  # the template's own checks (roles must alternate, ...)
         raise bad_request(f"messages: the chat template refused them: {err}", "messages") from None
     ids = list(tokenizer(text, add_special_tokens=False).input_ids)
-    return _common(body, model, ids, chat=True)
+    return _common(body, model, [ids], chat=True)

@@ -2,11 +2,15 @@
 
 ``usage`` carries, beside OpenAI's three counts, the request's own speculative counts:
 ``num_draft_tokens`` (draft tokens the target verified for it) and ``num_accepted_tokens`` (of those,
-accepted), so α = accepted / draft for that request.
+accepted), so α = accepted / draft for that request; summed over its choices where it has several.
+
+A response holds one choice per prompt and ``n`` (:meth:`ResponseShape.choice`, in index order); a
+stream's chunks carry one choice each, its ``index`` telling which.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,14 +22,18 @@ __all__ = ["FINISH_REASONS", "ResponseShape", "usage"]
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length", "abort": "abort"}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, metrics: RequestMetrics) -> dict[str, int]:
-    """OpenAI's usage object plus the request's drafted and accepted token counts."""
+def usage(
+    prompt_tokens: int, completion_tokens: int, metrics: RequestMetrics | Sequence[RequestMetrics]
+) -> dict[str, int]:
+    """OpenAI's usage object plus the request's drafted and accepted token counts (``metrics``: of
+    each of its choices, summed)."""
+    every = [metrics] if isinstance(metrics, RequestMetrics) else list(metrics)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "num_draft_tokens": metrics.num_drafted,
-        "num_accepted_tokens": metrics.num_accepted,
+        "num_draft_tokens": sum(m.num_drafted for m in every),
+        "num_accepted_tokens": sum(m.num_accepted for m in every),
     }
 
 
@@ -41,16 +49,26 @@ class ResponseShape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
-        """The whole response of a non-streamed request."""
+    def choice(
+        self, text: str, finish_reason: str, *, index: int = 0, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """One choice of a non-streamed response."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=finish_reason)
+            choice = {"index": index, "text": text}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
+        return choice
+
+    def full(
+        self, text: str | list[dict[str, Any]], finish_reason: str | None, usage: dict[str, int]
+    ) -> dict[str, Any]:
+        """The whole response of a non-streamed request: one choice (its text and finish reason), or
+        ``text`` the list of its :meth:`choice` bodies (``finish_reason`` None)."""
+        choices = text if isinstance(text, list) else [self.choice(text, finish_reason or "stop")]
         return {
             **self._head("chat.completion" if self.chat else "text_completion"),
-            "choices": [choice],
+            "choices": choices,
             "usage": usage,
         }
 
@@ -61,18 +79,21 @@ class ResponseShape:
         *,
         role: bool = False,
         with_usage: bool = False,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One stream chunk: new text (chat: a ``delta``; ``role`` opens the assistant's turn) and the
-        finish reason on the last one; ``with_usage`` adds ``"usage": null`` (OpenAI does on every
-        chunk but the usage chunk when ``stream_options.include_usage`` is set)."""
+        """One stream chunk of choice ``index``: new text (chat: a ``delta``; ``role`` opens the
+        assistant's turn), the new tokens' ``logprobs``, and the finish reason on the last one;
+        ``with_usage`` adds ``"usage": null`` (OpenAI does on every chunk but the usage chunk when
+        ``stream_options.include_usage`` is set)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
-        choice.update(logprobs=None, finish_reason=finish_reason)
+            choice = {"index": index, "text": text or ""}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         body = {
             **self._head("chat.completion.chunk" if self.chat else "text_completion"),
             "choices": [choice],
