@@ -175,3 +175,45 @@ def test_the_wrapper_is_the_target_for_everything_but_forward():
         compiled.forward(torch.tensor([[config.vocab_size]]), torch.tensor([0]))
     with pytest.raises(ValueError, match="logits_index_BN"):
         compiled.forward(torch.tensor([[1, 2]]), torch.tensor([0]), logits_index_BN=torch.tensor([[2]]))
+
+
+@pytest.mark.slow
+def test_the_engine_decodes_the_same_greedy_tokens_through_the_captured_forward(pair):
+    import specdec
+
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9]]  # repeats: ngram drafts
+    runs = []
+    for t in pair:
+        engine = specdec.Engine(t, drafter="ngram", gamma=3, max_num_seqs=2, max_model_len=MAX_LEN)
+        ids = [engine.add_request(p, max_new_tokens=24, temperature=0.0, ignore_eos=True) for p in prompts]
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                done[out.request_id] = list(out.token_ids)
+        runs.append([done[i] for i in ids])
+    n = pair[1].stats["compiled"]
+    assert runs[0] == runs[1] and all(len(r) == 24 for r in runs[0])
+    assert n > 0  # the verify blocks (<= 4 tokens, 2 rows) ran captured
+
+
+def test_load_target_and_the_commands_take_a_compile_mode(tmp_path):
+    from specdec.cli import build_parser
+    from specdec.serve.server import ServeConfig
+    from specdec.targets import load_target, open_target
+    from tests._tiny import save_tiny_checkpoint
+
+    path = str(save_tiny_checkpoint(tmp_path / "tiny", seed=1))
+    target = open_target(path, compile="inductor")
+    assert isinstance(target, CompiledTarget) and target.linear_backend == "reference"
+    assert not isinstance(load_target(path), CompiledTarget)
+    with pytest.raises(ValueError, match="compile must be one of"):
+        load_target(path, compile="fast")
+    with pytest.raises(ValueError, match="needs the native target"):
+        load_target(path, backend="hf", compile="inductor")
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--compile", "graphs"])
+    assert args.compile == "graphs"
+    assert build_parser().parse_args(["serve", "--compile", "inductor"]).compile == "inductor"
+    assert build_parser().parse_args(["bench", "--compile", "inductor"]).compile == "inductor"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--compile", "fast"])
+    assert ServeConfig(compile="graphs").compile == "graphs"
