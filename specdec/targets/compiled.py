@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from specdec.checks import value_range
 from specdec.protocols import TargetOutput
 from specdec.targets.kv_cache import block_attention_mask
 
@@ -207,8 +208,11 @@ class CompiledTarget:
             self._cache = t.cache
         if tree_mask_TT is not None or depth_T is not None or t.cache is None:
             return self._eager(tokens_BT, start_B, logits_index_BN, tree_mask_TT, depth_T, rows_B)
-        tokens_dev_BT, start_B, rows = t._check_block(tokens_BT, start_B, None, None, rows_B=rows_B)
-        B, T = tokens_dev_BT.shape
+        checked = self._check(tokens_BT, start_B, rows_B)
+        if checked is None:  # not a clean chain block: the eager forward runs it (and names what is wrong)
+            return self._eager(tokens_BT, start_B, logits_index_BN, None, None, rows_B)
+        tokens_BT, start_B, rows = checked
+        B, T = tokens_BT.shape
         index_BN = _check_logits_index(logits_index_BN, B, T)
         plan = self._plan(B, T, start_B, rows)
         if plan is None:
@@ -228,7 +232,7 @@ class CompiledTarget:
         host_tokens_BT, host_start_B, host_rows_B, host_pick_B = _split(host, Bb, Tb)
         on_host = tokens_BT.device.type == "cpu"
         if on_host:
-            host_tokens_BT[order, :T] = tokens_BT.to(torch.long)
+            host_tokens_BT[order, :T] = tokens_BT
         host_pick_B[:B] = torch.tensor(order, dtype=torch.long)
         if whole:
             host_start_B[block_rows] = start_B
@@ -243,7 +247,7 @@ class CompiledTarget:
         pick_B = bucket.pick_B[:B]
         with torch.inference_mode():
             if not on_host:  # tokens already on the device: placed there, no round trip
-                bucket.tokens_BT[pick_B, :T] = tokens_dev_BT
+                bucket.tokens_BT[pick_B, :T] = tokens_BT
             if bucket.run is None:  # captured on this call's own inputs: see _capture
                 bucket.run = self._capture(bucket, Tb, whole)
             logits_BTV, hidden_BTD, aux = bucket.run()
@@ -273,6 +277,36 @@ class CompiledTarget:
             depth_T=depth_T,
             rows_B=rows_B,
         )
+
+    def _check(self, tokens_BT: Any, start_B: Any, rows_B: Any):
+        """``(tokens_BT, start_B, rows)`` (long tokens, CPU starts, CPU rows or None) for a valid chain
+        block, checked as :meth:`LlamaTarget.forward` checks it; None for anything else, which the
+        eager forward then refuses with its own ``ValueError``. Tokens on the CPU are checked there and
+        never copied to the device alone (a copy from pageable memory waits for the device)."""
+        t = self.target
+        cache = t.cache
+        if not isinstance(tokens_BT, torch.Tensor) or tokens_BT.ndim != 2 or tokens_BT.shape[1] < 1:
+            return None
+        if tokens_BT.dtype not in (torch.long, torch.int32):
+            return None
+        if tokens_BT.device.type != "cpu":  # already on the device: the target's own check
+            tokens_BT, start_B, rows = t._check_block(tokens_BT, start_B, None, None, rows_B=rows_B)
+            return tokens_BT.long(), start_B, rows
+        B, T = tokens_BT.shape
+        rows = None if rows_B is None else t._check_rows(rows_B, B)
+        if rows is None and B != cache.batch_size:
+            return None
+        start_B = torch.as_tensor(start_B, dtype=torch.long).reshape(-1).cpu()
+        if start_B.shape[0] != B:
+            return None
+        held = cache.lengths_B.tolist()
+        held = held if rows is None else [held[r] for r in rows.tolist()]
+        if any(s < 0 or s + T > cache.max_len or s > h for s, h in zip(start_B.tolist(), held, strict=True)):
+            return None
+        lo, hi = value_range(tokens_BT)
+        if lo < 0 or hi >= t.vocab_size:
+            return None
+        return tokens_BT.long(), start_B, rows
 
     def _plan(self, B: int, T: int, start_B: torch.Tensor, rows: torch.Tensor | None):
         """The bucket for a block of B rows and T tokens, and its padding rows; None: run it eagerly."""
