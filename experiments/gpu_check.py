@@ -689,7 +689,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda (default where CUDA is available) or cpu (the CPU mode)")  # fmt: skip
     p.add_argument(
-        "--budget-s", type=float, default=450.0, help="the whole run's time (default: %(default)s)"
+        "--budget-s",
+        type=float,
+        default=None,
+        help="the run's seconds (default: 450 on CUDA, 1800 on the CPU)",
     )
     p.add_argument("--target", default=None, help="default: smollm2-135m on CUDA, tiny-random on the CPU")
     p.add_argument("--checks", default=None, help="comma-separated subset of the checks (default: all)")
@@ -697,8 +700,9 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here")
-    if args.budget_s <= 0:
+    if args.budget_s is not None and args.budget_s <= 0:
         raise SystemExit(f"--budget-s must be > 0, got {args.budget_s}")
+    budget_s = args.budget_s or (450.0 if device == "cuda" else 1800.0)
     only = None if args.checks is None else set(args.checks.split(","))
     known = {name for name, _, _ in CHECKS}
     if only is not None and not only <= known:
@@ -711,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cpu":
         print("[gpu_check] CPU mode: the CUDA-only parts are skipped, each saying why", flush=True)
     command = " ".join(["python -m experiments.gpu_check", *(sys.argv[1:] if argv is None else argv)])
-    record = run(ctx, Path(args.out), command, budget_s=args.budget_s, only=only)
+    record = run(ctx, Path(args.out), command, budget_s=budget_s, only=only)
     counts = {s: sum(c["status"] == s for c in record["checks"]) for s in ("pass", "fail", "skipped")}
     print(f"[gpu_check] {counts} -> {Path(args.out) / 'gpu-check.json'}", flush=True)
     return 0 if record["passed"] else 1
