@@ -10,7 +10,8 @@ sizes) remove that cost by recording the launches once and replaying them. This 
 for :class:`specdec.targets.llama.LlamaTarget`, as a transformation of a plain target
 (:func:`compile_target` returns a :class:`CompiledTarget` that wraps it):
 
-- a forward whose block fits a bucket (``B <= Bb`` rows, ``T <= Tb`` tokens) runs a static-shape
+- a forward whose block fits a bucket (``B <= Bb`` rows, ``T <= Tb`` tokens; the cache's own row
+  count is a row bucket too, so a step over every request is one) runs a static-shape
   forward: tokens padded to ``[Bb, Tb]``, attention over all ``L`` cache slots with a mask (so the
   shapes never depend on the rows' lengths), the cache rows given as a tensor;
 - each bucket's forward is built once, on first use, and replayed after (:data:`COMPILERS`):
@@ -313,7 +314,7 @@ class CompiledTarget:
         cache = self.target.cache
         L, C = cache.max_len, cache.batch_size
         Tb = next((b for b in self.token_buckets if b >= T), None)
-        Bb = next((b for b in self.row_buckets if B <= b <= C), None)
+        Bb = next((b for b in (*self.row_buckets, C) if B <= b <= C), None)  # C: the whole cache
         if Tb is None or Bb is None:
             return None
         block_rows = list(range(C)) if rows is None else rows.tolist()
