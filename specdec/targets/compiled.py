@@ -65,12 +65,6 @@ _Outputs = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]
 _Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], _Outputs]
 
 
-def _eager(fn: _Forward, inputs: tuple[torch.Tensor, ...], device: torch.device) -> Callable[[], _Outputs]:
-    """No capture: the static-shape forward run op by op (``compile="none"`` never reaches here; this is
-    what ``inductor`` runs on the CPU after compiling)."""
-    return lambda: fn(*inputs)
-
-
 def _cuda_graph(
     fn: _Forward, inputs: tuple[torch.Tensor, ...], device: torch.device
 ) -> Callable[[], _Outputs]:
@@ -96,10 +90,6 @@ def _cuda_graph(
     return replay
 
 
-def _graphs(fn: _Forward, inputs: tuple[torch.Tensor, ...], device: torch.device) -> Callable[[], _Outputs]:
-    return _cuda_graph(fn, inputs, device)
-
-
 def _inductor(fn: _Forward, inputs: tuple[torch.Tensor, ...], device: torch.device) -> Callable[[], _Outputs]:
     """``torch.compile`` (inductor, static shapes, one graph); on CUDA its kernels are then recorded into
     a CUDA graph of our own (``_cuda_graph``) rather than by ``mode="reduce-overhead"``, whose graphs
@@ -115,7 +105,7 @@ def _inductor(fn: _Forward, inputs: tuple[torch.Tensor, ...], device: torch.devi
 
 
 COMPILERS: dict[str, Callable[[_Forward, tuple[torch.Tensor, ...], torch.device], Callable[[], _Outputs]]] = {
-    "graphs": _graphs,
+    "graphs": _cuda_graph,
     "inductor": _inductor,
 }
 """How a bucket's static forward is built and replayed, by name."""
