@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "run_checks", "summarize", "tiny_llama", "random_eagle_head"]
+__all__ = ["main", "run_checks", "consistency_checks", "summarize", "tiny_llama", "random_eagle_head"]
 
 DRAFTERS = ("none", "ngram", "model", "eagle")
 
@@ -77,6 +77,65 @@ def _prompts(n: int = 4) -> list[list[int]]:
     # repeated spans, so that ngram finds matches to draft
     base = [torch.randint(0, 256, (5 + 3 * i,), generator=g).tolist() for i in range(n)]
     return [p + p[: len(p) // 2] + p for p in base]
+
+
+def consistency_checks(
+    target: Any,
+    drafter: str,
+    drafter_options: dict[str, Any] | None,
+    prompts: list[list[int]],
+    solo: list[list[int]],
+    *,
+    new_tokens: int,
+    gamma: int = 3,
+) -> list[tuple[str, Any]]:
+    """The engine's consistency checks for one drafter, as ``(name, fn)`` pairs; ``fn()`` returns
+    ``(ok, detail)``. ``solo``: each prompt's greedy tokens generated alone (filled by the caller
+    before the checks run, e.g. by a greedy check of its own):
+
+    - ``batch_vs_solo``: all prompts in one ``generate`` call (one engine row each) equal the solo runs;
+    - ``staggered_vs_solo``: an engine of 2 rows, one request joining at each step, equal the solo runs;
+    - ``seed_repeats``: sampled (T = 0.8, top-p 0.9) with a seed, twice, the same tokens.
+    """
+    import specdec
+
+    def gen(batch: list[list[int]], **kw) -> list[list[int]]:
+        res = specdec.generate(
+            target, batch, drafter=drafter, drafter_options=drafter_options, max_new_tokens=new_tokens,
+            ignore_eos=True, gamma=gamma, **kw,
+        )  # fmt: skip
+        return [list(map(int, t)) for t in res.token_ids]
+
+    def batch_vs_solo():
+        same = [a == b for a, b in zip(gen(prompts, temperature=0.0), solo, strict=True)]
+        return all(same), {"equal": same}
+
+    def staggered_vs_solo():
+        engine = specdec.Engine(
+            target, drafter=drafter, drafter_options=drafter_options, gamma=gamma, max_num_seqs=2,
+            max_model_len=max(len(p) for p in prompts) + new_tokens + gamma + 8,
+        )  # fmt: skip
+        order, tokens = {}, {}
+        for i, p in enumerate(prompts):  # one request joins at each step; 2 rows, so some queue
+            order[engine.add_request(p, max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)] = i
+            for out in engine.step():
+                tokens[order[out.request_id]] = list(out.token_ids)
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[order[out.request_id]] = list(out.token_ids)
+        same = [tokens[i] == solo[i] for i in range(len(prompts))]
+        return all(same), {"equal": same}
+
+    def seed_repeats():
+        kw = {"temperature": 0.8, "top_p": 0.9, "seed": 11}
+        a, b = gen(prompts, **kw), gen(prompts, **kw)
+        return a == b, {"distinct_tokens": len({t for row in a for t in row})}
+
+    return [
+        ("batch_vs_solo", batch_vs_solo),
+        ("staggered_vs_solo", staggered_vs_solo),
+        ("seed_repeats", seed_repeats),
+    ]
 
 
 def run_checks(device: str, *, new_tokens: int = 24) -> dict[str, Any]:
@@ -133,34 +192,9 @@ def run_checks(device: str, *, new_tokens: int = 24) -> dict[str, Any]:
             same = [a == b for a, b in zip(solo, reference, strict=True)]
             return all(same), {"equal": same}
 
-        def batch_vs_solo(d=d, solo=solo):
-            same = [a == b for a, b in zip(gen(d, prompts, temperature=0.0), solo, strict=True)]
-            return all(same), {"equal": same}
-
-        def staggered_vs_solo(d=d, solo=solo):
-            engine = specdec.Engine(
-                target, drafter=d, drafter_options=options[d], gamma=3, max_num_seqs=2, max_model_len=128
-            )
-            order, tokens = {}, {}
-            for i, p in enumerate(prompts):  # one request joins at each step; 2 rows, so some queue
-                order[engine.add_request(p, max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)] = i
-                for out in engine.step():
-                    tokens[order[out.request_id]] = list(out.token_ids)
-            while engine.has_unfinished():
-                for out in engine.step():
-                    tokens[order[out.request_id]] = list(out.token_ids)
-            same = [tokens[i] == solo[i] for i in range(len(prompts))]
-            return all(same), {"equal": same}
-
-        def seed_repeats(d=d):
-            kw = {"temperature": 0.8, "top_p": 0.9, "seed": 11}
-            a, b = gen(d, prompts, **kw), gen(d, prompts, **kw)
-            return a == b, {"distinct_tokens": len({t for row in a for t in row})}
-
         check("greedy_vs_hf", d, greedy_vs_hf)
-        check("batch_vs_solo", d, batch_vs_solo)
-        check("staggered_vs_solo", d, staggered_vs_solo)
-        check("seed_repeats", d, seed_repeats)
+        for name, fn in consistency_checks(target, d, options[d], prompts, solo, new_tokens=new_tokens):
+            check(name, d, fn)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return {
         "device": device,

@@ -18,6 +18,7 @@ from typing import Any
 
 from specdec.cli_args import (
     ArgumentParser,
+    add_compile_argument,
     check_text,
     finite_float,
     interrupt_watch,
@@ -58,7 +59,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy = make_depth_policy(args.gamma_policy, gamma_options)
     DRAFTERS.get(args.drafter)  # an unknown name fails before the model loads
     target = open_target(
-        args.target, backend=args.backend, dtype=args.dtype, device=args.device, weights=args.weights
+        args.target,
+        backend=args.backend,
+        dtype=args.dtype,
+        device=args.device,
+        weights=args.weights,
+        compile=args.compile,
     )
     tokenizer = getattr(target, "tokenizer", None)
     if tokenizer is None:
@@ -167,6 +173,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--device", default=None, help="torch device of the target: cpu (default), cuda, cuda:1, ..."
     )
+    add_compile_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument(
         "--verify",

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from specdec.seeds import check_seed
 
 __all__ = [
+    "add_compile_argument",
     "ArgumentParser",
     "finite_float",
     "positive_int",
@@ -101,6 +102,18 @@ def positive_int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def add_compile_argument(parser: Any) -> None:
+    """``--compile MODE``: the native target's decode and verify forwards captured per bucket
+    (:mod:`specdec.targets.compiled`)."""
+    parser.add_argument(
+        "--compile",
+        choices=("none", "graphs", "inductor"),
+        default=None,
+        help="capture the native target's decode/verify forwards: graphs (CUDA graphs), inductor "
+        "(torch.compile; on CUDA also in CUDA graphs), none (default); see docs/gpu.md",
+    )
 
 
 def parse_options(items: Sequence[str] | None, flag: str) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from specdec.bench.report import (
 )
 from specdec.cli_args import (
     ArgumentParser,
+    add_compile_argument,
     csv,
     finite_float,
     nonnegative_int,
@@ -112,6 +113,8 @@ class BenchConfig:
     the target's default."""
     backend: str = "auto"
     device: str = "cpu"
+    compile: str | None = None
+    """The native target's captured forwards (``specdec.targets.compiled.COMPILE_MODES``); None: eager."""
     warmup: bool = True
     out: str = "results/bench"
     name: str = "specdec-bench"
@@ -299,7 +302,12 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
     console = console or Console(stderr=True)
     notes: list[str] = []
     target = open_target(
-        cfg.target, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights
+        cfg.target,
+        backend=cfg.backend,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        weights=cfg.weights,
+        compile=cfg.compile,
     )
     prompts = _prompts(cfg, target.tokenizer)
     hf = _hf_models(cfg, target, notes)
@@ -431,6 +439,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--backend", default=d.backend, help="target backend: auto | hf | llama")
     p.add_argument("--device", default=d.device, help="torch device for every model: cpu, cuda, cuda:1, ...")
+    add_compile_argument(p)
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per run")
     p.add_argument("--out", default=d.out, help="output folder for bench.json and bench.md")
     p.add_argument("--name", default=d.name, help="experiment name of the results (schema specdec.summary/1)")
@@ -479,6 +488,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         peers=args.peers,
         backend=args.backend,
         device=args.device,
+        compile=args.compile,
         warmup=not args.no_warmup,
         out=args.out,
         name=args.name,

@@ -11,7 +11,13 @@ import argparse
 import importlib.util
 import os
 
-from specdec.cli_args import finite_float, nonnegative_int, parse_options, positive_int
+from specdec.cli_args import (
+    add_compile_argument,
+    finite_float,
+    nonnegative_int,
+    parse_options,
+    positive_int,
+)
 
 __all__ = ["add_serve", "cmd_serve"]
 
@@ -74,6 +80,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)"
     )
+    add_compile_argument(p)
     p.add_argument(
         "--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)"
     )
@@ -140,6 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         backend=args.backend,
         weights=args.weights,
         dtype=args.dtype,
+        compile=args.compile,
         drafter=args.drafter,
         drafter_options=parse_options(args.drafter_option, "--drafter-option"),
         gamma=args.gamma,

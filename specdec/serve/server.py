@@ -49,6 +49,7 @@ class ServeConfig:
     backend: str = "auto"
     weights: str | None = None
     dtype: str | None = None
+    compile: str | None = None
     drafter: str = "default"
     drafter_options: dict[str, Any] = field(default_factory=dict)
     gamma: int | str = "auto"
@@ -171,7 +172,11 @@ def serve(config: ServeConfig) -> int:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         target = open_target(
-            config.target, backend=config.backend, dtype=config.dtype, weights=config.weights
+            config.target,
+            backend=config.backend,
+            dtype=config.dtype,
+            weights=config.weights,
+            compile=config.compile,
         )
         if getattr(target, "tokenizer", None) is None:
             raise ValueError(

@@ -21,8 +21,16 @@ def load_target(name_or_path: str | os.PathLike, *, backend: str = "auto", **opt
 
     ``backend``: ``"auto"`` (native ``llama`` for the families in
     :data:`specdec.targets.llama_config.NATIVE_FAMILIES`, ``hf`` otherwise) or any name in
-    :data:`specdec.registry.TARGETS` (``hf``, ``llama``, or a plugin's).
+    :data:`specdec.registry.TARGETS` (``hf``, ``llama``, or a plugin's). ``compile``: a mode of
+    :data:`specdec.targets.compiled.COMPILE_MODES` (default ``none``): the native target's decode and
+    verify forwards captured per bucket (:func:`specdec.targets.compiled.compile_target`; its PyTorch
+    linear backend, ``reference`` unless ``linear_backend`` says otherwise).
     """
+    from specdec.targets.compiled import COMPILE_MODES, compile_target
+
+    mode = options.pop("compile", None) or "none"
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
     if backend == "auto":
         path = resolve_checkpoint(name_or_path) / "config.json"
         try:
@@ -36,7 +44,11 @@ def load_target(name_or_path: str | os.PathLike, *, backend: str = "auto", **opt
         )
     if backend == "hf":
         options.pop("weights", None)
-    return TARGETS.get(backend)(name_or_path, **options)
+    if mode != "none":
+        if backend != "llama":
+            raise ValueError(f"compile={mode!r} needs the native target (backend 'llama'), got {backend!r}")
+        options.setdefault("linear_backend", "reference")
+    return compile_target(TARGETS.get(backend)(name_or_path, **options), mode)
 
 
 def open_target(
@@ -46,14 +58,15 @@ def open_target(
     dtype: str | None = None,
     device: str | None = None,
     weights: str | None = None,
+    compile: str | None = None,
 ):
     """:func:`load_target` with the command line's string options: ``dtype`` a name in
     :data:`DTYPES`, ``device`` a torch device (``cpu``, ``cuda:0``), ``weights`` a format of
-    :data:`specdec.targets.llama_weights.WEIGHT_MODES` (native target only); ``ValueError`` naming a
-    bad one."""
+    :data:`specdec.targets.llama_weights.WEIGHT_MODES` (native target only), ``compile`` a mode of
+    :data:`specdec.targets.compiled.COMPILE_MODES`; ``ValueError`` naming a bad one."""
     import torch
 
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"compile": compile}
     if weights is not None:
         options["weights"] = weights
     if dtype is not None:
