@@ -1,7 +1,8 @@
 """The ``specdec serve`` subcommand: its arguments, and the command (heavy imports only when it runs).
 
     specdec serve --target smollm2-135m --drafter default --host 127.0.0.1 --port 8000 \\
-        [--max-num-seqs N] [--gamma auto|fixed|N] [--verify exact] [--api-key KEY] [--max-waiting N]
+        [--max-num-seqs N] [--gamma auto|fixed|N] [--verify exact] [--api-key KEY] [--max-waiting N] \\
+        [--device cuda] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ import argparse
 import importlib.util
 import os
 
-from specdec.cli_args import finite_float, nonnegative_int, parse_options, positive_int
+from specdec.cli_args import (
+    add_placement_arguments,
+    finite_float,
+    nonnegative_int,
+    parse_options,
+    positive_int,
+)
 
 __all__ = ["add_serve", "cmd_serve"]
 
@@ -69,7 +76,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--weights", default=None, help="native target weight format (see specdec generate --help)"
     )
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="target dtype")
+    add_placement_arguments(p)
     p.add_argument(
         "--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)"
     )
@@ -123,6 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         backend=args.backend,
         weights=args.weights,
         dtype=args.dtype,
+        device=args.device,
         drafter=args.drafter,
         drafter_options=parse_options(args.drafter_option, "--drafter-option"),
         gamma=args.gamma,

@@ -48,6 +48,7 @@ class ServeConfig:
     backend: str = "auto"
     weights: str | None = None
     dtype: str | None = None
+    device: str | None = None
     drafter: str = "default"
     drafter_options: dict[str, Any] = field(default_factory=dict)
     gamma: int | str = "auto"
@@ -147,7 +148,11 @@ def serve(config: ServeConfig) -> int:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         target = open_target(
-            config.target, backend=config.backend, dtype=config.dtype, weights=config.weights
+            config.target,
+            backend=config.backend,
+            dtype=config.dtype,
+            device=config.device,
+            weights=config.weights,
         )
         if getattr(target, "tokenizer", None) is None:
             raise ValueError(
