@@ -221,3 +221,17 @@ def test_default_compute_dtype_per_format_and_device():
 def test_unsupported_combinations_are_named(tiny, weights, dtype, device, backend, match):
     with pytest.raises(ValueError, match=match):
         _target(tiny, weights=weights, dtype=dtype, device=device, linear_backend=backend)
+
+
+def test_qself_copy_runs_in_the_targets_dtype_and_device(tiny):
+    """``qself``'s requantised copy of a bf16 target on the PyTorch backend computes in bf16 too (its
+    embedding is the target's): its cache and rows match, and a forward runs."""
+    from specdec.drafters.qself import qself
+
+    target = _target(tiny, dtype=torch.bfloat16)
+    draft = qself(target, weights="int8").draft
+    assert draft.dtype == torch.bfloat16 and draft.device == target.device and draft.weights == "int8"
+    draft.reset(1, 16)
+    assert draft.cache.k_NBHLD.dtype == torch.bfloat16
+    out = draft.forward(torch.tensor([[1, 2, 3]]), torch.tensor([0]))
+    assert out.logits_BTV.dtype == torch.float32 and torch.isfinite(out.logits_BTV).all()

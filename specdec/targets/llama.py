@@ -102,6 +102,8 @@ class LlamaTarget:
     ) -> None:
         if weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+        if dtype is None and isinstance(state, ModelWeights):  # built weights: compute in their dtype
+            dtype = state.embed_VD.dtype
         self.config = config
         self.device = torch.device(device)
         self.linear_backend = resolve_backend(linear_backend, self.device, dtype)
