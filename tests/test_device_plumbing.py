@@ -194,3 +194,26 @@ def test_target_placement_names_what_the_target_runs_on(checkpoint):
     assert placement["device"] == "cpu" and placement["dtype"] == "float16" and placement["weights"] == "fp16"
     meta = target_placement(_meta_target(checkpoint, dtype=torch.bfloat16))
     assert (meta["device"], meta["dtype"]) == ("meta", "bfloat16")
+
+
+def test_bf16_target_drafts_with_every_drafter_kind_and_keeps_greedy_output(checkpoint, tmp_path):
+    """A target computing in bf16 (the GPU path, run on the CPU) with a draft model, an EAGLE head (its
+    features and embedding in bf16) and n-grams: greedy speculative output equals its plain decoding."""
+    import specdec
+    from experiments.gpu_engine_check import random_eagle_head
+
+    target = LlamaTarget.from_pretrained(str(checkpoint), dtype=torch.bfloat16)
+    assert target.dtype == torch.bfloat16 and target.linear_backend == "reference"
+    head = tmp_path / "head.safetensors"
+    random_eagle_head(target, head)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [10, 11, 12, 13, 10, 11, 12]]
+    plain = specdec.generate(target, prompts, drafter="none", max_new_tokens=12, temperature=0.0)
+    for drafter, options in (
+        ("ngram", {}),
+        ("eagle", {"weights": str(head)}),
+        ("model", {"model": str(checkpoint)}),
+    ):
+        out = specdec.generate(
+            target, prompts, drafter=drafter, drafter_options=options, max_new_tokens=12, temperature=0.0
+        )
+        assert out.token_ids == plain.token_ids, drafter
