@@ -154,7 +154,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="native target weight format (default for a GGUF model such as smollm2-135m: gguf-q8, "
         "8-bit activations, where the CPU kernels have integer dot products (AVX2, AVX-512), else gguf, "
-        "which equals transformers' output; fp32 for a safetensors checkpoint)",
+        "which equals transformers' output, and gguf dequantised into --dtype on a GPU; fp32 for a "
+        "safetensors checkpoint, or --dtype's format)",
     )
     add_placement_arguments(p)
     p.add_argument(

@@ -48,9 +48,10 @@ def open_target(
     weights: str | None = None,
 ):
     """:func:`load_target` with the command line's string options: ``dtype`` a name in
-    :data:`DTYPES`, ``device`` a torch device (``cpu``, ``cuda:0``), ``weights`` a format of
+    :data:`DTYPES` (the compute dtype: activations, KV cache, float weights; None: the weights
+    format's own), ``device`` a torch device (``cpu``, ``cuda:0``), ``weights`` a format of
     :data:`specdec.targets.llama_weights.WEIGHT_MODES` (native target only); ``ValueError`` naming a
-    bad one."""
+    bad one, or a combination the native target does not run (:mod:`specdec.targets.placement`)."""
     import torch
 
     options: dict[str, Any] = {}

@@ -70,7 +70,7 @@ class LlamaTarget:
     """A Llama-family causal LM implementing :class:`specdec.protocols.Target` with a static KV cache.
 
     Public for feature-level drafters: ``config``, ``embed_tokens`` (``nn.Embedding``), ``norm``
-    (the final :class:`RMSNorm`), ``lm_head`` (``nn.Linear``, float32), ``layers``, and
+    (the final :class:`RMSNorm`), ``lm_head`` (``nn.Linear``, in the compute dtype), ``layers``, and
     :meth:`forward_layers` (a sub-network, for self-speculation). Extras beyond the protocol:
     tree attention in :meth:`forward` and :meth:`copy_slots`.
 
