@@ -81,14 +81,16 @@ def _decode(target: LlamaTarget, prompt_BT: torch.Tensor, forced_BS: torch.Tenso
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_dtypes_store_weights_and_cache_as_such_and_stay_close(tiny, dtype):
-    """``dtype=`` on the PyTorch backend (what runs on a GPU): every weight matrix, the embedding
-    and the KV cache are stored in the dtype (half the bytes of float32), and the logits stay
-    within a half-precision tolerance of the float32 target's, greedy output agreeing mostly."""
+    """``dtype=`` on the PyTorch backend (what runs on a GPU): every weight matrix and the KV cache
+    are stored in the dtype (half the bytes of float32; the embedding table stays float32, its rows
+    cast, so draft heads fingerprint the same table), and the logits stay within a half-precision
+    tolerance of the float32 target's, greedy output agreeing mostly."""
     fp32 = _target(tiny, linear_backend="reference")
     half = _target(tiny, linear_backend="reference", dtype=dtype)
     assert half.dtype == dtype and half.weights == {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    assert all(w.dtype == dtype for w in _weight_tensors(half))
+    assert all(w.dtype == dtype for w in _weight_tensors(half)[:-1])
     assert all(w.dtype == torch.float32 for w in _weight_tensors(fp32))
+    assert torch.equal(half.embed_tokens.weight, fp32.embed_tokens.weight)  # float32 in both
     assert half.weight_bytes * 2 == fp32.weight_bytes
     prompt = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     for t in (fp32, half):
@@ -224,8 +226,8 @@ def test_unsupported_combinations_are_named(tiny, weights, dtype, device, backen
 
 
 def test_qself_copy_runs_in_the_targets_dtype_and_device(tiny):
-    """``qself``'s requantised copy of a bf16 target on the PyTorch backend computes in bf16 too (its
-    embedding is the target's): its cache and rows match, and a forward runs."""
+    """``qself``'s requantised copy of a bf16 target on the PyTorch backend computes in bf16 too (it
+    shares the target's embedding and norms): its cache is bf16, and a forward runs."""
     from specdec.drafters.qself import qself
 
     target = _target(tiny, dtype=torch.bfloat16)

@@ -70,12 +70,13 @@ class LlamaTarget:
     """A Llama-family causal LM implementing :class:`specdec.protocols.Target` with a static KV cache.
 
     Public for feature-level drafters: ``config``, ``embed_tokens`` (``nn.Embedding``), ``norm``
-    (the final :class:`RMSNorm`), ``lm_head`` (``nn.Linear``, in the compute dtype), ``layers``, and
+    (the final :class:`RMSNorm`), ``lm_head`` (``nn.Linear``: the float32 embedding when tied, else the
+    head as stored), ``layers``, and
     :meth:`forward_layers` (a sub-network, for self-speculation). Extras beyond the protocol:
     tree attention in :meth:`forward` and :meth:`copy_slots`.
 
     ``weights``: the weight format (``WEIGHT_MODES``). ``dtype``: the compute dtype (activations, KV
-    cache, embedding; ``None``: the format's own), ``device``: where every weight, the cache and
+    cache, float weights; ``None``: the format's own), ``device``: where every weight, the cache and
     every index tensor the target builds live; the combinations that run, and the defaults, are
     :func:`specdec.targets.placement.resolve_placement`'s (a ``ValueError`` names any other).
     ``linear_backend``: see :mod:`specdec.targets.linear` (``auto``: the packed kernels on a CPU in
@@ -103,7 +104,7 @@ class LlamaTarget:
         if weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
         if dtype is None and isinstance(state, ModelWeights):  # built weights: compute in their dtype
-            dtype = state.embed_VD.dtype
+            dtype = state.compute_dtype
         self.config = config
         self.device = torch.device(device)
         self.linear_backend = resolve_backend(linear_backend, self.device, dtype)
@@ -196,8 +197,8 @@ class LlamaTarget:
 
     # ------------------------------------------------------------------ Target protocol
     def parts(self) -> TargetParts:
-        """The embedding, final norm and LM head (in the target's dtype, on its device) that
-        feature-level draft heads share."""
+        """The embedding and final norm (float32) and LM head (as stored; float32 when tied or
+        quantised), on the target's device, that feature-level draft heads share."""
         return TargetParts(
             self.embed_tokens.weight.detach(),
             self.norm.weight.detach(),
@@ -519,7 +520,7 @@ class LlamaTarget:
             mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)  # the query's dtype
             mask.masked_fill_(~allowed, float("-inf"))
 
-        x_BTD = self.embed_tokens.weight[tokens_BT]
+        x_BTD = self.embed_tokens.weight[tokens_BT].to(self.dtype)  # float32 table, rows in the dtype
         for i in layers:
             x_BTD = self._layer(
                 i, x_BTD, cos_BT1E, sin_BT1E, start_dev_B, uniform, num_slots, mask, rows_dev_B

@@ -21,8 +21,9 @@ Weight formats (``weights=`` on :func:`specdec.targets.load_target`, ``--weights
   ``Q4_0`` / ``Q4_1`` / ``Q8_0`` matrices: a float matrix is a ``ValueError`` naming it.
 
 The layers fuse q|k|v and gate|up into one product each (quantised rows concatenate as they are).
-The embedding lookup reads a copy in the compute dtype (dequantised once for ``gguf``); the norms stay
-float32. Which format runs on which device, in which dtype: :mod:`specdec.targets.placement`.
+The embedding lookup always reads a float32 copy (dequantised once for ``gguf``; its rows are cast to
+the compute dtype), so feature heads fingerprint and share the same table whatever the dtype; the
+norms stay float32. Which format runs on which device, in which dtype: :mod:`specdec.targets.placement`.
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    """Every layer, the embedding (in the compute dtype) and the float32 final norm, and the LM head
-    (float or quantised)."""
+    """Every layer, the float32 embedding and final norm, and the LM head (float or quantised)."""
 
     layers: list[LayerWeights]
     embed_VD: torch.Tensor
@@ -83,15 +83,17 @@ class ModelWeights:
     head_weight: Any  # float32 [V, D], QuantizedRows or PackedWeight
     head: PackedLinear  # final norm + LM head
     tied: bool  # the LM head is the embedding
+    compute_dtype: torch.dtype = torch.float32  # what the products were built to run in
 
     def head_VD(self) -> torch.Tensor:
-        """The LM head as ``[V, D]`` in the embedding's dtype and on its device (the embedding itself
-        when tied; the head's own tensor when it is stored so already)."""
+        """The LM head as ``[V, D]`` on the embedding's device: the float32 embedding itself when tied,
+        a float head as it is stored (no float32 copy of a bf16 head), quantised rows dequantised to
+        float32."""
         if self.tied:
             return self.embed_VD
         w = self.head_weight
         w = w if isinstance(w, torch.Tensor) else w.dequantize()
-        return w.to(device=self.embed_VD.device, dtype=self.embed_VD.dtype)
+        return w.to(device=self.embed_VD.device)
 
     @property
     def nbytes(self) -> int:
@@ -177,9 +179,8 @@ def build_weights(
     """Fuse and pack a checkpoint's tensors on ``device``, after holding every one to the config
     (:func:`specdec.targets.checkpoint_contract.check_checkpoint`: ``ValueError`` naming the file, the
     tensor, its shape and the expected one, or a missing or unused tensor). ``dtype``: the compute
-    dtype (:func:`specdec.targets.placement.resolve_placement`): the embedding's, and what quantised
-    rows are dequantised into on the PyTorch backends; float matrices are stored in the format's
-    dtype."""
+    dtype (:func:`specdec.targets.placement.resolve_placement`): what quantised rows are dequantised
+    into on the PyTorch backends; float matrices are stored in the format's dtype."""
     c, s = config, _State(state, weights, device)
     check_checkpoint(config, state)
     storage = FLOAT_FORMATS.get(weights, dtype)  # float matrices in the format's dtype, rows into dtype
@@ -187,7 +188,7 @@ def build_weights(
         w, b, backend=backend, dtype=storage, device=device, act8=s.act8, **kw
     )
     eps = c.rms_norm_eps
-    embed = s.float("model.embed_tokens.weight").to(dtype)
+    embed = s.float("model.embed_tokens.weight")
     layers = []
     for i in range(c.num_layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -230,7 +231,7 @@ def build_weights(
         s.check_runnable("model.embed_tokens.weight", state["model.embed_tokens.weight"])
         head_w = s.quantise(state["model.embed_tokens.weight"] if weights in GGUF_MODES else embed)
     head = pack(head_w, norm_weight_I=norm_w, norm_eps=eps)
-    return ModelWeights(layers, embed, norm_w, head_w, head, tied)
+    return ModelWeights(layers, embed, norm_w, head_w, head, tied, dtype)
 
 
 # --- a cache of packed weights ----------------------------------------------------------------------
@@ -354,6 +355,7 @@ def requantized(weights: ModelWeights, mode: str, *, backend: str) -> ModelWeigh
         head.packed_weight if hasattr(head, "packed_weight") else weights.head_weight,
         head,
         weights.tied,
+        weights.compute_dtype,
     )
 
 
