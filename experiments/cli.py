@@ -128,7 +128,26 @@ def _overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
         base.update(data.get("base") or {})
         axes.update(data.get("axes") or {})
     base.update(_parse_set(args.set))
+    for flag in ("device", "dtype"):  # --device / --dtype: a base override of every config with the field
+        value = getattr(args, flag, None)
+        if value is not None:
+            base[flag] = value
     return base, axes
+
+
+def _check_placement_flags(experiment: Any, args: argparse.Namespace, smoke: bool) -> None:
+    """``ValueError`` naming the experiment when ``--device`` / ``--dtype`` is given and none of its
+    configs builds a model (none has the field)."""
+    from experiments.config import has_field
+
+    for flag in ("device", "dtype"):
+        if getattr(args, flag, None) is not None and not any(
+            has_field(s.base, flag) for s in experiment.sweeps(smoke=smoke)
+        ):
+            raise ValueError(
+                f"--{flag}: experiment {experiment.name!r} builds no model "
+                f"(its configs have no {flag!r} field)"
+            )
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -137,6 +156,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="the tiny CI version of the experiment")
     parser.add_argument("--config", type=Path, help="YAML with `base:` field overrides and `axes:` to sweep")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
+    parser.add_argument(
+        "--device",
+        help="torch device for every config that builds a model: cpu (their default), cuda, cuda:1, ...",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="compute dtype for every config that builds a model (default: the weights format's own)",
+    )
     parser.add_argument(
         "--wandb", action="store_true", help="log to W&B (offline unless WANDB_API_KEY is set)"
     )
@@ -177,6 +205,11 @@ def cmd_run(argv: Sequence[str]) -> int:
     shard_spec = parse_shard(args.shard) if args.shard else None
     base, axes = _overrides(args)  # a ValueError here is a user error: main() prints it on one line
     experiment = get_experiment(args.name)
+    _check_placement_flags(experiment, args, args.smoke)
+    if args.device is not None and not args.dry_run:  # cuda on a machine without one: now, not per run
+        from specdec.targets import check_device
+
+        check_device(args.device)
     if args.publish and args.smoke:
         raise ValueError("--publish with --smoke would overwrite the paper's results with a smoke run")
     if args.dry_run:
@@ -246,6 +279,7 @@ def cmd_summarize(argv: Sequence[str]) -> int:
 
     base, axes = _overrides(args)
     experiment = get_experiment(args.name)
+    _check_placement_flags(experiment, args, args.smoke)
     configs = plan_configs(
         experiment, smoke=args.smoke, base_overrides=base, axis_overrides=axes, allow_large=args.allow_large
     )

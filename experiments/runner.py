@@ -32,6 +32,7 @@ from experiments.experiment import Experiment
 from experiments.registry import get_experiment
 from experiments.run_result import ResultFieldError, odd_fields
 from experiments.store import (
+    ENV_FILE,
     METRICS_FILE,
     RESULT_FILE,
     SUMMARY_FILE,
@@ -80,7 +81,21 @@ class RunContext:
     smoke: bool
     metrics: MetricsWriter
     wandb: NullRun = field(default_factory=NullRun)
+    env: dict[str, Any] = field(default_factory=dict)
     _next_step: int = 0
+
+    def record_target(self, target: Any) -> None:
+        """Record in the run's ``env.json`` where the target it opened runs (its device, the device's
+        name, its dtype and weight format: :func:`experiments.env.target_placement`)."""
+        from experiments.env import target_placement
+
+        self.record_env(target_placement(target))
+
+    def record_env(self, fields: Mapping[str, Any]) -> None:
+        """Add ``fields`` to the run's ``env.json`` (what only the run knows, such as the device a
+        server it started was asked to run on)."""
+        self.env.update(fields)
+        write_json(self.run_dir / ENV_FILE, self.env)
 
     def log(self, metrics: Mapping[str, Any], *, step: int | None = None) -> None:
         """Append one step's metrics to ``metrics.jsonl`` (and W&B); ``step`` defaults to a counter."""
@@ -210,6 +225,7 @@ def _run_one(
         smoke=smoke,
         metrics=metrics,
         wandb=wandb_run,
+        env=dict(env),
     )
     try:
         result = experiment.runner_for(config)(config, ctx)

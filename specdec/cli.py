@@ -19,6 +19,7 @@ from typing import Any
 from specdec.cli_args import (
     ArgumentParser,
     add_compile_argument,
+    add_placement_arguments,
     check_text,
     finite_float,
     interrupt_watch,
@@ -155,23 +156,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument(
         "--weights",
-        choices=("fp32", "bf16", "gguf", "int8", "int4", "gguf-q8", "int8-q8", "int4-q8"),
+        choices=("fp32", "bf16", "fp16", "gguf", "int8", "int4", "gguf-q8", "int8-q8", "int4-q8"),
         default=None,
         help="native target weight format (default for a GGUF model such as smollm2-135m: gguf-q8, "
         "8-bit activations, where the CPU kernels have integer dot products (AVX2, AVX-512), else gguf, "
-        "which equals transformers' output; fp32 for a safetensors checkpoint)",
+        "which equals transformers' output, and gguf dequantised into --dtype on a GPU; fp32 for a "
+        "safetensors checkpoint, or --dtype's format)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default=None,
-        help="target dtype (default: the target's, fp32)",
-    )
+    add_placement_arguments(p)
     p.add_argument(
         "--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)"
-    )
-    p.add_argument(
-        "--device", default=None, help="torch device of the target: cpu (default), cuda, cuda:1, ..."
     )
     add_compile_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

@@ -29,6 +29,8 @@ __all__ = [
     "csv",
     "parse_options",
     "check_text",
+    "device_arg",
+    "add_placement_arguments",
     "stderr_line",
     "interrupt_watch",
 ]
@@ -102,6 +104,38 @@ def positive_int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def device_arg(text: str) -> str:
+    """An argparse type: a torch device that exists here (``cpu``, ``cuda``, ``cuda:1``); ``cuda`` on a
+    machine without one is refused up front, before anything loads."""
+    from specdec.targets import check_device
+
+    try:
+        return check_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser, *, what: str = "the target") -> None:
+    """``--device`` and ``--dtype`` (where ``what`` runs, in which compute dtype): one spelling for
+    ``specdec generate``, ``serve`` and the other commands that open a target. A model drafter and an
+    EAGLE head follow the target's device and dtype."""
+    parser.add_argument(
+        "--device",
+        type=device_arg,
+        default=None,
+        help=f"torch device of {what}: cpu (default), cuda, cuda:1, ...; a model drafter or draft head "
+        "goes there too",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help=f"compute dtype of {what} (activations, KV cache; float weights stored in it); default: the "
+        "weights format's own (float32 for a safetensors checkpoint and for quantised weights on a CPU, "
+        "bfloat16 for quantised weights on a GPU); docs/targets.md lists what runs where",
+    )
 
 
 def add_compile_argument(parser: Any) -> None:

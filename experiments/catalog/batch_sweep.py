@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from experiments.catalog.specdec_runs import (
     TINY_TARGET,
     category_prompts,
+    check_placement,
     drafter_options,
     encode,
-    open_target,
+    open_run_target,
     torch_threads,
 )
 from experiments.config import validate_config
@@ -42,6 +43,10 @@ class BatchConfig:
     """One batch size: plain and speculative decoding of the same B prompts, ``repeats`` times each."""
 
     target: str = "smollm2-135m"
+    device: str = "cpu"
+    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
+    dtype: str | None = None
+    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
     batch_size: int = 1
     drafter: str = "ngram"
     gamma: int = 4
@@ -57,6 +62,7 @@ class BatchConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
+        check_placement(self)
         for name in ("batch_size", "gamma", "max_prompt_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BatchConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -108,7 +114,7 @@ def run_batch(config: BatchConfig, ctx: RunContext) -> dict:
     import specdec
     from specdec.registry import create_drafter
 
-    target = open_target(config.target)
+    target = open_run_target(config, ctx)
     prompts = _batch_prompts(target, config)
     options = drafter_options(config.drafter, lm_corpus_chars=config.lm_corpus_chars)
     methods = {

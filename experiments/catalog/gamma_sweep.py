@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from experiments.catalog.specdec_runs import (
     TINY_TARGET,
     Method,
+    check_placement,
     drafter_options,
     drafter_unavailable,
     method_rows,
-    open_target,
+    open_run_target,
     prompt_runs,
     run_methods,
 )
@@ -46,6 +47,10 @@ class GammaSweepConfig:
     """One drafter at every γ of ``gammas``, beside plain decoding, on the same prompts."""
 
     target: str = "smollm2-135m"
+    device: str = "cpu"
+    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
+    dtype: str | None = None
+    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
     drafter: str = "ngram"
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     max_gamma_theory: int = 8
@@ -60,6 +65,7 @@ class GammaSweepConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
+        check_placement(self)
         if not self.gammas or min(self.gammas) < 1:
             raise ValueError(f"gammas must be a non-empty list of ints >= 1, got {self.gammas}")
         if self.max_gamma_theory < 1 or self.num_prompts < 1 or self.max_new_tokens < 2:
@@ -113,7 +119,7 @@ def run_gamma_sweep(config: GammaSweepConfig, ctx: RunContext) -> dict:
     """Plain decoding and the drafter at each γ; bench-style rows per γ, and the theory curve."""
     from specdec.metrics import merge_metrics
 
-    target = open_target(config.target)
+    target = open_run_target(config, ctx)
     prompts = prompt_runs(target, config.prompt_sets, config.num_prompts, chat=config.chat)
     options = drafter_options(config.drafter, lm_corpus_chars=config.lm_corpus_chars)
     methods = [Method(label="ours/none", drafter="none", gamma=0)] + [

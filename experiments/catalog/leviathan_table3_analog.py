@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from experiments.catalog.specdec_runs import (
     TINY_TARGET,
     Method,
+    check_placement,
     drafter_options,
     drafter_unavailable,
     method_rows,
-    open_target,
+    open_run_target,
     prompt_runs,
     run_methods,
 )
@@ -88,6 +89,10 @@ class AcceptanceConfig:
     """One drafter at one temperature: α over ``num_prompts`` prompts per set, with draft length γ."""
 
     target: str = "smollm2-135m"
+    device: str = "cpu"
+    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
+    dtype: str | None = None
+    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
     drafter: str = "unigram"
     temperature: float = 0.0
     gamma: int = 1
@@ -101,6 +106,7 @@ class AcceptanceConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
+        check_placement(self)
         if self.gamma < 1 or self.num_prompts < 1 or self.max_new_tokens < 2:
             raise ValueError(
                 "need gamma >= 1, num_prompts >= 1, max_new_tokens >= 2; got "
@@ -131,7 +137,7 @@ def run_acceptance(config: AcceptanceConfig, ctx: RunContext) -> dict:
     """Decode every prompt with the drafter at γ; α pooled over prompts (and per prompt set)."""
     from specdec.metrics import merge_metrics
 
-    target = open_target(config.target)
+    target = open_run_target(config, ctx)
     prompts = prompt_runs(target, config.prompt_sets, config.num_prompts, chat=config.chat)
     label = f"ours/{config.drafter}"
     method = Method(

@@ -24,10 +24,11 @@ from experiments.catalog.specdec_runs import (
     TINY_TARGET,
     Method,
     PromptRun,
+    check_placement,
     drafter_options,
     drafter_unavailable,
     method_rows,
-    open_target,
+    open_run_target,
     run_methods,
     sequence_log_likelihood,
     torch_threads,
@@ -65,6 +66,10 @@ class LossyQualityConfig:
     """One drafter and temperature: plain decoding and the lenient rule at each lenience, same problems."""
 
     target: str = "smollm2-135m"
+    device: str = "cpu"
+    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
+    dtype: str | None = None
+    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
     drafter: str = "ngram"
     leniences: tuple[float, ...] = LENIENCES
     temperature: float = 0.0
@@ -79,6 +84,7 @@ class LossyQualityConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
+        check_placement(self)
         from experiments.humaneval import PROMPT_STYLES
 
         if self.prompt_style not in PROMPT_STYLES:
@@ -115,7 +121,7 @@ def run_lossy(config: LossyQualityConfig, ctx: RunContext) -> dict:
     from experiments.humaneval import PROMPT_STYLES, check_completion, load_problems, pass_at_1
     from specdec.prompt_sets import encode_prompt
 
-    target = open_target(config.target)
+    target = open_run_target(config, ctx)
     style = PROMPT_STYLES[config.prompt_style]
     problems = load_problems(config.num_problems)
     prompts = [

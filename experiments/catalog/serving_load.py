@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.catalog.specdec_runs import TINY_TARGET
+from experiments.catalog.specdec_runs import TINY_TARGET, check_placement
 from experiments.config import config_to_dict, validate_config
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
@@ -77,6 +77,10 @@ class ServingLoadConfig:
 
     target: str = "smollm2-135m"
     """built-in name, checkpoint folder, or ``tiny-random`` (the CI smoke's random Llama)"""
+    device: str = "cpu"
+    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
+    dtype: str | None = None
+    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
     drafter: str = "default"
     """``specdec serve --drafter``; ``none`` is the baseline"""
     gamma: str = "auto"
@@ -108,6 +112,7 @@ class ServingLoadConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
+        check_placement(self)
         for name in ("target", "drafter", "gamma"):
             if not getattr(self, name).strip():
                 raise ValueError(f"ServingLoadConfig.{name} must be a non-empty string")
@@ -219,7 +224,10 @@ def run_serving_load(config: ServingLoadConfig, ctx: RunContext) -> dict:
     command = peers.ours_command(
         config.drafter, target=target, threads=config.threads, max_num_seqs=config.max_num_seqs, port=port
     )
-    command += ["--gamma", config.gamma]
+    command += ["--gamma", config.gamma, "--device", config.device]
+    if config.dtype is not None:
+        command += ["--dtype", config.dtype]
+    ctx.record_env({"device": config.device, "dtype": config.dtype})  # where the server was asked to run
     for option in config.gamma_options:
         command += ["--gamma-option", option]
     name = f"ours:{config.drafter}" + ("" if config.drafter == BASELINE else f"@{config.gamma}")

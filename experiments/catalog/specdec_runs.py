@@ -32,6 +32,8 @@ __all__ = [
     "MTBENCH_CATEGORIES",
     "CATEGORIES",
     "open_target",
+    "open_run_target",
+    "check_placement",
     "tiny_checkpoint",
     "drafter_unavailable",
     "category_prompts",
@@ -66,7 +68,7 @@ _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_TARGETS: dict[str, Any] = {}
+_TARGETS: dict[tuple[str, str, str | None], Any] = {}
 
 
 # --- targets --------------------------------------------------------------------------------------
@@ -121,14 +123,44 @@ def tiny_checkpoint() -> Path:
     return out
 
 
-def open_target(name: str):
-    """The target ``name`` (built-in name, checkpoint folder or ``tiny-random``), loaded once per process
-    (:func:`specdec.targets.open_target`)."""
-    if name not in _TARGETS:
+def open_target(name: str, *, device: str = "cpu", dtype: str | None = None):
+    """The target ``name`` (built-in name, checkpoint folder or ``tiny-random``) on ``device`` in
+    ``dtype`` (None: the weights format's own), loaded once per process per placement
+    (:func:`specdec.targets.open_target`: ``ValueError`` for a device torch cannot use here, such as
+    ``cuda`` on a machine without one, or a combination the target does not run)."""
+    key = (name, device, dtype)
+    if key not in _TARGETS:
         from specdec.targets import open_target as load
 
-        _TARGETS[name] = load(str(tiny_checkpoint()) if name == TINY_TARGET else name)
-    return _TARGETS[name]
+        path = str(tiny_checkpoint()) if name == TINY_TARGET else name
+        _TARGETS[key] = load(path, device=device, dtype=dtype)
+    return _TARGETS[key]
+
+
+def open_run_target(config: Any, ctx: Any):
+    """:func:`open_target` for a run's ``config`` (its ``target``, ``device`` and ``dtype`` fields),
+    recorded in the run's ``env.json`` (``ctx.record_target``): the device and dtype the run used."""
+    target = open_target(config.target, device=config.device, dtype=config.dtype)
+    ctx.record_target(target)
+    return target
+
+
+def check_placement(config: Any) -> None:
+    """``ValueError`` naming the config's ``device`` when torch cannot parse it, or its ``dtype`` when it
+    is not a name in :data:`specdec.targets.DTYPES`. Whether the device exists here (``cuda`` on a CPU
+    machine) is checked when the run starts (``python -m experiments run``) and when it opens its
+    target, so a GPU plan can still be listed (``--dry-run``) anywhere."""
+    from specdec.targets import DTYPES
+
+    cls = type(config).__name__
+    try:
+        torch.device(config.device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"{cls}.device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {config.device!r}"
+        ) from None
+    if config.dtype is not None and config.dtype not in DTYPES:
+        raise ValueError(f"{cls}.dtype must be one of {DTYPES} or None, got {config.dtype!r}")
 
 
 def drafter_unavailable(name: str, target: str) -> str | None:

@@ -19,10 +19,11 @@ from experiments.catalog.specdec_runs import (
     CATEGORIES,
     TINY_TARGET,
     Method,
+    check_placement,
     drafter_options,
     drafter_unavailable,
     method_rows,
-    open_target,
+    open_run_target,
     prompt_runs,
     run_methods,
 )
@@ -43,6 +44,10 @@ class SpeedupConfig:
     """One prompt category: plain decoding and every drafter on the same prompts, in one run."""
 
     target: str = "smollm2-135m"
+    device: str = "cpu"
+    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
+    dtype: str | None = None
+    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
     category: str = "humaneval"
     drafters: tuple[str, ...] = ("ngram", "bigram", "layerskip")
     gamma: int = 4
@@ -56,6 +61,7 @@ class SpeedupConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
+        check_placement(self)
         if not self.drafters or "none" in self.drafters:
             raise ValueError(
                 f"drafters must be a non-empty list without 'none' (the baseline), got {self.drafters}"
@@ -85,7 +91,7 @@ def plan(*, smoke: bool = False) -> Sweep:
 
 def run_speedup(config: SpeedupConfig, ctx: RunContext) -> dict:
     """Plain decoding and each drafter on the category's prompts; bench-style rows per method."""
-    target = open_target(config.target)
+    target = open_run_target(config, ctx)
     prompts = prompt_runs(target, [config.category], config.num_prompts, chat=config.chat)
     methods = [Method(label="ours/none", drafter="none", gamma=0)] + [
         Method(

@@ -75,19 +75,35 @@ def check_same_vocab(target: Target, draft: Target) -> None:
         )
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are the same device when one of them names no index."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def _load_draft(
-    target: Target, model: str | os.PathLike | Target | None, backend: str, dtype: str | torch.dtype | None
+    target: Target,
+    model: str | os.PathLike | Target | None,
+    backend: str,
+    dtype: str | torch.dtype | None,
+    device: str | torch.device | None = None,
 ) -> Target:
-    """The draft model named by the ``model`` option, checked to share the target's token ids."""
+    """The draft model named by the ``model`` option, checked to share the target's token ids, loaded
+    on ``device`` (default: the target's) in ``dtype`` (default: the target's compute dtype, when it
+    has one); a ready draft model must already be on that device (``ValueError`` naming both)."""
     if model is None:
         raise ValueError(
             "drafter 'model' needs the option model=NAME_OR_PATH (a small causal LM that shares the "
             "target's tokenizer)"
         )
+    if device is None:
+        device = getattr(target, "device", "cpu")
+    device = torch.device(device)
     if isinstance(model, (str, os.PathLike)):
-        from specdec.targets import load_target
+        from specdec.targets import check_device, load_target
 
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {"device": check_device(str(device))}
+        if dtype is None and isinstance(getattr(target, "dtype", None), torch.dtype):
+            dtype = target.dtype  # the draft model follows the target's dtype
         if dtype is not None:
             if isinstance(dtype, str):
                 if dtype not in _DTYPES:
@@ -97,6 +113,13 @@ def _load_draft(
         model = load_target(model, backend=backend, **options)
     elif not isinstance(model, Target):
         raise ValueError(f"model must be a name, a path or a Target, got {type(model).__name__}")
+    else:
+        have = torch.device(getattr(model, "device", "cpu"))
+        if not _same_device(have, device):
+            raise ValueError(
+                f"the draft model is on {have}, the drafter runs on {device} (the target's device unless "
+                "device= says otherwise): load it there"
+            )
     check_same_vocab(target, model)
     return model
 
@@ -140,13 +163,15 @@ class ModelDrafter:
 
     Options: ``model`` (required: a built-in name, a local checkpoint directory, or a ready
     :class:`specdec.protocols.Target`), ``backend`` (``"auto"``, ``"hf"``, ``"llama"``: see
-    :func:`specdec.targets.load_target`), ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``),
+    :func:`specdec.targets.load_target`), ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``;
+    default: the target's compute dtype), ``device`` (default: the target's: the draft model is
+    loaded there, so ``--device cuda`` puts it on the GPU beside the target),
     ``min_prob`` (confidence stop, :mod:`specdec.drafters.confidence`: stop the chain once the draft
     model's running probability of its own draft is below this in every row; 0 = always γ tokens).
 
     One request of the engine (set by its drafter pool): ``slot`` (this request's cache row),
     ``num_slots`` (the engine's rows) and ``shared`` (the :class:`SharedDraftModel` an earlier
-    instance built; ``model``, ``backend`` and ``dtype`` are then not read). Without ``slot`` the
+    instance built; ``model``, ``backend``, ``dtype`` and ``device`` are then not read). Without ``slot`` the
     drafter owns the draft model's whole cache, a batch of B rows.
     """
 
@@ -157,6 +182,7 @@ class ModelDrafter:
         model: str | os.PathLike | Target | None = None,
         backend: str = "auto",
         dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
         min_prob: float = 0.0,
         slot: int | None = None,
         num_slots: int | None = None,
@@ -170,7 +196,7 @@ class ModelDrafter:
         if slot is None and (num_slots is not None or shared is not None):
             raise ValueError("num_slots and shared need slot (the request's cache row)")
         if shared is None:
-            draft = _load_draft(target, model, backend, dtype)
+            draft = _load_draft(target, model, backend, dtype, device)
             if slot is not None:
                 if num_slots is None:
                     raise ValueError("slot needs num_slots (the engine's cache rows)")

@@ -60,6 +60,7 @@ def qself(
         target.config,
         requantized(target.packed_weights, weights, backend=target.linear_backend),
         weights=weights,
+        dtype=target.dtype,
         device=target.device,
         linear_backend=target.linear_backend,
         tokenizer=target.tokenizer,

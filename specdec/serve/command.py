@@ -1,8 +1,8 @@
 """The ``specdec serve`` subcommand: its arguments, and the command (heavy imports only when it runs).
 
     specdec serve --target smollm2-135m --drafter default --host 127.0.0.1 --port 8000 \\
-        [--max-num-seqs N] [--gamma auto|fixed|N] [--verify exact] [--api-key KEY] [--max-waiting N]
-        [--max-body-bytes N]
+        [--max-num-seqs N] [--gamma auto|fixed|N] [--verify exact] [--api-key KEY] [--max-waiting N] \\
+        [--max-body-bytes N] [--device cuda] [--dtype bfloat16] [--compile graphs]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 
 from specdec.cli_args import (
     add_compile_argument,
+    add_placement_arguments,
     finite_float,
     nonnegative_int,
     parse_options,
@@ -76,7 +77,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--weights", default=None, help="native target weight format (see specdec generate --help)"
     )
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="target dtype")
+    add_placement_arguments(p)
     p.add_argument(
         "--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)"
     )
@@ -148,6 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         weights=args.weights,
         dtype=args.dtype,
         compile=args.compile,
+        device=args.device,
         drafter=args.drafter,
         drafter_options=parse_options(args.drafter_option, "--drafter-option"),
         gamma=args.gamma,

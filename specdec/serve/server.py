@@ -50,6 +50,7 @@ class ServeConfig:
     weights: str | None = None
     dtype: str | None = None
     compile: str | None = None
+    device: str | None = None
     drafter: str = "default"
     drafter_options: dict[str, Any] = field(default_factory=dict)
     gamma: int | str = "auto"
@@ -175,6 +176,7 @@ def serve(config: ServeConfig) -> int:
             config.target,
             backend=config.backend,
             dtype=config.dtype,
+            device=config.device,
             weights=config.weights,
             compile=config.compile,
         )

@@ -61,9 +61,11 @@ def open_target(
     compile: str | None = None,
 ):
     """:func:`load_target` with the command line's string options: ``dtype`` a name in
-    :data:`DTYPES`, ``device`` a torch device (``cpu``, ``cuda:0``), ``weights`` a format of
+    :data:`DTYPES` (the compute dtype: activations, KV cache, float weights; None: the weights
+    format's own), ``device`` a torch device (``cpu``, ``cuda:0``), ``weights`` a format of
     :data:`specdec.targets.llama_weights.WEIGHT_MODES` (native target only), ``compile`` a mode of
-    :data:`specdec.targets.compiled.COMPILE_MODES`; ``ValueError`` naming a bad one."""
+    :data:`specdec.targets.compiled.COMPILE_MODES`; ``ValueError`` naming a
+    bad one, or a combination the native target does not run (:mod:`specdec.targets.placement`)."""
     import torch
 
     options: dict[str, Any] = {"compile": compile}

@@ -6,7 +6,9 @@ T block length, S attended slots.
 Row b's token at sequence position p lives in slot p of every layer. A block of T tokens for row b
 is written at slots ``start_B[b] .. start_B[b]+T-1`` *before* it attends, so stale entries left by
 rejected drafts past a row's length are overwritten before anyone can read them: rolling back is
-just lowering ``lengths_B``. Tree verification writes a whole tree into consecutive slots and then
+just lowering ``lengths_B``, which lives on the host (the owner's bookkeeping: reading it is no
+device synchronisation); the keys, values and every index the cache builds (rows, slots) live on the
+cache's device. Tree verification writes a whole tree into consecutive slots and then
 :meth:`StaticKVCache.copy_slots` compacts the accepted path (a gather and a scatter per call, for
 all layers at once).
 """
@@ -53,7 +55,8 @@ class StaticKVCache:
 
         ``uniform_start`` is the common start when every row starts at the same slot (one slice
         copy instead of an indexed scatter), else None. ``rows_B``: the cache row of each block row
-        (a subset of the cache's rows); None: block row b is cache row b, every row.
+        (a subset of the cache's rows); None: block row b is cache row b, every row. ``start_B`` and
+        ``rows_B`` are expected on the cache's device (the slots are built there).
         """
         T = k_BTHD.shape[1]
         k_BHLD, v_BHLD = self.k_NBHLD[layer], self.v_NBHLD[layer]

@@ -55,6 +55,7 @@ from specdec.targets.llama_weights import (
     packed_cache_path,
     save_packed,
 )
+from specdec.targets.placement import resolve_placement
 from specdec.targets.rmsnorm import RMSNorm
 from specdec.targets.rope import apply_rope_flipped, flip_sin, rope_cos_sin_table, rope_inv_freq
 
@@ -69,12 +70,23 @@ class LlamaTarget:
     """A Llama-family causal LM implementing :class:`specdec.protocols.Target` with a static KV cache.
 
     Public for feature-level drafters: ``config``, ``embed_tokens`` (``nn.Embedding``), ``norm``
-    (the final :class:`RMSNorm`), ``lm_head`` (``nn.Linear``, float32), ``layers``, and
+    (the final :class:`RMSNorm`), ``lm_head`` (``nn.Linear``: the float32 embedding when tied, else the
+    head as stored), ``layers``, and
     :meth:`forward_layers` (a sub-network, for self-speculation). Extras beyond the protocol:
     tree attention in :meth:`forward` and :meth:`copy_slots`.
 
-    ``weights``: the weight format (``WEIGHT_MODES``); ``dtype=torch.bfloat16`` is the older spelling
-    of ``weights="bf16"``. ``linear_backend``: see :mod:`specdec.targets.linear`.
+    ``weights``: the weight format (``WEIGHT_MODES``). ``dtype``: the compute dtype (activations, KV
+    cache, float weights; ``None``: the format's own), ``device``: where every weight, the cache and
+    every index tensor the target builds live; the combinations that run, and the defaults, are
+    :func:`specdec.targets.placement.resolve_placement`'s (a ``ValueError`` names any other).
+    ``linear_backend``: see :mod:`specdec.targets.linear` (``auto``: the packed kernels on a CPU in
+    float32, PyTorch ops otherwise).
+
+    Host and device: the cache's lengths (``cache.lengths_B``) and the block's starts are host-side
+    bookkeeping, checked there; positions, masks, cache rows and slots are built on the device once
+    per forward, so a forward on an accelerator reads nothing back from it. Index tensors handed in
+    on the device (``logits_index_BN``, ``depth_T``, ``tree_mask_TT``) are trusted: checking their
+    values would synchronise.
     """
 
     def __init__(
@@ -89,20 +101,15 @@ class LlamaTarget:
         tokenizer: Any = None,
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
-        if dtype is not None:  # the older spelling of weights="bf16"
-            if dtype not in (torch.float32, torch.bfloat16):
-                raise ValueError(
-                    f"dtype must be torch.float32 or torch.bfloat16 (or use weights=), got {dtype}"
-                )
-            if dtype == torch.bfloat16 and weights == "fp32":
-                weights = "bf16"
         if weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+        if dtype is None and isinstance(state, ModelWeights):  # built weights: compute in their dtype
+            dtype = state.compute_dtype
         self.config = config
-        self.weights = weights
-        self.dtype = torch.bfloat16 if weights == "bf16" else torch.float32  # of float linear weights
         self.device = torch.device(device)
-        self.linear_backend = resolve_backend(linear_backend, self.device)
+        self.linear_backend = resolve_backend(linear_backend, self.device, dtype)
+        # the format (``fp32`` with a half dtype is stored in it) and the compute dtype
+        self.weights, self.dtype = resolve_placement(weights, dtype, self.device, self.linear_backend)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = config.vocab_size
@@ -112,7 +119,14 @@ class LlamaTarget:
         if isinstance(state, ModelWeights):  # already built (a cache of packed weights)
             w = state
         else:
-            w = build_weights(config, state, weights=weights, backend=self.linear_backend, device=self.device)
+            w = build_weights(
+                config,
+                state,
+                weights=self.weights,
+                backend=self.linear_backend,
+                device=self.device,
+                dtype=self.dtype,
+            )
         self.packed_weights = w
         self.layers, self._head, self.weight_bytes = w.layers, w.head, w.nbytes
         self.embed_tokens = torch.nn.Embedding.from_pretrained(w.embed_VD, freeze=True)
@@ -155,7 +169,7 @@ class LlamaTarget:
         path = resolve_checkpoint(name_or_path)
         config = LlamaConfig.from_hf(hf_config := load_hf_config(path))
         source = gguf_source(name_or_path)
-        backend = resolve_backend(opts.get("linear_backend", "auto"), opts.get("device", "cpu"))
+        backend = resolve_backend(opts.get("linear_backend", "auto"), opts.get("device", "cpu"), dtype)
         if weights == "auto":
             weights = default_weights(source, dtype=dtype, linear_backend=backend)
         if weights in GGUF_MODES and source is None:
@@ -183,7 +197,8 @@ class LlamaTarget:
 
     # ------------------------------------------------------------------ Target protocol
     def parts(self) -> TargetParts:
-        """The embedding, final norm and LM head (float32) that feature-level draft heads share."""
+        """The embedding and final norm (float32) and LM head (as stored; float32 when tied or
+        quantised), on the target's device, that feature-level draft heads share."""
         return TargetParts(
             self.embed_tokens.weight.detach(),
             self.norm.weight.detach(),
@@ -223,11 +238,12 @@ class LlamaTarget:
                 num_kv_heads=c.num_kv_heads,
                 max_len=max_len,
                 head_dim=c.head_dim,
-                dtype=torch.float32,
+                dtype=self.dtype,
                 device=self.device,
             )
+            # computed in float32, applied in the compute dtype (as transformers does)
             cos, sin = rope_cos_sin_table(self._inv_freq, max_len)
-            self._cos, self._sin = cos, flip_sin(sin)  # for apply_rope_flipped
+            self._cos, self._sin = cos.to(self.dtype), flip_sin(sin).to(self.dtype)  # apply_rope_flipped
         self.cache.lengths_B = torch.zeros(batch_size, dtype=torch.long)
 
     def forward(
@@ -319,8 +335,8 @@ class LlamaTarget:
         with any slot: whatever lands past a row's new length is never read.
         """
         cache = self._need_cache()
-        src = torch.as_tensor(src_slots_BN, dtype=torch.long, device=self.device)
-        dst = torch.as_tensor(dst_start_B, dtype=torch.long, device=self.device).reshape(-1)
+        src = torch.as_tensor(src_slots_BN, dtype=torch.long)
+        dst = torch.as_tensor(dst_start_B, dtype=torch.long).reshape(-1)
         B = cache.batch_size if rows_B is None else len(rows_B)
         rows = None if rows_B is None else self._check_rows(rows_B, B)
         if src.ndim != 2 or src.shape[0] != B or dst.shape[0] != B:
@@ -328,14 +344,20 @@ class LlamaTarget:
                 f"src_slots_BN must be [B={B}, N] and dst_start_B [B]; got "
                 f"{tuple(src.shape)} and {tuple(dst.shape)}"
             )
-        if src.numel() and (
-            src.min() < 0
-            or src.max() >= cache.max_len
-            or dst.min() < 0
-            or (dst + src.shape[1]).max() > cache.max_len
+        on_host = src.device.type == "cpu" and dst.device.type == "cpu"  # device ones: trusted
+        if (
+            on_host
+            and src.numel()
+            and (
+                src.min() < 0
+                or src.max() >= cache.max_len
+                or dst.min() < 0
+                or (dst + src.shape[1]).max() > cache.max_len
+            )
         ):
             raise ValueError(f"slots must lie in [0, max_len={cache.max_len})")
-        cache.copy_slots(src, dst, rows)
+        rows = None if rows is None else rows.to(self.device)
+        cache.copy_slots(src.to(self.device), dst.to(self.device), rows)
 
     def forward_layers(
         self,
@@ -425,21 +447,26 @@ class LlamaTarget:
         held = held if rows is None else [held[r] for r in rows.tolist()]
         if check_length and any(s > h for s, h in zip(starts, held, strict=True)):
             raise ValueError(f"start_B={starts} is past the cached lengths {held} (a gap)")
+        # Values are checked where they are on the host; tensors already on an accelerator are
+        # trusted (reading them back would synchronise every forward).
         if tree_mask_TT is not None:
             if tree_mask_TT.shape != (T, T) or tree_mask_TT.dtype != torch.bool:
                 raise ValueError(
                     f"tree_mask_TT must be a bool tensor [T={T}, T], got {tuple(tree_mask_TT.shape)}"
                 )
-            if not tree_mask_TT.diagonal().all():
+            if tree_mask_TT.device.type == "cpu" and not tree_mask_TT.diagonal().all():
                 raise ValueError("tree_mask_TT must include the diagonal (every token attends to itself)")
         if depth_T is not None:
             if depth_T.shape != (T,):
                 raise ValueError(f"depth_T must have shape [T={T}], got {tuple(depth_T.shape)}")
-            if (depth_T < 0).any() or (max(starts) + int(depth_T.max()) >= cache.max_len):
+            if depth_T.device.type == "cpu" and (
+                (depth_T < 0).any() or (max(starts) + int(depth_T.max()) >= cache.max_len)
+            ):
                 raise ValueError("depth_T must be >= 0 and start_B + depth_T < max_len")
-        lo, hi = value_range(tokens_BT)
-        if lo < 0 or hi >= self.vocab_size:
-            raise ValueError(f"tokens_BT must be in [0, {self.vocab_size})")
+        if tokens_BT.device.type == "cpu":
+            lo, hi = value_range(tokens_BT)
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(f"tokens_BT must be in [0, {self.vocab_size})")
         return tokens_BT.to(self.device), start_B, rows
 
     @torch.inference_mode()
@@ -468,10 +495,12 @@ class LlamaTarget:
             return self._run_native(tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux_out, rows_B)
         if self._native is not None and tree_mask_TT is None and depth_T is None:
             return self._run_native_chunks(tokens_BT, start_B, layers, aux_out, rows_B)
-        starts = start_B.tolist()
+        starts = start_B.tolist()  # start_B is host-side bookkeeping (see _check_block)
         uniform = starts[0] if starts.count(starts[0]) == B else None
         num_slots = max(starts) + T
+        # every index tensor on the device once per forward, never a host copy per layer
         start_dev_B = start_B.to(self.device)
+        rows_dev_B = None if rows_B is None else rows_B.to(self.device)
         offsets_T = torch.arange(T, device=self.device) if depth_T is None else depth_T.to(self.device)
         positions_BT = start_dev_B[:, None] + offsets_T[None, :]
         cos_BT1E, sin_BT1E = self._cos[positions_BT][:, :, None], self._sin[positions_BT][:, :, None]
@@ -488,12 +517,14 @@ class LlamaTarget:
             # (0 / -inf) once per forward: a bool mask is converted in every layer's attention call
             # (same result bit for bit; ~5 µs of ~40 per layer at 7 tokens here).
             allowed = block_attention_mask(start_dev_B, num_slots, block_TT).repeat(1, 1, G, 1)
-            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device)
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)  # the query's dtype
             mask.masked_fill_(~allowed, float("-inf"))
 
-        x_BTD = self.embed_tokens.weight[tokens_BT]
+        x_BTD = self.embed_tokens.weight[tokens_BT].to(self.dtype)  # float32 table, rows in the dtype
         for i in layers:
-            x_BTD = self._layer(i, x_BTD, cos_BT1E, sin_BT1E, start_dev_B, uniform, num_slots, mask, rows_B)
+            x_BTD = self._layer(
+                i, x_BTD, cos_BT1E, sin_BT1E, start_dev_B, uniform, num_slots, mask, rows_dev_B
+            )
             if aux_out is not None and i in self.aux_layers:
                 aux_out[i] = x_BTD
         return x_BTD
@@ -550,8 +581,10 @@ class LlamaTarget:
 
         qkv = layer.qkv(x_BTD).view(B, T, H + 2 * J, E)
         qk = qkv[:, :, : H + J]
-        if layer.qk_norm is not None:  # Qwen3: RMSNorm over each head before rope
-            qk = layer.qk_norm * (qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps))
+        if layer.qk_norm is not None:  # Qwen3: RMSNorm over each head before rope, in float32
+            qk32 = qk.float()
+            qk32 = layer.qk_norm * (qk32 * torch.rsqrt(qk32.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps))
+            qk = qk32.to(qkv.dtype)
         qk = apply_rope_flipped(qk, cos_BT1E, sin_BT1E)
         q_BTHE, k_BTJE, v_BTJE = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + J :]
         cache.write(i, k_BTJE, v_BTJE, start_B, uniform, rows_B)
@@ -570,12 +603,17 @@ class LlamaTarget:
 
     @torch.inference_mode()
     def _logits(self, hidden_BTD: torch.Tensor, logits_index_BN: torch.Tensor | None) -> torch.Tensor:
+        """float32 logits (the head runs in the compute dtype) at ``logits_index_BN`` (checked on the
+        host, then moved to the device once; an index already on the device is trusted)."""
         if logits_index_BN is not None:
-            idx = torch.as_tensor(logits_index_BN, dtype=torch.long, device=self.device)
+            idx = torch.as_tensor(logits_index_BN, dtype=torch.long)
             T = hidden_BTD.shape[1]
-            if idx.ndim != 2 or idx.shape[0] != hidden_BTD.shape[0] or (idx < 0).any() or (idx >= T).any():
+            bad_shape = idx.ndim != 2 or idx.shape[0] != hidden_BTD.shape[0]
+            if bad_shape or (idx.device.type == "cpu" and ((idx < 0).any() or (idx >= T).any())):
                 raise ValueError(
                     f"logits_index_BN must be [B, N] with entries in [0, {T}), got {tuple(idx.shape)}"
                 )
+            idx = idx.to(self.device)
             hidden_BTD = hidden_BTD.gather(1, idx[:, :, None].expand(-1, -1, hidden_BTD.shape[-1]))
-        return self._head(hidden_BTD)
+        logits = self._head(hidden_BTD)
+        return logits if logits.dtype == torch.float32 else logits.float()

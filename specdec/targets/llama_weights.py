@@ -6,6 +6,7 @@ Weight formats (``weights=`` on :func:`specdec.targets.load_target`, ``--weights
 
 - ``fp32``: the checkpoint's weights in float32;
 - ``bf16``: the linear layers in bfloat16 (half the bytes; outputs change slightly);
+- ``fp16``: the linear layers in float16 (PyTorch backends only: a GPU, or ``reference`` on a CPU);
 - ``gguf``: the GGUF file's own tensors (``Q4_0`` / ``Q4_1`` / ``Q8_0``), kept quantised and
   dequantised in registers: the same function as the float32 model dequantised from that file, which
   is what ``transformers`` loads, up to float accumulation order;
@@ -20,7 +21,9 @@ Weight formats (``weights=`` on :func:`specdec.targets.load_target`, ``--weights
   ``Q4_0`` / ``Q4_1`` / ``Q8_0`` matrices: a float matrix is a ``ValueError`` naming it.
 
 The layers fuse q|k|v and gate|up into one product each (quantised rows concatenate as they are).
-The embedding lookup always reads a float32 copy (dequantised once for ``gguf``).
+The embedding lookup always reads a float32 copy (dequantised once for ``gguf``; its rows are cast to
+the compute dtype), so feature heads fingerprint and share the same table whatever the dtype; the
+norms stay float32. Which format runs on which device, in which dtype: :mod:`specdec.targets.placement`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kernels.quant import GGUF_KINDS, QuantizedRows, quantize_int4, quantize_int
 from specdec.targets.checkpoint_contract import check_checkpoint, describe_tensor
 from specdec.targets.linear import PackedLinear, pack_linear
 from specdec.targets.llama_config import LlamaConfig
+from specdec.targets.placement import FLOAT_FORMATS
 
 __all__ = [
     "WEIGHT_MODES",
@@ -52,7 +56,7 @@ __all__ = [
     "native_decoder",
 ]
 
-WEIGHT_MODES = ("fp32", "bf16", "gguf", "int8", "int4", "gguf-q8", "int8-q8", "int4-q8")
+WEIGHT_MODES = ("fp32", "bf16", "fp16", "gguf", "int8", "int4", "gguf-q8", "int8-q8", "int4-q8")
 GGUF_MODES = ("gguf", "gguf-q8")
 """The formats that read a GGUF file's own quantised blocks."""
 INT4_GROUP_SIZE = 32
@@ -71,7 +75,7 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    """Every layer, the float32 embedding and final norm, and the LM head (float32 or quantised)."""
+    """Every layer, the float32 embedding and final norm, and the LM head (float or quantised)."""
 
     layers: list[LayerWeights]
     embed_VD: torch.Tensor
@@ -79,13 +83,17 @@ class ModelWeights:
     head_weight: Any  # float32 [V, D], QuantizedRows or PackedWeight
     head: PackedLinear  # final norm + LM head
     tied: bool  # the LM head is the embedding
+    compute_dtype: torch.dtype = torch.float32  # what the products were built to run in
 
     def head_VD(self) -> torch.Tensor:
-        """The LM head as float32 ``[V, D]`` (the embedding itself when tied)."""
+        """The LM head as ``[V, D]`` on the embedding's device: the float32 embedding itself when tied,
+        a float head as it is stored (no float32 copy of a bf16 head), quantised rows dequantised to
+        float32."""
         if self.tied:
             return self.embed_VD
         w = self.head_weight
-        return w.float() if isinstance(w, torch.Tensor) else w.dequantize()
+        w = w if isinstance(w, torch.Tensor) else w.dequantize()
+        return w.to(device=self.embed_VD.device)
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +109,9 @@ class _State:
         if weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
         self.state, self.weights, self.device, self.source = dict(state), weights, device, state
+        # float matrices go to the device once, in the format's dtype (never a float32 copy of a
+        # bf16 model there); int8 / int4 quantise from float32
+        self.matrix_dtype = FLOAT_FORMATS.get(weights, torch.float32)
         self.base, self.act8 = weights.removesuffix("-q8"), weights.endswith("-q8")  # act8: 8-bit activations
         if self.act8 and device.type != "cpu":
             raise ValueError(f"weights={weights!r} (8-bit activations) runs on the CPU, got device {device}")
@@ -128,7 +139,7 @@ class _State:
             return QuantizedRows.cat(parts)
         if any(isinstance(p, QuantizedRows) for p in parts):
             raise ValueError(f"{keys}: some of these GGUF tensors are quantised and some are not")
-        w = torch.cat([p.to(device=self.device, dtype=torch.float32) for p in parts])
+        w = torch.cat([p.to(device=self.device, dtype=self.matrix_dtype) for p in parts])
         return self.quantise(w)
 
     def quantise(self, w: torch.Tensor | QuantizedRows) -> torch.Tensor | QuantizedRows:
@@ -157,15 +168,25 @@ class _State:
 
 
 def build_weights(
-    config: LlamaConfig, state: dict[str, Any], *, weights: str, backend: str, device: torch.device
+    config: LlamaConfig,
+    state: dict[str, Any],
+    *,
+    weights: str,
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> ModelWeights:
-    """Fuse and pack a checkpoint's tensors, after holding every one to the config
+    """Fuse and pack a checkpoint's tensors on ``device``, after holding every one to the config
     (:func:`specdec.targets.checkpoint_contract.check_checkpoint`: ``ValueError`` naming the file, the
-    tensor, its shape and the expected one, or a missing or unused tensor)."""
+    tensor, its shape and the expected one, or a missing or unused tensor). ``dtype``: the compute
+    dtype (:func:`specdec.targets.placement.resolve_placement`): what quantised rows are dequantised
+    into on the PyTorch backends; float matrices are stored in the format's dtype."""
     c, s = config, _State(state, weights, device)
     check_checkpoint(config, state)
-    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
-    pack = lambda w, b=None, **kw: pack_linear(w, b, backend=backend, dtype=dtype, act8=s.act8, **kw)
+    storage = FLOAT_FORMATS.get(weights, dtype)  # float matrices in the format's dtype, rows into dtype
+    pack = lambda w, b=None, **kw: pack_linear(
+        w, b, backend=backend, dtype=storage, device=device, act8=s.act8, **kw
+    )
     eps = c.rms_norm_eps
     embed = s.float("model.embed_tokens.weight")
     layers = []
@@ -210,7 +231,7 @@ def build_weights(
         s.check_runnable("model.embed_tokens.weight", state["model.embed_tokens.weight"])
         head_w = s.quantise(state["model.embed_tokens.weight"] if weights in GGUF_MODES else embed)
     head = pack(head_w, norm_weight_I=norm_w, norm_eps=eps)
-    return ModelWeights(layers, embed, norm_w, head_w, head, tied)
+    return ModelWeights(layers, embed, norm_w, head_w, head, tied, dtype)
 
 
 # --- a cache of packed weights ----------------------------------------------------------------------
@@ -313,6 +334,8 @@ def requantized(weights: ModelWeights, mode: str, *, backend: str) -> ModelWeigh
             q,
             lin.bias_O,
             backend=backend,
+            dtype=lin.dtype,
+            device=lin.device,
             norm_weight_I=lin.norm_weight_I,
             norm_eps=lin.norm_eps,
             swiglu=lin.swiglu,
@@ -332,6 +355,7 @@ def requantized(weights: ModelWeights, mode: str, *, backend: str) -> ModelWeigh
         head.packed_weight if hasattr(head, "packed_weight") else weights.head_weight,
         head,
         weights.tied,
+        weights.compute_dtype,
     )
 
 
