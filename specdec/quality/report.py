@@ -20,8 +20,8 @@ COLUMNS = [
     ("ppl", "PPL", ".4f"),
     ("ppl_stderr", "$\\pm$", ".4f"),
     ("ppl_vs_reference", "PPL / ref.", ".4f"),
-    ("kld_mean", "mean KLD", ".6f"),
-    ("kld_p99", "KLD p99", ".5f"),
+    ("kld_mean", "mean KLD", ".3g"),
+    ("kld_p99", "KLD p99", ".3g"),
     ("top1_agree", "same top-1", ".4f"),
 ]
 """(key, LaTeX label, format) of the table's columns."""
