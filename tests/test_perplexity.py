@@ -217,6 +217,7 @@ def test_cli_writes_the_json_schema(tiny_path, tmp_path, capsys):
         (["--out", "/nonexistent/dir/x.json"], "--out /nonexistent/dir/x.json: its folder does not exist"),
         (["--peer-logits"], "--peer-logits compares"),
         (["--bos", "maybe"], "--bos must be one of"),
+        (["--peers", "llama.cpp"], "needs a target that comes as a GGUF file"),
     ],
 )
 def test_cli_refuses_bad_arguments(tiny_path, tmp_path, capsys, extra, message):
@@ -241,6 +242,9 @@ def test_cli_refuses_an_empty_text(tiny_path, tmp_path, capsys):
 
 
 def test_parser_reads_a_captured_llama_perplexity_output():
+    """The sample: the console output of perplexity.cpp's perplexity() over libllama
+    (experiments/peers/llama_perplexity_min.cpp, SmolLM2's GGUF, 16 chunks of ctx 256), its
+    loader's tensor lines cut."""
     text = (DATA / "llama_perplexity_output.txt").read_text()
     out = parse_llama_perplexity_output(text)
     assert out["ppl"] > 1 and 0 < out["ppl_stderr"] < out["ppl"]
@@ -264,24 +268,14 @@ def _fake_binary(tmp_path: Path, body: str) -> Path:
 def test_subprocess_path_with_a_fake_binary(tmp_path, monkeypatch):
     sample = DATA / "llama_perplexity_output.txt"
     args_file = tmp_path / "args.txt"
-    fake = _fake_binary(tmp_path, f'echo "$@" > {args_file}\ncat {sample} >&2\n')
+    fake = _fake_binary(tmp_path, f'echo "$@" >> {args_file}\ncat {sample} >&2\n')
     monkeypatch.setenv(LLAMA_PERPLEXITY_ENV, str(fake))
     gguf, text = tmp_path / "m.gguf", tmp_path / "t.txt"
-    out = run_llama_perplexity(gguf, text, ctx=256, chunks=7, threads=2)
+    out = run_llama_perplexity(gguf, text, ctx=256, chunks=7, threads=2, extra_args=["--no-repack"])
     assert out["ppl"] == parse_llama_perplexity_output(sample.read_text())["ppl"]
     assert out["binary"] == str(fake) and "-c 256" in out["command"]
-    assert args_file.read_text().split() == [
-        "-m",
-        str(gguf),
-        "-f",
-        str(text),
-        "-c",
-        "256",
-        "-t",
-        "2",
-        "--chunks",
-        "7",
-    ]
+    expected = ["-m", str(gguf), "-f", str(text), "-c", "256", "-t", "2", "--chunks", "7", "--no-repack"]
+    assert args_file.read_text().splitlines()[0].split() == expected  # then --version
 
     fail = _fake_binary(tmp_path, "echo 'error: unable to load model' >&2\nexit 1\n")
     monkeypatch.setenv(LLAMA_PERPLEXITY_ENV, str(fail))

@@ -56,6 +56,7 @@ def _llama_cpp(args: argparse.Namespace, gguf: Path | None, text_file: Path, wor
         chunks=args.chunks,
         threads=args.threads or 1,
         logits_file=logits,
+        extra_args=shlex.split(args.peer_args),
         timeout_s=args.peer_timeout,
     )
     return {"weights": "gguf", "gguf": str(gguf), "logits_file": logits, **out}
@@ -108,6 +109,7 @@ def _command(args: argparse.Namespace, weights: list[str]) -> str:
         parts += ["--bos", args.bos]
     if args.peers:
         parts += ["--peers", ",".join(args.peers)] + (["--peer-logits"] if args.peer_logits else [])
+        parts += [f"--peer-args={args.peer_args}"] if args.peer_args else []
     if args.out is not None:
         parts += ["--out", str(args.out)]
     return shlex.join(parts)
@@ -294,6 +296,12 @@ def add_perplexity(sub: argparse._SubParsersAction) -> None:
         "--peer-logits",
         action="store_true",
         help="save llama.cpp's log-probs and compare them with ours token by token",
+    )
+    p.add_argument(
+        "--peer-args",
+        default="",
+        metavar="ARGS",
+        help="more arguments for llama-perplexity, e.g. --peer-args=--no-repack (default: none)",
     )
     p.add_argument(
         "--peer-timeout",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,11 +85,13 @@ def run_llama_perplexity(
     chunks: int | None = None,
     threads: int = 1,
     logits_file: Path | None = None,
+    extra_args: Sequence[str] = (),
     timeout_s: float = 3600.0,
 ) -> dict[str, Any]:
-    """Run ``llama-perplexity`` on ``gguf`` and ``text_file``; its parsed estimate with ``binary``,
-    ``command``, ``version`` and ``build_options``. ``ValueError`` (one line) where it cannot run: no
-    GGUF file, no binary, a timeout, a failure, or output without a final estimate."""
+    """Run ``llama-perplexity`` on ``gguf`` and ``text_file`` (``extra_args`` appended, e.g.
+    ``--no-repack``); its parsed estimate with ``binary``, ``command``, ``version`` and
+    ``build_options``. ``ValueError`` (one line) where it cannot run: no GGUF file, no binary, a
+    timeout, a failure, or output without a final estimate."""
     if gguf is None:
         raise ValueError("--peers llama.cpp needs a target that comes as a GGUF file")
     binary = find_llama_perplexity()
@@ -103,6 +105,7 @@ def run_llama_perplexity(
         command += ["--chunks", str(chunks)]
     if logits_file is not None:
         command += ["--kl-divergence-base", str(logits_file)]
+    command += list(extra_args)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
