@@ -339,6 +339,15 @@ def test_peer_logits_round_trip_and_token_by_token_comparison(tiny, tmp_path):
     same, worse = result["weights"]["same"], result["weights"]["worse"]
     assert same["chunks"] == 3 and same["dnll_abs_max"] < 2e-4 and same["top1_agree"] == 1.0
     assert same["kld_mean"] < 1e-6 and worse["dnll_mean"] == pytest.approx(0.5, abs=2e-4)
+    flat = Scores(
+        scores[0].nll_N, torch.full_like(scores[0].logprobs_NV, -math.log(tiny.vocab_size)), scores[0].top1_N
+    )
+    uniform = PeerComparison(peer, chunks)
+    uniform.observe(0, "uniform", flat)
+    base = peer.chunk_logprobs(0).double()
+    by_hand = (base.exp() * (base - flat.logprobs_NV.double())).sum(-1).mean()  # all of them above -16
+    assert uniform.result()["weights"]["uniform"]["kld_mean"] == pytest.approx(float(by_hand), rel=1e-9)
+    assert float(by_hand) > 0.01
     other = chunks.clone()
     other[1, 5] += 1
     moved = PeerComparison(peer, other)
@@ -372,3 +381,46 @@ def test_heldout_pydoc_topics_stay_out_of_drafter_training():
     text = pydoc_text()
     assert all(topics[name].strip("\n") in text for name in held)
     assert text == pydoc_text()  # deterministic
+
+
+def test_committed_perplexity_table_comes_from_its_raw_figures():
+    from paper.results import load_summary
+    from specdec.bench.report import benchmark_document
+    from specdec.quality import report
+
+    path = Path(__file__).resolve().parents[1] / "paper" / "results" / "perplexity.json"
+    doc = load_summary(path)
+    envelope = {"schema", "experiment", "description", "created_at", "smoke", "complete", "num_runs"}
+    envelope |= {"num_planned_runs", "missing_run_ids", "machine", "title", "notes", "tables", "figures"}
+    raw = {k: v for k, v in doc.items() if k not in envelope}
+    again = benchmark_document(
+        raw, experiment="perplexity", summarize=report.summarize, description="", created_at=doc["created_at"]
+    )
+    assert json.loads(json.dumps(again["tables"])) == doc["tables"]
+    weights = doc["weights"]
+    assert weights[doc["reference"]]["kld_mean"] is None and doc["peers"]["llama.cpp"]["ppl"] > 1
+    for name, row in weights.items():
+        assert row["ppl_stderr"] > 0 and (name == doc["reference"]) == (row["top1_agree"] is None)
+
+
+def test_peer_kl_leaves_out_tokens_below_minus_16_as_llama_does(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    ctx, V = 8, 50
+    base_NV = torch.log_softmax(12 * torch.randn(ctx - 1 - ctx // 2, V, generator=g), dim=-1)
+    assert (base_NV < -16).any()  # some of llama.cpp's tokens fall below its range
+    chunks = torch.randint(0, V, (1, ctx), generator=g)
+    path = tmp_path / "base.bin"
+    _write_logits_file(path, chunks.reshape(-1).numpy(), [base_NV.numpy()], ctx, V)
+    peer = read_llama_logits(path)
+    ours = torch.full_like(base_NV, -math.log(V))
+    compare = PeerComparison(peer, chunks)
+    compare.observe(
+        0, "uniform", Scores(torch.zeros(base_NV.shape[0], dtype=torch.float64), ours, ours.argmax(-1))
+    )
+    stored = peer.chunk_logprobs(0).double()
+    kept = stored > -16
+    by_hand = (
+        torch.where(kept, stored.exp() * (stored + math.log(V)), torch.zeros_like(stored)).sum(-1).mean()
+    )
+    got = compare.result()["weights"]["uniform"]["kld_mean"]
+    assert got == pytest.approx(float(by_hand), rel=1e-6) and got > 1.0
