@@ -3,7 +3,7 @@
 // no parse_special), chunks, BOS replacement, n_seq = n_batch / n_ctx, context parameters (libllama's
 // defaults: f16 KV cache, flash attention auto, n_ubatch 512), second half scored, log_softmax, final
 // estimate and --kl-divergence-base file. Flags: -m -f -c -t -b --chunks --kl-divergence-base
-// -nr/--no-repack (as llama-perplexity's). Build (LLAMA = llama.cpp's source, BUILD its CMake build):
+// -nr/--no-repack, -ctk/-ctv f16|f32, -fa on|off|auto (as llama-perplexity's). Build (LLAMA = llama.cpp's source, BUILD its CMake build):
 //   g++ -O2 -std=c++17 -I$LLAMA/include -I$LLAMA/ggml/include llama_perplexity_min.cpp \
 //       -L$BUILD/bin -lllama -lggml -lggml-base -Wl,-rpath,$BUILD/bin -o llama-perplexity-min
 #include "llama.h"
@@ -24,6 +24,7 @@ int main(int argc, char ** argv) {
     std::string model, file, logits_file;
     int n_ctx = 512, n_chunks = -1, n_threads = 1, n_batch = 2048;
     bool no_repack = false;
+    std::string ctk = "f16", ctv = "f16", fa = "auto";
     for (int i = 1; i < argc; i++) {
         std::string a = argv[i];
         if (a == "-m") model = argv[++i];
@@ -34,6 +35,9 @@ int main(int argc, char ** argv) {
         else if (a == "--chunks") n_chunks = atoi(argv[++i]);
         else if (a == "--kl-divergence-base") logits_file = argv[++i];
         else if (a == "-nr" || a == "--no-repack") no_repack = true;
+        else if (a == "-ctk" || a == "--cache-type-k") ctk = argv[++i];
+        else if (a == "-ctv" || a == "--cache-type-v") ctv = argv[++i];
+        else if (a == "-fa" || a == "--flash-attn") fa = argv[++i];
         else { fprintf(stderr, "unknown argument %s\n", a.c_str()); return 1; }
     }
     std::ifstream in(file, std::ios::binary);
@@ -55,6 +59,10 @@ int main(int argc, char ** argv) {
     cparams.n_outputs_max_per_seq = 0;
     cparams.n_threads = n_threads;
     cparams.n_threads_batch = n_threads;
+    cparams.type_k = ctk == "f32" ? GGML_TYPE_F32 : GGML_TYPE_F16;
+    cparams.type_v = ctv == "f32" ? GGML_TYPE_F32 : GGML_TYPE_F16;
+    cparams.flash_attn_type = fa == "on" ? LLAMA_FLASH_ATTN_TYPE_ENABLED
+                            : fa == "off" ? LLAMA_FLASH_ATTN_TYPE_DISABLED : LLAMA_FLASH_ATTN_TYPE_AUTO;
     llama_context * ctx = llama_init_from_model(mdl, cparams);
     if (!ctx) { fprintf(stderr, "failed to create context\n"); return 1; }
     n_batch = cparams.n_batch;

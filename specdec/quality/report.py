@@ -8,6 +8,7 @@ The record is what ``specdec perplexity --out`` writes (and the ``quality`` expe
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from specdec.summary import Summary, Table, table_from_rows
@@ -66,6 +67,12 @@ def table(record: Mapping[str, Any], name: str = "perplexity") -> Table:
         f"KL(\\texttt{{{record.get('reference')}}} $\\|$ weights) per scored token over the whole "
         "vocabulary (mean, 99th percentile); same top-1: the argmaxes agree."
     )
+    for peer, r in (record.get("peers") or {}).items():
+        binary = Path(str(r.get("binary", peer))).name
+        caption += (
+            f" {peer}: \\texttt{{{binary}}} on the same GGUF file, text and ctx, over its own tokens "
+            f"({r.get('n_chunks')} chunks)."
+        )
     return table_from_rows(name, caption.replace("_", "\\_"), COLUMNS, rows(record))
 
 
