@@ -45,7 +45,7 @@ LLAMA_PERPLEXITY_ENV = "LLAMA_PERPLEXITY"
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.eE+-]+|nan|inf) \+/- ([0-9.eE+-]+|nan|inf)")
 _CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+), batch_size=(\d+), n_seq=(\d+)")
 _TOO_SHORT = re.compile(r"tokenizes to only (\d+) tokens")
-_SYSTEM = re.compile(r"^system_info: (.*)$", re.MULTILINE)
+_SYSTEM = re.compile(r"system_info: (.*)$", re.MULTILINE)
 _PASS = re.compile(r"([0-9.]+) seconds per pass")
 
 
