@@ -168,7 +168,7 @@ def load_prompts(tokenizer) -> list[Prompt]:
 
 
 def _text_files(seed: int) -> list[Path]:
-    """Standard-library Python files and package READMEs, in a seeded order."""
+    """Standard-library Python files (``pydoc_data`` excluded) and package READMEs, in a seeded order."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     py = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
     purelib = Path(sysconfig.get_paths()["purelib"])
@@ -182,7 +182,9 @@ def _text_files(seed: int) -> list[Path]:
     out = []
     for i in range(max(len(py), len(docs))):
         out += [p for p in (py[i] if i < len(py) else None, docs[i] if i < len(docs) else None) if p]
-    return out
+    # pydoc_data holds the quality text (specdec.quality.text): never trained on. Dropped after the
+    # shuffle, so every other file keeps its place.
+    return [p for p in out if "pydoc_data" not in p.parts]
 
 
 def _function_sources(path: Path):

@@ -24,6 +24,7 @@ EXPERIMENTS = Registry(
         "leviathan-table3-analog": "experiments.catalog.leviathan_table3_analog:EXPERIMENT",
         "lossy-quality": "experiments.catalog.lossy_quality:EXPERIMENT",
         "moe-verify-cost": "experiments.catalog.moe_verify_cost:EXPERIMENT",
+        "quality": "experiments.catalog.quality:EXPERIMENT",
         "serving-load": "experiments.catalog.serving_load:EXPERIMENT",
         "speedup-table": "experiments.catalog.speedup_table:EXPERIMENT",
         "switch-tables": "experiments.catalog.switch_tables:EXPERIMENT",

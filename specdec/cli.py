@@ -6,6 +6,7 @@
     specdec export-head HEAD --format speculators --out DIR
     specdec serve --target smollm2-135m --drafter default --port 8000   # extra [serve]
     specdec bench-serve --servers ours:none,ours:default,llama-server --concurrency 1,2,4,8
+    specdec perplexity --target smollm2-135m --weights fp32,gguf-q8 --text FILE --ctx 256 --peers llama.cpp
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``specdec`` argument parser (``generate``, ``bench``, ``export-head``, ``serve``,
-    ``bench-serve``)."""
+    ``bench-serve``, ``perplexity``)."""
     parser = ArgumentParser(prog="specdec", description="Speculative decoding with exact verification.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     _add_generate(sub)
@@ -199,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.bench.serve_command import add_bench_serve
 
     add_bench_serve(sub)
+    from specdec.quality.command import add_perplexity
+
+    add_perplexity(sub)
     return parser
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "LLAMA_BENCH_ENV",
     "PROMPT_BLOCKS",
     "GEN_TOKENS",
+    "find_llama_tool",
     "find_llama_bench",
     "parse_llama_bench_json",
     "run_llama_bench",
@@ -59,17 +60,23 @@ _BUILD_KEYS = (
 _ISA_PREFIXES = ("GGML_AVX", "GGML_FMA", "GGML_F16C", "GGML_BMI2", "GGML_AMX", "GGML_SSE")
 
 
-def find_llama_bench() -> Path | None:
-    """The ``llama-bench`` binary: ``$LLAMA_BENCH`` when set, else ``llama-bench`` on ``PATH``; None
-    without one. A ``$LLAMA_BENCH`` that is not an executable file is a ``ValueError``."""
-    named = os.environ.get(LLAMA_BENCH_ENV)
+def find_llama_tool(name: str, env: str) -> Path | None:
+    """A llama.cpp binary: ``$env`` when set, else ``name`` on ``PATH``; None without one. An
+    ``$env`` that is not an executable file is a ``ValueError``."""
+    named = os.environ.get(env)
     if named:
         path = Path(named).expanduser()
         if not (path.is_file() and os.access(path, os.X_OK)):
-            raise ValueError(f"${LLAMA_BENCH_ENV}={named!r} is not an executable file (expected llama-bench)")
+            raise ValueError(f"${env}={named!r} is not an executable file (expected {name})")
         return path
-    found = shutil.which("llama-bench")
+    found = shutil.which(name)
     return Path(found) if found else None
+
+
+def find_llama_bench() -> Path | None:
+    """The ``llama-bench`` binary: ``$LLAMA_BENCH`` when set, else ``llama-bench`` on ``PATH``; None
+    without one. A ``$LLAMA_BENCH`` that is not an executable file is a ``ValueError``."""
+    return find_llama_tool("llama-bench", LLAMA_BENCH_ENV)
 
 
 def parse_llama_bench_json(text: str, source: str = "llama-bench output") -> dict[str, Any]:

@@ -7,7 +7,8 @@ models, a unigram and a bigram language model, beside small transformers: unigra
 transformer, at temperature 0 and 1. These drafters are those baselines for our targets. Their
 statistics are counted once from text that is on every machine, tokenized with the target's own
 tokenizer: the HumanEval prompts, the MT-Bench questions, Python standard-library source and the
-Python documentation topics shipped with the interpreter (``pydoc_data``). Counts are cached as
+Python documentation topics shipped with the interpreter (``pydoc_data``; a quarter of them held
+out as the quality text, :mod:`specdec.quality.text`). Counts are cached as
 safetensors under the specdec cache dir (``$SPECDEC_CACHE/ngram_lm``), keyed by tokenizer and
 corpus, so later constructions take well under a second.
 
@@ -77,10 +78,13 @@ def _stdlib_documents() -> list[str]:
 
 
 def _pydoc_documents() -> list[str]:
-    """The Python documentation topics (language reference text) shipped in ``pydoc_data``."""
+    """The Python documentation topics (language reference text) shipped in ``pydoc_data``, less the
+    ones held out as the quality text (:func:`specdec.quality.text.training_topics`)."""
     from pydoc_data.topics import topics
 
-    return [topics[name] for name in sorted(topics)]
+    from specdec.quality.text import training_topics
+
+    return [topics[name] for name in training_topics()]
 
 
 CORPUS_SOURCES: dict[str, Callable[[], list[str]]] = {
