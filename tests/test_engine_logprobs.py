@@ -89,6 +89,18 @@ def test_values_match_a_plain_forward(target):
         assert math.isfinite(entry.logprob) and entry.logprob <= 0
 
 
+def test_prompt_logprobs_equal_the_perplexity_values(target):
+    """``echo``'s prompt log-probs (the engine's chunked prefill) are ``specdec perplexity``'s
+    per-token values (:func:`specdec.quality.token_logprobs`, one forward over the sequence), bitwise."""
+    from specdec.quality.logprobs import token_logprobs as quality_logprobs
+
+    for prompt in PROMPTS:
+        (out,) = run(target, "none", [prompt], max_new_tokens=1, temperature=0.0, prompt_logprobs=0)
+        values = quality_logprobs(target, prompt).tolist()
+        assert len(values) == len(prompt) - 1
+        assert [e.logprob for e in out.prompt_logprobs[1:]] == values
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "default"])
 def test_speculative_equals_plain_bitwise(target, drafter):
     options = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True, "logprobs": 4}
