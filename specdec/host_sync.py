@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -65,8 +66,11 @@ _INDEXING = {_T.__getitem__, _T.__setitem__}
 
 
 def _to_host(func: Any, args: tuple, kwargs: dict) -> bool:
-    """A ``Tensor.to`` / ``copy`` call that lands on the CPU."""
-    if func is not _T.to:
+    """A ``Tensor.to`` call that copies to the host: to the CPU from another device, or with
+    ``copy=True`` (a move to "the device" is no read where the device is the CPU itself)."""
+    if func is not _T.to or not args:
+        return False
+    if args[0].device.type == "cpu" and not kwargs.get("copy", False):
         return False
     for a in (*args[1:], kwargs.get("device")):
         if isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu":
@@ -96,17 +100,16 @@ class _TaintMode(TorchFunctionMode):
     def __init__(self, record: HostSyncs) -> None:
         super().__init__()
         self.record = record
-        self.marked: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        self.marked: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.in_target = 0
 
     def mark(self, value: Any) -> Any:
-        for t in tree_flatten(value)[0]:
-            if isinstance(t, torch.Tensor):
-                self.marked.add(t)
+        for t in _tensors(value):
+            self.marked[id(t)] = t
         return value
 
     def _is_marked(self, values: list[Any]) -> bool:
-        return any(isinstance(t, torch.Tensor) and t in self.marked for t in values)
+        return any(isinstance(t, torch.Tensor) and self.marked.get(id(t)) is t for t in values)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -137,6 +140,14 @@ class _TaintMode(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         self.record.count += 1
         self.record.reads.append(f"target:{name}" if self.in_target else name)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a value: a tensor, a (nested) list, tuple or dict of them, or a dataclass's fields
+    (a target's ``TargetOutput``)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
 @contextlib.contextmanager
