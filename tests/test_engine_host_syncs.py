@@ -230,3 +230,24 @@ def test_avoids_host_follows_the_device_and_the_forced_paths():
     with accelerator_paths():
         assert avoids_host(x)
     assert not avoids_host(x)
+
+
+def test_on_cuda_the_counter_counts_the_sync_debug_warnings(monkeypatch):
+    """The CUDA mode (``torch.cuda.set_sync_debug_mode("warn")``) with the driver's calls stubbed: each
+    synchronising-call warning counts once, other warnings pass through, the mode is restored."""
+    import warnings
+
+    modes = ["off"]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: modes.append(mode))
+    with pytest.warns(UserWarning, match="unrelated"):
+        with count_host_syncs(device="cuda") as syncs:
+            assert modes[-1] == "warn"
+            for _ in range(3):
+                warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+            warnings.warn("unrelated", UserWarning, stacklevel=1)
+    assert syncs.count == 3 and modes[-1] == 0
+    with pytest.raises(ValueError, match="needs target="):
+        with count_host_syncs(device="cpu"):
+            pass
