@@ -11,10 +11,11 @@ chosen by a count, no boolean-mask indexing), which compute the same tokens as t
   the CPU inside :func:`accelerator_paths` (how the CPU tests run the accelerator's code).
 - :func:`count_host_syncs` counts the reads of a block of code: on CUDA every synchronising call
   (``torch.cuda.set_sync_debug_mode``); on the CPU the reads of values that derive from a target's
-  forward (taint tracking through a ``TorchFunctionMode``): what would be a synchronisation if the
-  target ran on an accelerator. The CPU count cannot see a read of a tensor that the code itself
-  made from host values (on an accelerator that is a synchronisation too when the tensor was moved
-  there first); the CUDA count sees everything.
+  forward, or from a tensor made or moved with an explicit ``device`` (taint tracking through a
+  ``TorchFunctionMode``): what would be a synchronisation if the target ran on an accelerator. The
+  CPU count cannot see a read inside a C++ op (one that checks its input's values on the CPU only),
+  nor a read of a tensor the code moved to the device without naming one; the CUDA count sees
+  everything.
 """
 
 from __future__ import annotations
@@ -78,6 +79,14 @@ def _to_host(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _to_device(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A tensor made or moved with an explicit device (``torch.tensor(..., device=d)``,
+    ``x.to(d)``): code written for the device names it; host bookkeeping does not."""
+    if kwargs.get("device") is not None:
+        return True
+    return func is _T.to and any(isinstance(a, (str, torch.device)) for a in args[1:])
+
+
 @dataclass
 class HostSyncs:
     """The reads counted by :func:`count_host_syncs`: ``count`` in all, ``reads`` their names, in order,
@@ -126,6 +135,8 @@ class _TaintMode(TorchFunctionMode):
         if read and marked:
             self._count(func)
         out = func(*args, **kwargs)
+        if not read and _to_device(func, args, kwargs):
+            self.mark(out)  # made for the device: on an accelerator it lives there
         if marked and not read:
             self.mark(out)
             name = getattr(func, "__name__", "")

@@ -189,12 +189,18 @@ class PositionNoise:
         return _mix64(base + positions_BK * _GAMMA)
 
     def uniform_BK(
-        self, positions_BK: torch.Tensor, stream: str, *, dtype: torch.dtype = torch.float64
+        self,
+        positions_BK: torch.Tensor,
+        stream: str,
+        *,
+        dtype: torch.dtype = torch.float64,
+        validate: bool = True,
     ) -> torch.Tensor:
-        """One uniform in (0, 1) per ``(row, position)``: float64 (52 bits) or float32 (23 bits)."""
+        """One uniform in (0, 1) per ``(row, position)``: float64 (52 bits) or float32 (23 bits).
+        ``validate=False`` trusts the positions (checking them reads their minimum on the host)."""
         if dtype not in (torch.float64, torch.float32):
             raise ValueError(f"dtype must be torch.float64 or torch.float32, got {dtype}")
-        return _bits_to_unit_(_mix64(self.keys(positions_BK, stream)), dtype)
+        return _bits_to_unit_(_mix64(self.keys(positions_BK, stream, validate=validate)), dtype)
 
     def uniform_BKV(self, positions_BK: torch.Tensor, V: int, stream: str) -> torch.Tensor:
         """float32 uniforms in (0, 1), ``positions_BK.shape + (V,)``: one per vocab index."""

@@ -346,7 +346,7 @@ def tree_rejection_sample(
             raise ValueError(f"noise needs positions_BN of shape [{B}, {N}]")
         positions_BN = positions_BN.to(device=device, dtype=torch.long)
         keys_BN = positions_BN[:, :1] * _KEYS_PER_ROOT + torch.arange(N, device=device)
-        u_BN = noise.uniform_BK(keys_BN, "tree", dtype=work)
+        u_BN = noise.uniform_BK(keys_BN, "tree", dtype=work, validate=validate)
     else:
         u_BN = torch.rand((B, N), generator=generator, device=device, dtype=work)
     node_B = torch.zeros(B, dtype=torch.long, device=device)

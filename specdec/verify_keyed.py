@@ -106,7 +106,7 @@ def rejection_sample_keyed(
     else:
         draft_probs_BKV = draft_probs_BKV.to(work_dtype)
         draft_at_draft_BK = draft_probs_BKV.gather(-1, draft_tokens_BK.unsqueeze(-1)).squeeze(-1)
-    u_BK = noise.uniform_BK(positions_BK[:, :K], "accept")
+    u_BK = noise.uniform_BK(positions_BK[:, :K], "accept", validate=validate)
     # u < target/draft  <=>  u·draft < target (float64 u); draft == 0 is rejected.
     accepted_BK = (u_BK * draft_at_draft_BK < target_at_draft_BK) & (draft_at_draft_BK > 0)
     num_accepted_B = accepted_BK.long().cumprod(dim=-1).sum(dim=-1)

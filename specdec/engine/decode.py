@@ -210,14 +210,17 @@ class DecodeSteps:
         rows = [r for u in units for r in u.rows]
         # the block is built where the drafts are (host drafts stay on the host, for the target's checks)
         where = next((d.device for u in units for d in [_drafts(u.block)] if d.device.type != "cpu"), "cpu")
-        roots_B = torch.tensor([r.generated[-1] for r in rows], dtype=torch.long, device=where)
+        roots_B = torch.tensor([r.generated[-1] for r in rows], dtype=torch.long)
+        if where != "cpu":
+            roots_B = roots_B.to(where)
         start_B = torch.tensor([r.length - 1 for r in rows], dtype=torch.long)
         rows_B = torch.tensor([r.slot for r in rows], dtype=torch.long)
         T_max = max(u.block.num_drafted for u in units) + 1
         if len(units) == 1:
             tokens_BT = units[0].block.tokens_BT(roots_B)
         else:
-            tokens_BT = torch.zeros((len(rows), T_max), dtype=torch.long, device=where)
+            tokens_BT = torch.zeros((len(rows), T_max), dtype=torch.long)
+            tokens_BT = tokens_BT if where == "cpu" else tokens_BT.to(where)
             r0 = 0
             for u in units:
                 seq = u.block.tokens_BT(roots_B[r0 : r0 + u.size])
