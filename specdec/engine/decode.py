@@ -46,7 +46,7 @@ from specdec.metrics import StepStats
 from specdec.noise import PositionNoise
 from specdec.protocols import Proposal, TargetOutput
 
-__all__ = ["DecodeSteps", "mix_seed", "on_host", "raise_faults"]
+__all__ = ["DecodeSteps", "mix_seed", "raise_faults"]
 
 _DECAY = 0.97  # forgetting of the acceptance estimates a_k per request
 
@@ -57,14 +57,6 @@ def mix_seed(seed: int, position: int, salt: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
     return z ^ (z >> 31)
-
-
-def on_host(out: TargetOutput) -> TargetOutput:
-    """A target's output with its logits on the CPU (the features stay on the target's device): for a
-    rule that verifies on the host."""
-    if out.logits_BTV.device.type == "cpu":
-        return out
-    return TargetOutput(out.logits_BTV.cpu(), out.hidden_BTD, out.aux_hidden_BTD)
 
 
 def _proposal_tensors(proposal: Proposal) -> list[Any]:
