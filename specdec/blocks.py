@@ -23,7 +23,7 @@ accept (K, or the tree's depth).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -80,7 +80,7 @@ class ChainBlock:
             rule,
             logits_BTV,
             self.draft_tokens_BK.to(logits_BTV.device),
-            self.draft_probs_BKV,
+            _to(self.draft_probs_BKV, logits_BTV.device),
             sampling=sampling,
             generator=generator,
             validate=False,  # the loop checked the proposal (specdec.checks) and the logits
@@ -95,7 +95,7 @@ class ChainBlock:
         if not callable(fast):
             return None
         draft_BK = self.draft_tokens_BK.to(logits_BTV.device)
-        result = fast(logits_BTV, draft_BK, self.draft_probs_BKV)
+        result = fast(logits_BTV, draft_BK, _to(self.draft_probs_BKV, logits_BTV.device))
         return None if result is None else Verdict(result.tokens, result.num_accepted)
 
     def settle(
@@ -143,10 +143,11 @@ class TreeBlock:
         generator: torch.Generator | None,
         **rule_kwargs: Any,
     ) -> Verdict:
-        result = verify_tree(
-            rule, logits_BTV, self.proposal, sampling=sampling, generator=generator, **rule_kwargs
-        )
         device = logits_BTV.device
+        p = self.proposal
+        if p.tokens_BN.device != device:  # drafts from the host, verified where the logits are
+            p = replace(p, tokens_BN=p.tokens_BN.to(device), draft_probs_BNV=_to(p.draft_probs_BNV, device))
+        result = verify_tree(rule, logits_BTV, p, sampling=sampling, generator=generator, **rule_kwargs)
         num_accepted_B = result.num_accepted.to(device)
         # The root and the accepted nodes, in path order; past a row's acceptance, repeat its last
         # accepted node (what lands there is beyond the row's new length: stale, never read).
@@ -181,6 +182,10 @@ class TreeBlock:
             if not out.aux_hidden_BTD
             else {i: on_path(h) for i, h in out.aux_hidden_BTD.items()},
         )
+
+
+def _to(t: torch.Tensor | None, device: Any) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
 
 
 def _rows(rows_B: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -9,6 +9,10 @@ the loop runs :func:`check_proposal` on every proposal of every step (third-part
 own alike) and :func:`check_logits` on every target output, and stops with a ``ValueError`` that
 names the step, the row and the source. Both cost one or two reductions over tensors the loop
 reads anyway (``specdec bench`` reports the time per step as ``check_time_s``).
+
+On an accelerator a check must not read the host: :func:`logits_faults` and :func:`proposal_faults`
+compute the same conditions as one bool on the device, which the engine brings to the host with the
+step's committed tokens; where it is set, the full check runs and raises its message.
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ import torch
 
 from specdec.protocols import Proposal
 
-__all__ = ["check_proposal", "check_logits", "PROB_SUM_ATOL", "value_range"]
+__all__ = [
+    "check_proposal",
+    "check_logits",
+    "logits_faults",
+    "proposal_faults",
+    "PROB_SUM_ATOL",
+    "value_range",
+]
 
 PROB_SUM_ATOL = 1e-3
 """Tolerance on Σ probs = 1 (float32 sums over a 50k vocabulary are off by ~1e-5)."""
@@ -55,13 +66,50 @@ def check_logits(logits_BTV: torch.Tensor, *, step: int | str, source: str) -> N
         )
 
 
-def _check_ids(name: str, ids: torch.Tensor, shape: tuple[int, ...], vocab_size: int, where: str) -> None:
+def logits_faults(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool on the logits' device: True where :func:`check_logits` would raise (no host read)."""
+    return (~torch.isfinite(logits_BTV.amax(dim=-1))).any()
+
+
+def proposal_faults(proposal: Proposal, *, vocab_size: int) -> torch.Tensor:
+    """A 0-dim bool on the proposal's device: True where the value checks of :func:`check_proposal`
+    would raise (ids outside ``[0, V)``, probabilities not finite, negative or unnormalised); its
+    shapes and dtypes are checked on the host first (``check_proposal(..., values=False)``)."""
+    tokens = proposal.tokens_BK
+    parts = [_ids_bad(tokens, vocab_size)]
+    if proposal.probs_BKV is not None:
+        parts.append(_probs_bad(proposal.probs_BKV, slice(None)))
+    tree = proposal.tree
+    if tree is not None:
+        parts.append(_ids_bad(tree.tokens_BN[:, 1:], vocab_size))
+        if tree.draft_probs_BNV is not None:
+            parents = [i for i in range(tree.tree.num_nodes) if tree.tree.children[i]]
+            parts.append(_probs_bad(tree.draft_probs_BNV, parents))
+    device = tokens.device
+    return torch.stack([p.to(device) for p in parts]).any()
+
+
+def _ids_bad(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return ((ids < 0) | (ids >= vocab_size)).any()
+
+
+def _probs_bad(probs: torch.Tensor, rows: slice | list) -> torch.Tensor:
+    if probs.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=probs.device)
+    values_bad = (~torch.isfinite(probs) | (probs < 0)).any()
+    sums = probs[:, rows].double().sum(dim=-1)
+    return values_bad | ((sums - 1.0).abs() > PROB_SUM_ATOL).any()
+
+
+def _check_ids(
+    name: str, ids: torch.Tensor, shape: tuple[int, ...], vocab_size: int, where: str, values: bool = True
+) -> None:
     if not isinstance(ids, torch.Tensor) or ids.dtype not in _INT_DTYPES:
         got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ValueError(f"{where}: {name} must be an integer tensor, got {got}")
     if tuple(ids.shape) != shape:
         raise ValueError(f"{where}: {name} must have shape {list(shape)}, got {list(ids.shape)}")
-    if ids.numel():
+    if values and ids.numel():
         low, high = torch.aminmax(ids)
         if int(low) < 0 or int(high) >= vocab_size:
             bad = ((ids < 0) | (ids >= vocab_size)).nonzero()[0].tolist()
@@ -72,7 +120,12 @@ def _check_ids(name: str, ids: torch.Tensor, shape: tuple[int, ...], vocab_size:
 
 
 def _check_probs(
-    name: str, probs: torch.Tensor, shape: tuple[int, ...], where: str, rows: slice | list
+    name: str,
+    probs: torch.Tensor,
+    shape: tuple[int, ...],
+    where: str,
+    rows: slice | list,
+    values: bool = True,
 ) -> None:
     """Finite, non-negative everywhere; normalised (to ``PROB_SUM_ATOL``) at positions ``rows``."""
     if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
@@ -80,7 +133,7 @@ def _check_probs(
         raise ValueError(f"{where}: {name} must be a floating-point tensor or None, got {got}")
     if tuple(probs.shape) != shape:
         raise ValueError(f"{where}: {name} must have shape {list(shape)}, got {list(probs.shape)}")
-    if probs.numel() == 0:
+    if not values or probs.numel() == 0:
         return
     if probs.device.type == "cpu" and probs.dtype == torch.float32:  # single-threaded, as in check_logits
         arr = probs.detach().numpy()
@@ -109,7 +162,14 @@ def _check_probs(
 
 
 def check_proposal(
-    proposal: Proposal, *, batch_size: int, gamma: int, vocab_size: int, step: int, source: str
+    proposal: Proposal,
+    *,
+    batch_size: int,
+    gamma: int,
+    vocab_size: int,
+    step: int,
+    source: str,
+    values: bool = True,
 ) -> None:
     """``ValueError`` naming the step, the drafter and the row unless ``proposal`` is well formed:
 
@@ -118,6 +178,9 @@ def check_proposal(
     - ``tree`` (a :class:`specdec.tree.TreeProposal`): depth ``<= gamma``, ``tokens_BN`` integer
       ``[B, N]`` with ids in ``[0, V)`` below the root, ``draft_probs_BNV`` None or float
       ``[B, N, V]``, finite and non-negative, normalised at every node that has children.
+
+    ``values=False`` checks types, dtypes and shapes only (no host read of the values: on an
+    accelerator the engine checks them with :func:`proposal_faults`).
     """
     where = f"step {step}: drafter {source}"
     if not isinstance(proposal, Proposal):
@@ -129,14 +192,16 @@ def check_proposal(
     K = tokens.shape[1]
     if K > gamma:
         raise ValueError(f"{where}: proposed K={K} tokens, more than the gamma={gamma} asked for")
-    _check_ids("tokens_BK", tokens, (batch_size, K), vocab_size, where)
+    _check_ids("tokens_BK", tokens, (batch_size, K), vocab_size, where, values)
     if proposal.probs_BKV is not None:
-        _check_probs("probs_BKV", proposal.probs_BKV, (batch_size, K, vocab_size), where, slice(None))
+        _check_probs("probs_BKV", proposal.probs_BKV, (batch_size, K, vocab_size), where, slice(None), values)
     if proposal.tree is not None:
-        _check_tree(proposal.tree, batch_size, gamma, vocab_size, where)
+        _check_tree(proposal.tree, batch_size, gamma, vocab_size, where, values)
 
 
-def _check_tree(tree_proposal, batch_size: int, gamma: int, vocab_size: int, where: str) -> None:
+def _check_tree(
+    tree_proposal, batch_size: int, gamma: int, vocab_size: int, where: str, values: bool = True
+) -> None:
     from specdec.tree import TreeProposal
 
     if not isinstance(tree_proposal, TreeProposal):
@@ -151,9 +216,14 @@ def _check_tree(tree_proposal, batch_size: int, gamma: int, vocab_size: int, whe
     if not isinstance(tokens_BN, torch.Tensor) or tuple(tokens_BN.shape) != (batch_size, N):
         got = list(tokens_BN.shape) if isinstance(tokens_BN, torch.Tensor) else type(tokens_BN).__name__
         raise ValueError(f"{where}: tree tokens_BN must be a [B={batch_size}, N={N}] tensor, got {got}")
-    _check_ids("tree tokens_BN", tokens_BN[:, 1:], (batch_size, N - 1), vocab_size, where)
+    _check_ids("tree tokens_BN", tokens_BN[:, 1:], (batch_size, N - 1), vocab_size, where, values)
     if tree_proposal.draft_probs_BNV is not None:
         parents = [i for i in range(N) if tree.children[i]]
         _check_probs(
-            "tree draft_probs_BNV", tree_proposal.draft_probs_BNV, (batch_size, N, vocab_size), where, parents
+            "tree draft_probs_BNV",
+            tree_proposal.draft_probs_BNV,
+            (batch_size, N, vocab_size),
+            where,
+            parents,
+            values,
         )

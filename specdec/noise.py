@@ -51,9 +51,10 @@ from typing import Any
 
 import torch
 
+from specdec.host_sync import avoids_host
 from specdec.seeds import check_seed
 
-__all__ = ["STREAMS", "PositionNoise", "sample_keyed", "draft_keyed"]
+__all__ = ["STREAMS", "PositionNoise", "sample_keyed", "sample_with_keys", "draft_keyed"]
 
 STREAMS: dict[str, int] = {"sample": 1, "accept": 2, "residual": 3, "draft": 4, "tree": 5}
 """Stream name -> the id mixed into the key."""
@@ -188,12 +189,18 @@ class PositionNoise:
         return _mix64(base + positions_BK * _GAMMA)
 
     def uniform_BK(
-        self, positions_BK: torch.Tensor, stream: str, *, dtype: torch.dtype = torch.float64
+        self,
+        positions_BK: torch.Tensor,
+        stream: str,
+        *,
+        dtype: torch.dtype = torch.float64,
+        validate: bool = True,
     ) -> torch.Tensor:
-        """One uniform in (0, 1) per ``(row, position)``: float64 (52 bits) or float32 (23 bits)."""
+        """One uniform in (0, 1) per ``(row, position)``: float64 (52 bits) or float32 (23 bits).
+        ``validate=False`` trusts the positions (checking them reads their minimum on the host)."""
         if dtype not in (torch.float64, torch.float32):
             raise ValueError(f"dtype must be torch.float64 or torch.float32, got {dtype}")
-        return _bits_to_unit_(_mix64(self.keys(positions_BK, stream)), dtype)
+        return _bits_to_unit_(_mix64(self.keys(positions_BK, stream, validate=validate)), dtype)
 
     def uniform_BKV(self, positions_BK: torch.Tensor, V: int, stream: str) -> torch.Tensor:
         """float32 uniforms in (0, 1), ``positions_BK.shape + (V,)``: one per vocab index."""
@@ -249,12 +256,13 @@ def _race_argmax(weights_NV: torch.Tensor, keys_N: torch.Tensor) -> torch.Tensor
     """Gumbel-max (exponential race) token per row of non-negative weights under each row's key.
 
     Ties go to the lowest vocab id (as ``argmax``); the sparse and dense passes give the same tokens.
+    On an accelerator only the dense pass runs: choosing would read a count on the host.
     """
     N, V = weights_NV.shape
     device = weights_NV.device
     if N == 0:
         return torch.empty(0, dtype=torch.long, device=device)
-    if int(torch.count_nonzero(weights_NV)) <= _SPARSE_FRACTION * N * V:
+    if not avoids_host(weights_NV) and int(torch.count_nonzero(weights_NV)) <= _SPARSE_FRACTION * N * V:
         # Only the non-zero weights (their noise is the same as in the dense pass), then a per-row
         # argmax over those entries: the row maximum, and the lowest vocab id that reaches it.
         rows_M, vocab_M = weights_NV.nonzero(as_tuple=True)
@@ -320,6 +328,14 @@ def sample_keyed(
     V = probs_BV.shape[-1]
     tokens_N = _race_argmax(probs_BV.reshape(-1, V), keys_N)
     return tokens_N.reshape(probs_BV.shape[:-1])
+
+
+def sample_with_keys(weights_NV: torch.Tensor, keys_N: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max sample per row of non-negative ``weights [N, V]`` under each row's own key ``[N]``
+    (int64, from :meth:`PositionNoise.keys`): the token :func:`sample_keyed` gives at that key, for
+    rows whose keys come from different streams (keyed ``exact``'s recovered and bonus tokens in one
+    call). Inputs are trusted (no checks)."""
+    return _race_argmax(weights_NV, keys_N)
 
 
 def draft_keyed(

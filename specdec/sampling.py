@@ -77,6 +77,8 @@ def logits_to_probs(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Turn ``logits [..., V]`` into float32 probabilities ``[..., V]``.
 
@@ -87,6 +89,9 @@ def logits_to_probs(
       ``min(k, V)`` tokens survive.
     - top-p keeps the smallest prefix of the sorted (top-k) distribution whose mass reaches p: the
       token that crosses p is kept.
+
+    ``validate=False`` skips the check that every row is finite (a host read of the logits: the
+    engine checks its logits once per step, in its one transfer).
     """
     validate_sampling(temperature, top_k, top_p)
     if logits.ndim < 1 or logits.shape[-1] < 1:
@@ -97,7 +102,7 @@ def logits_to_probs(
     V = logits.shape[-1]
     # amax propagates NaN: one reduction finds NaN, +inf and rows with no finite logit at all.
     row_max = logits.amax(dim=-1, keepdim=True)
-    if not bool(torch.isfinite(row_max).all()):
+    if validate and not bool(torch.isfinite(row_max).all()):
         raise ValueError(f"logits must be finite (-inf allowed, not in a whole row): {_first_bad(row_max)}")
 
     if temperature == 0.0:
@@ -136,14 +141,17 @@ def _first_bad(row_stat_N1: torch.Tensor) -> str:
     return f"the first bad row is at index {index}" if index else "the row is bad"
 
 
-def sample_from_probs(probs_NV: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_from_probs(
+    probs_NV: torch.Tensor, generator: torch.Generator | None = None, *, validate: bool = True
+) -> torch.Tensor:
     """Draw one token id per row of ``probs [..., V]``; returns ``[...]`` long.
 
     Rows need not be normalised (they are treated as weights), but must be finite, non-negative
     and have positive mass (``ValueError`` otherwise: a NaN row would otherwise draw id V).
     Inverse-CDF sampling on a float64 cumulative sum: one uniform per row, and a token with zero
     weight owns an empty interval, so it is never drawn. (About 3x faster than ``torch.multinomial``
-    over a 50k vocabulary on CPU.)
+    over a 50k vocabulary on CPU.) ``validate=False`` skips the check of the rows (a host read), for
+    callers whose rows are valid by construction.
     """
     lead = probs_NV.shape[:-1]
     flat = probs_NV.reshape(-1, probs_NV.shape[-1])
@@ -151,13 +159,14 @@ def sample_from_probs(probs_NV: torch.Tensor, generator: torch.Generator | None 
         return torch.empty(lead, dtype=torch.long, device=probs_NV.device)
     cdf_NV = flat.double().cumsum(dim=-1)
     total_N1 = cdf_NV[:, -1:].contiguous()
-    ok_N = (flat.amin(dim=-1) >= 0) & (total_N1.squeeze(-1) > 0) & torch.isfinite(total_N1.squeeze(-1))
-    if not bool(ok_N.all()):
-        row = int((~ok_N).nonzero()[0, 0])
-        raise ValueError(
-            f"probs must be finite and non-negative with positive mass in every row; row {row} is not "
-            f"(sum {float(total_N1[row, 0]):.4g}, min {float(flat[row].min()):.4g})"
-        )
+    if validate:
+        ok_N = (flat.amin(dim=-1) >= 0) & (total_N1.squeeze(-1) > 0) & torch.isfinite(total_N1.squeeze(-1))
+        if not bool(ok_N.all()):
+            row = int((~ok_N).nonzero()[0, 0])
+            raise ValueError(
+                f"probs must be finite and non-negative with positive mass in every row; row {row} is "
+                f"not (sum {float(total_N1[row, 0]):.4g}, min {float(flat[row].min()):.4g})"
+            )
     # the uniforms come from the generator's device (a CPU generator draws the same numbers for
     # probabilities on any device), then move to the probabilities'
     drawn_on = generator.device if generator is not None else flat.device

@@ -46,7 +46,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specdec.noise import PositionNoise, sample_keyed
+from specdec.host_sync import avoids_host
+from specdec.noise import PositionNoise, sample_keyed, sample_with_keys
 from specdec.sampling import sample_from_probs
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "TreeVerifyResult",
     "tree_rejection_sample",
     "tree_greedy_verify",
+    "tree_greedy_walk",
     "PRESET_TREES",
 ]
 
@@ -303,7 +305,12 @@ def tree_rejection_sample(
             tokens depend on its own seed only.
 
     Rows advance in lock step, one tree depth at a time, trying their current node's candidates in
-    order. Implements SpecInfer (arXiv 2305.09781) multi-step speculative sampling; the
+    order. With ``noise`` on an accelerator (:func:`specdec.host_sync.avoids_host`) the walk has a
+    fixed shape: no early exit once every row has stopped, and the recovered or bonus token drawn
+    for every row at every depth and kept where a row stops (the same tokens: a row's keyed draw
+    reads only its own weights and key), so it never reads the host.
+
+    Implements SpecInfer (arXiv 2305.09781) multi-step speculative sampling; the
     without-replacement residual follows Recursive Speculative Decoding (arXiv 2402.14160).
     """
     B, N, V = target_probs_BNV.shape
@@ -339,11 +346,12 @@ def tree_rejection_sample(
             raise ValueError(f"noise needs positions_BN of shape [{B}, {N}]")
         positions_BN = positions_BN.to(device=device, dtype=torch.long)
         keys_BN = positions_BN[:, :1] * _KEYS_PER_ROOT + torch.arange(N, device=device)
-        u_BN = noise.uniform_BK(keys_BN, "tree", dtype=work)
+        u_BN = noise.uniform_BK(keys_BN, "tree", dtype=work, validate=validate)
     else:
         u_BN = torch.rand((B, N), generator=generator, device=device, dtype=work)
     node_B = torch.zeros(B, dtype=torch.long, device=device)
     live_B = torch.ones(B, dtype=torch.bool, device=device)
+    fixed = noise is not None and avoids_host(target_probs_BNV)  # no host read (docstring)
     for depth in range(A):
         target_BV = target_probs_BNV[rows_B, node_B].to(work)
         draft_BV = None if draft_probs_BNV is None else draft_probs_BNV[rows_B, node_B].to(work)
@@ -351,7 +359,7 @@ def tree_rejection_sample(
         for i in range(kids_NC.shape[1]):
             c_B = kids_NC[node_B, i]
             trying_B = live_B & (c_B >= 0) & (chosen_B < 0)
-            if not bool(trying_B.any()):
+            if not fixed and not bool(trying_B.any()):
                 break
             c_B = c_B.clamp(min=0)
             x_B1 = tokens_BN[rows_B, c_B].unsqueeze(1)
@@ -375,7 +383,12 @@ def tree_rejection_sample(
                 removed_BV, _ = _normalise_rows(draft_BV.scatter(1, x_B1, 0.0))
                 draft_BV = torch.where(reject_B1, removed_BV, draft_BV)
         finish_B = live_B & (chosen_B < 0)
-        if bool(finish_B.any()):
+        if fixed:
+            keys_B = noise.keys(positions_BN[rows_B, node_B], "residual", validate=False)  # type: ignore[union-attr,index]
+            final_B = sample_with_keys(target_BV.float(), keys_B)
+            out_tokens[:, depth] = torch.where(finish_B, final_B, out_tokens[:, depth])
+            num_accepted = torch.where(finish_B, depth, num_accepted)
+        elif bool(finish_B.any()):
             # Recovered token (all candidates rejected) or bonus token (a leaf).
             if noise is None:
                 final_B = sample_from_probs(target_BV[finish_B].float(), generator)
@@ -390,11 +403,13 @@ def tree_rejection_sample(
             out_tokens[finish_B, depth] = final_B
             num_accepted[finish_B] = depth
         go_B = live_B & (chosen_B >= 0)
-        out_tokens[go_B, depth] = tokens_BN[rows_B, chosen_B.clamp(min=0)][go_B]
-        out_nodes[go_B, depth] = chosen_B[go_B]
+        out_tokens[:, depth] = torch.where(
+            go_B, tokens_BN[rows_B, chosen_B.clamp(min=0)], out_tokens[:, depth]
+        )
+        out_nodes[:, depth] = torch.where(go_B, chosen_B, out_nodes[:, depth])
         node_B = torch.where(go_B, chosen_B, node_B)
         live_B = go_B
-        if not bool(live_B.any()):
+        if not fixed and not bool(live_B.any()):
             break
     return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
 
@@ -403,7 +418,13 @@ def tree_greedy_verify(
     target_argmax_BN: torch.Tensor, tree: TokenTree, tokens_BN: torch.Tensor
 ) -> TreeVerifyResult:
     """Greedy verification: follow children equal to the target's argmax; the longest matching
-    path, then the argmax after it (the bonus/recovered token)."""
+    path, then the argmax after it (the bonus/recovered token).
+
+    A walk on the host (the reference); on an accelerator (:func:`specdec.host_sync.avoids_host`)
+    the same walk in fixed-shape tensor ops there (:func:`tree_greedy_walk`), without a host read."""
+    if avoids_host(target_argmax_BN):
+        return tree_greedy_walk(target_argmax_BN, tree, tokens_BN)
+    target_argmax_BN, tokens_BN = target_argmax_BN.cpu(), tokens_BN.cpu()
     B, N = target_argmax_BN.shape
     A = tree.max_depth + 1
     out_tokens = torch.full((B, A), -1, dtype=torch.long)
@@ -421,4 +442,35 @@ def tree_greedy_verify(
                 break
             out_nodes[b, depth] = nxt
             node, depth = nxt, depth + 1
+    return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
+
+
+def tree_greedy_walk(
+    target_argmax_BN: torch.Tensor, tree: TokenTree, tokens_BN: torch.Tensor
+) -> TreeVerifyResult:
+    """:func:`tree_greedy_verify`'s walk in tensor ops on the argmax's device, every row one depth at a
+    time for the tree's whole depth (a row that has stopped stays put): no host read. The first
+    matching child in candidate order is followed, as in the host walk."""
+    device = target_argmax_BN.device
+    B = target_argmax_BN.shape[0]
+    A = tree.max_depth + 1
+    tokens_BN = tokens_BN.to(device=device, dtype=torch.long)
+    kids_NC = tree.children_table(device)
+    rows_B = torch.arange(B, device=device)
+    out_tokens = torch.full((B, A), -1, dtype=torch.long, device=device)
+    out_nodes = torch.full((B, A), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
+    node_B = torch.zeros(B, dtype=torch.long, device=device)
+    live_B = torch.ones(B, dtype=torch.bool, device=device)
+    for depth in range(A):
+        want_B = target_argmax_BN[rows_B, node_B]
+        out_tokens[:, depth] = torch.where(live_B, want_B, out_tokens[:, depth])
+        kids_BC = kids_NC[node_B]
+        match_BC = (kids_BC >= 0) & (tokens_BN.gather(1, kids_BC.clamp(min=0)) == want_B[:, None])
+        go_B = live_B & match_BC.any(dim=1)
+        num_accepted = torch.where(live_B & ~go_B, depth, num_accepted)
+        next_B = kids_BC.gather(1, match_BC.long().argmax(dim=1, keepdim=True)).squeeze(1)
+        out_nodes[:, depth] = torch.where(go_B, next_B, out_nodes[:, depth])
+        node_B = torch.where(go_B, next_B, node_B)
+        live_B = go_B
     return TreeVerifyResult(out_tokens, num_accepted, out_nodes)

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from specdec.host_sync import avoids_host
 from specdec.sampling import sample_from_probs
 
 __all__ = ["VerifyResult", "greedy_verify", "rejection_sample", "validate_verify_inputs"]
@@ -176,7 +177,10 @@ def rejection_sample(
     else:
         draft_probs_BKV = draft_probs_BKV.to(work_dtype)
         draft_at_draft_BK = draft_probs_BKV.gather(-1, draft_tokens_BK.unsqueeze(-1)).squeeze(-1)
-    u_BK = torch.rand((B, K), generator=generator, device=device)
+    # drawn on the generator's device (a CPU generator gives the same numbers for probabilities on
+    # any device), then moved to the probabilities'
+    drawn_on = generator.device if generator is not None else device
+    u_BK = torch.rand((B, K), generator=generator, device=drawn_on).to(device)
     # u < target/draft  <=>  u * draft < target: P(accept) = min(1, target/draft), no division,
     # p == q accepts surely (u < 1), draft == 0 is rejected explicitly.
     accepted_BK = (u_BK * draft_at_draft_BK < target_at_draft_BK) & (draft_at_draft_BK > 0)
@@ -188,7 +192,7 @@ def rejection_sample(
     stop_B = num_accepted_B  # position of the recovered/bonus token, in 0..K
     target_at_stop_BV = target_probs_BKV[rows_B, stop_B]
     rejected_B = stop_B < K
-    if K > 0 and bool(rejected_B.any()):
+    if K > 0 and (avoids_host(rejected_B) or bool(rejected_B.any())):  # no host read on a device
         stop_clamped_B = stop_B.clamp(max=K - 1)
         if draft_probs_BKV is None:
             draft_at_stop_BV = torch.zeros_like(target_at_stop_BV)
@@ -204,7 +208,7 @@ def rejection_sample(
         stop_dist_BV = torch.where(rejected_B.unsqueeze(-1), residual_BV, target_at_stop_BV)
     else:
         stop_dist_BV = target_at_stop_BV
-    stop_token_B = sample_from_probs(stop_dist_BV, generator)
+    stop_token_B = sample_from_probs(stop_dist_BV, generator, validate=not avoids_host(stop_dist_BV))
 
     # --- assemble [accepted..., recovered/bonus, -1...] -----------------------------------
     positions_K1 = torch.arange(K + 1, device=device)
@@ -240,7 +244,7 @@ def greedy_verify(target_logits_BKV: torch.Tensor, draft_tokens_BK: torch.Tensor
         raise ValueError(
             f"draft_tokens_BK must have shape [B={B}, K={K}], got {tuple(draft_tokens_BK.shape)}"
         )
-    if target_logits_BKV.device.type == "cpu" and target_logits_BKV.dtype == torch.float32:
+    if not avoids_host(target_logits_BKV) and target_logits_BKV.dtype == torch.float32:
         # numpy's single-threaded argmax (first maximum, as torch's): ATen's parallel one waits on
         # waking OpenMP threads, most of a small decode step's verification on 2 cores
         argmax_BK1 = torch.from_numpy(target_logits_BKV.detach().numpy().argmax(axis=-1))

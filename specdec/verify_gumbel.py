@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from specdec.noise import PositionNoise, sample_keyed
+from specdec.host_sync import avoids_host
+from specdec.noise import PositionNoise, sample_keyed, sample_with_keys
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.tree import TokenTree, TreeProposal, TreeVerifyResult, tree_greedy_verify
 from specdec.verify import VerifyResult, greedy_verify, validate_verify_inputs
@@ -57,7 +58,9 @@ def gumbel_verify(
 
     Same inputs and output as :func:`specdec.verify_keyed.rejection_sample_keyed`; ``draft_probs_BKV``
     is not used (only whether a draft equals the target's keyed sample matters). The target's sample
-    is computed only at positions a row reaches: up to its first mismatch.
+    is computed only at positions a row reaches: up to its first mismatch; on an accelerator
+    (:func:`specdec.host_sync.avoids_host`) at every position at once, in one race
+    (:func:`_gumbel_all_positions`: the same tokens, no host read).
     """
     if validate:
         validate_verify_inputs(target_probs_BKV, draft_tokens_BK, draft_probs_BKV)
@@ -66,6 +69,8 @@ def gumbel_verify(
     K = K1 - 1
     device = target_probs_BKV.device
     draft_tokens_BK = draft_tokens_BK.to(device=device, dtype=torch.long)
+    if avoids_host(target_probs_BKV):
+        return _gumbel_all_positions(target_probs_BKV, draft_tokens_BK, noise, positions_BK)
     tokens_BK1 = torch.full((B, K1), -1, dtype=torch.long, device=device)
     num_accepted_B = torch.zeros(B, dtype=torch.long, device=device)
     live_R = torch.arange(B, device=device)
@@ -82,6 +87,25 @@ def gumbel_verify(
         if live_R.numel() == 0:
             break
     return VerifyResult(tokens_BK1, num_accepted_B)
+
+
+def _gumbel_all_positions(
+    target_probs_BKV: torch.Tensor,
+    draft_tokens_BK: torch.Tensor,
+    noise: PositionNoise,
+    positions_BK: torch.Tensor,
+) -> VerifyResult:
+    """:func:`gumbel_verify` with the target's keyed sample drawn at all K+1 positions of every row in
+    one call, then the matches counted: the same tokens as the row-by-row loop (a position's sample
+    reads only its weights and key), no host read, K+1 races per row instead of up to the first
+    mismatch."""
+    B, K1, V = target_probs_BKV.shape
+    K = K1 - 1
+    keys_N = noise.keys(positions_BK.to(torch.long), "sample", validate=False).reshape(-1)
+    y_BK1 = sample_with_keys(target_probs_BKV.reshape(-1, V), keys_N).reshape(B, K1)
+    num_accepted_B = (draft_tokens_BK == y_BK1[:, :K]).long().cumprod(dim=-1).sum(dim=-1)
+    keep_BK1 = torch.arange(K1, device=y_BK1.device) <= num_accepted_B[:, None]
+    return VerifyResult(torch.where(keep_BK1, y_BK1, -1), num_accepted_B)
 
 
 def gumbel_verify_tree(
@@ -119,6 +143,8 @@ def gumbel_verify_tree(
             raise ValueError(f"tokens_BN must lie in [0, V={V})")
         validate_keyed_inputs(noise, positions_BN, target_probs_BNV)
     tokens_BN = tokens_BN.to(device=device, dtype=torch.long)
+    if avoids_host(target_probs_BNV):
+        return _gumbel_tree_fixed(target_probs_BNV, tree, tokens_BN, noise, positions_BN)
     kids_NC = tree.children_table(device)  # [N, max children], −1 padded
     A = tree.max_depth + 1
     out_tokens = torch.full((B, A), -1, dtype=torch.long, device=device)
@@ -143,6 +169,41 @@ def gumbel_verify_tree(
         out_nodes[live_R, depth] = node_R
         if live_R.numel() == 0:
             break
+    return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
+
+
+def _gumbel_tree_fixed(
+    target_probs_BNV: torch.Tensor,
+    tree: TokenTree,
+    tokens_BN: torch.Tensor,
+    noise: PositionNoise,
+    positions_BN: torch.Tensor,
+) -> TreeVerifyResult:
+    """:func:`gumbel_verify_tree`'s walk with every row at every depth (a stopped row stays put and its
+    draws are dropped): the same tokens, no host read (on an accelerator)."""
+    B = target_probs_BNV.shape[0]
+    device = target_probs_BNV.device
+    positions_BN = positions_BN.to(device=device, dtype=torch.long)
+    kids_NC = tree.children_table(device)
+    A = tree.max_depth + 1
+    rows_B = torch.arange(B, device=device)
+    out_tokens = torch.full((B, A), -1, dtype=torch.long, device=device)
+    out_nodes = torch.full((B, A), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
+    node_B = torch.zeros(B, dtype=torch.long, device=device)
+    live_B = torch.ones(B, dtype=torch.bool, device=device)
+    for depth in range(A):
+        keys_B = noise.keys(positions_BN[rows_B, node_B], "sample", validate=False)
+        y_B = sample_with_keys(target_probs_BNV[rows_B, node_B], keys_B)
+        out_tokens[:, depth] = torch.where(live_B, y_B, out_tokens[:, depth])
+        kids_BC = kids_NC[node_B]
+        match_BC = (kids_BC >= 0) & (tokens_BN.gather(1, kids_BC.clamp(min=0)) == y_B[:, None])
+        go_B = live_B & match_BC.any(dim=1)
+        num_accepted = torch.where(live_B & ~go_B, depth, num_accepted)
+        chosen_B = kids_BC.gather(1, match_BC.long().argmax(dim=1, keepdim=True)).squeeze(1)
+        out_nodes[:, depth] = torch.where(go_B, chosen_B, out_nodes[:, depth])
+        node_B = torch.where(go_B, chosen_B, node_B)
+        live_B = go_B
     return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
 
 
@@ -212,13 +273,14 @@ class GumbelVerify:
         noise: PositionNoise | None = None,
         positions_BK: torch.Tensor | None = None,
     ) -> TreeVerifyResult:
-        """:func:`gumbel_verify_tree` (``positions_BK`` is ``[B, N]``, per node); greedy: argmax matching."""
+        """:func:`gumbel_verify_tree` (``positions_BK`` is ``[B, N]``, per node); greedy: argmax matching.
+        Inputs are checked on the host only (on an accelerator the engine's checks cover them)."""
         if sampling.greedy:
-            argmax_BN = target_logits_BNV.argmax(dim=-1).cpu()
-            return tree_greedy_verify(argmax_BN, proposal.tree, proposal.tokens_BN.cpu())
+            return tree_greedy_verify(target_logits_BNV.argmax(dim=-1), proposal.tree, proposal.tokens_BN)
         _need_noise("gumbel", noise, positions_BK)
+        validate = not avoids_host(target_logits_BNV)
         target_probs_BNV = logits_to_probs(
-            target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p
+            target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p, validate=validate
         )
         return gumbel_verify_tree(
             target_probs_BNV,
@@ -226,6 +288,7 @@ class GumbelVerify:
             proposal.tokens_BN,
             noise=noise,  # type: ignore[arg-type]
             positions_BN=positions_BK,  # type: ignore[arg-type]
+            validate=validate,
         )
 
     def __repr__(self) -> str:
@@ -300,7 +363,12 @@ class KeyedExactVerify(ExactVerify):
             return super().verify_tree(target_logits_BNV, proposal, sampling=sampling, generator=generator)
         _need_noise("exact", noise, positions_BK)
         return self._sample_tree(
-            target_logits_BNV, proposal, sampling, noise=noise, positions_BN=positions_BK
+            target_logits_BNV,
+            proposal,
+            sampling,
+            noise=noise,
+            positions_BN=positions_BK,
+            validate=not avoids_host(target_logits_BNV),  # on an accelerator the engine's checks
         )
 
     def __repr__(self) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.noise import PositionNoise, sample_keyed
+from specdec.noise import PositionNoise, sample_with_keys
 from specdec.verify import VerifyResult, validate_verify_inputs
 
 __all__ = ["rejection_sample_keyed", "validate_keyed_inputs"]
@@ -106,41 +106,37 @@ def rejection_sample_keyed(
     else:
         draft_probs_BKV = draft_probs_BKV.to(work_dtype)
         draft_at_draft_BK = draft_probs_BKV.gather(-1, draft_tokens_BK.unsqueeze(-1)).squeeze(-1)
-    u_BK = noise.uniform_BK(positions_BK[:, :K], "accept")
+    u_BK = noise.uniform_BK(positions_BK[:, :K], "accept", validate=validate)
     # u < target/draft  <=>  u·draft < target (float64 u); draft == 0 is rejected.
     accepted_BK = (u_BK * draft_at_draft_BK < target_at_draft_BK) & (draft_at_draft_BK > 0)
     num_accepted_B = accepted_BK.long().cumprod(dim=-1).sum(dim=-1)
 
     # --- one recovered (stream "residual") or bonus (stream "sample") token per row ---------------
+    # Every row in one race, each under its own stream's key (the same token as racing the rejected
+    # and the bonus rows apart: a row's race reads only its weights and its key), with no host read
+    # of which rows were rejected.
     stop_B = num_accepted_B
     stop_positions_B = positions_BK[rows_B, stop_B]
     target_at_stop_BV = target_probs_BKV[rows_B, stop_B]
-    stop_token_B = torch.empty(B, dtype=torch.long, device=device)
     rejected_B = stop_B < K
-    rejected_R = rejected_B.nonzero().flatten()
-    if rejected_R.numel():
-        draft_tokens_R = draft_tokens_BK[rejected_R, stop_B[rejected_R]]
+    stop_dist_BV = target_at_stop_BV
+    if K > 0:
+        draft_tokens_B = draft_tokens_BK[rows_B, stop_B.clamp(max=K - 1)]
         if draft_probs_BKV is None:
-            draft_at_stop_RV = torch.nn.functional.one_hot(draft_tokens_R, V).to(work_dtype)
+            draft_at_stop_BV = torch.zeros_like(target_at_stop_BV).scatter_(-1, draft_tokens_B[:, None], 1.0)
         else:
-            draft_at_stop_RV = draft_probs_BKV[rejected_R, stop_B[rejected_R]]
-        target_R_V = target_at_stop_BV[rejected_R]
-        residual_RV = (target_R_V - draft_at_stop_RV).clamp_(min=0.0)
+            draft_at_stop_BV = draft_probs_BKV[rows_B, stop_B.clamp(max=K - 1)]
+        residual_BV = (target_at_stop_BV - draft_at_stop_BV).clamp_(min=0.0)
         # Zero residual mass is unreachable under a consistent proposal (specdec.verify's module doc).
-        empty_R = residual_RV.sum(dim=-1) <= 0
-        residual_RV = torch.where(empty_R.unsqueeze(-1), target_R_V, residual_RV)
-        stop_token_B[rejected_R] = sample_keyed(
-            residual_RV,
-            noise.select(rejected_R),
-            stop_positions_B[rejected_R],
-            stream="residual",
-            validate=False,
-        )
-    bonus_R = (~rejected_B).nonzero().flatten()
-    if bonus_R.numel():
-        stop_token_B[bonus_R] = sample_keyed(
-            target_at_stop_BV[bonus_R], noise.select(bonus_R), stop_positions_B[bonus_R], validate=False
-        )
+        empty_B = residual_BV.sum(dim=-1) <= 0
+        residual_BV = torch.where(empty_B.unsqueeze(-1), target_at_stop_BV, residual_BV)
+        stop_dist_BV = torch.where(rejected_B.unsqueeze(-1), residual_BV, target_at_stop_BV)
+    keys_B = torch.where(
+        rejected_B,
+        noise.keys(stop_positions_B, "residual", validate=False),
+        noise.keys(stop_positions_B, "sample", validate=False),
+    )
+    stop_token_B = sample_with_keys(stop_dist_BV, keys_B)
 
     # --- assemble [accepted..., recovered/bonus, -1...] ----------------------------------------
     tokens_BK1 = torch.full((B, K + 1), -1, dtype=torch.long, device=device)

@@ -151,10 +151,10 @@ class ExactVerify:
         sampling: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> TreeVerifyResult:
-        """Greedy: the longest path of argmax matches (host walk); else recursive rejection sampling."""
+        """Greedy: the longest path of argmax matches (:func:`tree_greedy_verify`: a host walk, on an
+        accelerator a fixed-shape walk there); else recursive rejection sampling."""
         if sampling.greedy:
-            argmax_BN = target_logits_BNV.argmax(dim=-1).cpu()
-            return tree_greedy_verify(argmax_BN, proposal.tree, proposal.tokens_BN.cpu())
+            return tree_greedy_verify(target_logits_BNV.argmax(dim=-1), proposal.tree, proposal.tokens_BN)
         return self._sample_tree(target_logits_BNV, proposal, sampling, generator=generator, validate=False)
 
     @staticmethod
@@ -165,7 +165,11 @@ class ExactVerify:
         ``generator`` or the keyed ``noise`` and ``positions_BN`` (and ``validate``) of
         :func:`specdec.tree.tree_rejection_sample`."""
         target_probs_BNV = logits_to_probs(
-            target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p
+            target_logits_BNV,
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            validate=randomness.get("validate", True),
         )
         return tree_rejection_sample(
             target_probs_BNV,
@@ -228,7 +232,7 @@ def verify_chain(
         if result is not None:
             return result
     target_probs_BKV = logits_to_probs(
-        target_logits_BKV, sampling.temperature, sampling.top_k, sampling.top_p
+        target_logits_BKV, sampling.temperature, sampling.top_k, sampling.top_p, validate=validate
     )
     return rule(
         target_probs_BKV,

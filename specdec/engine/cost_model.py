@@ -6,7 +6,9 @@ Legend: B rows in the block (requests decoding together), T tokens per row (draf
 a few timed forwards over a small grid of (B, T) on the engine's own cache, before any request
 holds a slot, then rolled back), and read by interpolation afterwards. It is never re-timed on a live
 cache, and it only chooses draft depths: what tokens come out does not depend on it
-(:mod:`specdec.engine.depth` says which rows may use it).
+(:mod:`specdec.engine.depth` says which rows may use it). On an accelerator a forward returns once
+its work is queued, so the device is synchronised before each clock is read
+(:func:`device_synchronizer`): each point times the work, not its launch.
 """
 
 from __future__ import annotations
@@ -14,13 +16,20 @@ from __future__ import annotations
 import bisect
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["VerifyCostModel", "measure_verify_cost", "verify_cost_for", "MIN_CALLS", "SETTLE_CALLS"]
+__all__ = [
+    "VerifyCostModel",
+    "measure_verify_cost",
+    "verify_cost_for",
+    "device_synchronizer",
+    "MIN_CALLS",
+    "SETTLE_CALLS",
+]
 
 MIN_CALLS, SETTLE_CALLS = 3, 6
 """Forwards per grid point and round: at least MIN_CALLS, at most SETTLE_CALLS (while each is
@@ -70,6 +79,19 @@ class VerifyCostModel:
         return {"rows": list(self.rows), "tokens": list(self.tokens), "seconds": seconds}
 
 
+def device_synchronizer(device: Any) -> Callable[[], None]:
+    """A call that waits for ``device``'s queued work: nothing on the CPU (or None); on an accelerator
+    ``torch.accelerator.synchronize`` (``torch.<type>.synchronize`` where torch has no
+    ``torch.accelerator``)."""
+    if device is None or torch.device(device).type in ("cpu", "meta"):
+        return lambda: None
+    device = torch.device(device)
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "synchronize"):
+        return lambda: accelerator.synchronize(device)
+    return lambda: getattr(torch, device.type).synchronize(device)
+
+
 _MEASURED: weakref.WeakKeyDictionary[Any, dict[int, VerifyCostModel]] = weakref.WeakKeyDictionary()
 
 
@@ -100,11 +122,13 @@ def measure_verify_cost(
     realistic length; each point runs back to back until it stops getting faster (its steady cost,
     as decoding repeats a shape) and keeps its fastest time over ``repeats`` rounds of the grid (a
     shared machine only adds time), and the grid is made non-decreasing in rows and in tokens by
-    capping each point with the larger blocks' times."""
+    capping each point with the larger blocks' times. On an accelerator (``target.device``) the
+    device is synchronised before each clock is read (:func:`device_synchronizer`)."""
     rows = tuple(sorted({r for r in (1, 2, 4, 8, 16, 32) if r < max_rows} | {max_rows}))
     tokens = tuple(sorted(set(tokens)))
     rows_all = torch.arange(max_rows)
     vocab = int(target.vocab_size)
+    sync = device_synchronizer(getattr(target, "device", None))
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (max_rows, context), generator=gen)
     target.forward(prompt, torch.zeros(max_rows, dtype=torch.long), rows_B=rows_all)
@@ -123,8 +147,10 @@ def measure_verify_cost(
                 # SETTLE_CALLS): its steady cost.
                 times: list[float] = []
                 while len(times) < SETTLE_CALLS:
+                    sync()  # the rollback before, and anything else queued, is not this forward's
                     t0 = time.perf_counter()
                     target.forward(blocks[T][:B], start[:B], rows_B=rows_all[:B])
+                    sync()  # the forward's work, not only its launch
                     times.append(time.perf_counter() - t0)
                     target.rollback(start[:B], rows_B=rows_all[:B])
                     if len(times) >= MIN_CALLS and times[-1] > 0.95 * min(times[:-1]):

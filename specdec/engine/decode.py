@@ -10,6 +10,14 @@ generator keyed by (request seed, output position) (:func:`mix_seed`); a batched
 rows' :class:`~specdec.noise.PositionNoise`; the keyed rules get the rows' noise and positions, a rule
 drawing from a generator one generator per row, keyed the same way. So what a row emits never depends
 on the rows beside it.
+
+The host: logits, proposals, keyed noise, probabilities and the rule's arithmetic stay on the
+target's device; a verify forward's rows come to the host once, as one copy of their committed
+tokens, accepted counts (a tree's path) and the faults of the step's checks
+(:class:`~specdec.engine.transfer.HostTransfer`). On the CPU the same code runs, with the host's
+fast paths (numpy argmax and checks, early exits) where :func:`specdec.host_sync.avoids_host` is
+False. A rule that draws from a generator (not keyed) verifies on the host: its unit's logits come
+to the CPU (a read of its own), so its numbers do not depend on the device.
 """
 
 from __future__ import annotations
@@ -19,11 +27,13 @@ from typing import Any
 
 import torch
 
-from specdec.blocks import ChainBlock, TreeBlock, make_block
-from specdec.checks import check_logits, check_proposal
+from specdec.blocks import ChainBlock, TreeBlock, Verdict, make_block
+from specdec.checks import check_logits, check_proposal, logits_faults, proposal_faults
 from specdec.engine.request import Request, RequestStatus
+from specdec.engine.transfer import HostTransfer
 from specdec.engine.units import (
     Unit,
+    block_on_host,
     group_state,
     join_verdicts,
     merge_chains,
@@ -31,11 +41,12 @@ from specdec.engine.units import (
     row_output,
     slice_output,
 )
+from specdec.host_sync import avoids_host
 from specdec.metrics import StepStats
 from specdec.noise import PositionNoise
 from specdec.protocols import Proposal, TargetOutput
 
-__all__ = ["DecodeSteps", "mix_seed", "on_host"]
+__all__ = ["DecodeSteps", "mix_seed", "raise_faults"]
 
 _DECAY = 0.97  # forgetting of the acceptance estimates a_k per request
 
@@ -48,35 +59,38 @@ def mix_seed(seed: int, position: int, salt: int) -> int:
     return z ^ (z >> 31)
 
 
-def on_host(out: TargetOutput) -> TargetOutput:
-    """A target's output with its logits on the CPU: the engine decides every token on the host
-    (its keyed noise, generators and token table live there), whatever device the target runs on.
-    The features stay on the target's device, for the drafters that run there."""
-    if out.logits_BTV.device.type == "cpu":
-        return out
-    return TargetOutput(out.logits_BTV.cpu(), out.hidden_BTD, out.aux_hidden_BTD)
-
-
-def _off_host(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type != "cpu"
-
-
-def proposal_on_host(proposal: Proposal) -> Proposal:
-    """A drafter's proposal on the CPU (a drafter may run on the target's device; the engine
-    verifies on the host, see :func:`on_host`). Anything else, and what is not a tensor, is left as
-    it is, for :func:`~specdec.checks.check_proposal` to refuse with its message."""
-    if not isinstance(proposal, Proposal):
-        return proposal
+def _proposal_tensors(proposal: Proposal) -> list[Any]:
     tree = proposal.tree
     parts = [proposal.tokens_BK, proposal.probs_BKV]
     if tree is not None:
         parts += [getattr(tree, "tokens_BN", None), getattr(tree, "draft_probs_BNV", None)]
-    if not any(_off_host(t) for t in parts):
-        return proposal
-    cpu = lambda t: t.cpu() if _off_host(t) else t
+    return [t for t in parts if isinstance(t, torch.Tensor)]
+
+
+def _clamped(proposal: Proposal, vocab_size: int) -> Proposal:
+    """The proposal with its ids clamped into ``[0, V)``: a proposal checked on the device is used
+    before its check is read, and an id outside the vocabulary would stop the device (its check
+    then raises, after the step's one read)."""
+    clamp = lambda t: t.clamp(0, vocab_size - 1)  # noqa: E731
+    tree = proposal.tree
     if tree is not None:
-        tree = replace(tree, tokens_BN=cpu(tree.tokens_BN), draft_probs_BNV=cpu(tree.draft_probs_BNV))
-    return Proposal(cpu(proposal.tokens_BK), cpu(proposal.probs_BKV), tree)
+        tree = replace(tree, tokens_BN=clamp(tree.tokens_BN))
+    return Proposal(clamp(proposal.tokens_BK), proposal.probs_BKV, tree)
+
+
+def raise_faults(fetched: dict[str, Any], checks: list[Any]) -> None:
+    """After a step's read: where a device-side check found a fault (``fetched["faults"]``), run the
+    full checks (``checks``: callables that raise their message) and, if none raises, say so."""
+    faults = fetched.get("faults")
+    if faults is None or not faults.any():
+        return
+    for check in checks:
+        check()
+    raise ValueError("a device-side check of the target's logits or a proposal failed, the host's passed")
+
+
+def _drafts(block: Any) -> torch.Tensor:
+    return block.draft_tokens_BK if isinstance(block, ChainBlock) else block.proposal.tokens_BN
 
 
 def _catch_up_seconds(rows: list[Request]) -> float:
@@ -125,22 +139,28 @@ class DecodeSteps:
         drafter = request.drafter
         caught = getattr(drafter, "catch_up_s", None)
         caught_tokens = getattr(drafter, "catch_up_tokens", 0)
-        proposal = proposal_on_host(drafter.propose(request.state, K, generator))
+        proposal = drafter.propose(request.state, K, generator)
         tokens = getattr(drafter, "catch_up_tokens", 0) - caught_tokens
         if caught is not None and 0 < tokens <= self.gamma_max + 1:
             # a catch-up of one step's committed tokens: what every step of a row drafting on pays
             # (after idle or lookup steps it is larger, once: not a cost of drafting on)
             spent = drafter.catch_up_s - caught
             self.t_catch = spent if self.t_catch == 0 else 0.8 * self.t_catch + 0.2 * spent
-        check_proposal(
-            proposal,
-            batch_size=1,
-            gamma=K,
-            vocab_size=self.vocab_size,
-            step=request.metrics.num_steps + 1,
-            source=self.drafter_name,
+        return self._unit(proposal, [request], None, K, request.metrics.num_steps + 1)
+
+    def _unit(self, proposal: Any, rows: list[Request], drafter: Any, K: int, step: int) -> Unit:
+        """The unit of a drafter's proposal, checked: on the host now, or, for a proposal on the
+        device, its shapes now and its values with the step's read (:func:`raise_faults`)."""
+        check = dict(
+            batch_size=len(rows), gamma=K, vocab_size=self.vocab_size, step=step, source=self.drafter_name
         )
-        return Unit([request], make_block(self._fit_tree(proposal, [request]), self.target))
+        if not isinstance(proposal, Proposal) or not any(avoids_host(t) for t in _proposal_tensors(proposal)):
+            check_proposal(proposal, **check)
+            return Unit(rows, make_block(self._fit_tree(proposal, rows), self.target), drafter)
+        check_proposal(proposal, values=False, **check)
+        faults = proposal_faults(proposal, vocab_size=self.vocab_size)
+        block = make_block(self._fit_tree(_clamped(proposal, self.vocab_size), rows), self.target)
+        return Unit(rows, block, drafter, [faults], [lambda: check_proposal(proposal, **check)])
 
     def _propose_cohort(self, rows: list[Request], K: int, sampling: Any) -> Unit:
         """A batched drafter over rows sharing depth K and sampling settings: one ``propose``, its
@@ -151,16 +171,8 @@ class DecodeSteps:
         state = group_state(rows, sampling, self.tokens_SL)
         state.tree_ok = self._trees_now
         kwargs = {"noise": PositionNoise([r.params.seed for r in rows])} if self.drafters.keyed else {}
-        proposal = proposal_on_host(drafter.propose(state, K, None, **kwargs))
-        check_proposal(
-            proposal,
-            batch_size=len(rows),
-            gamma=K,
-            vocab_size=self.vocab_size,
-            step=self.stats["steps"] + 1,
-            source=self.drafter_name,
-        )
-        return Unit(rows, make_block(self._fit_tree(proposal, rows), self.target), drafter)
+        proposal = drafter.propose(state, K, None, **kwargs)
+        return self._unit(proposal, rows, drafter, K, self.stats["steps"] + 1)
 
     def _decode(self, rows: list[Request], depths: list[int], changed: dict[str, list[int]]) -> int:
         """Draft, verify and commit every decoding row; returns the tokens the target ran (padding
@@ -192,10 +204,15 @@ class DecodeSteps:
         return forwarded
 
     def _verify_group(self, units: list[Unit], changed: dict[str, list[int]], *, draft_s: float) -> int:
-        """One target forward over these units' blocks (chains padded to the longest), then per unit:
-        verify, commit, settle, observe; returns the tokens forwarded (rows x the longest block)."""
+        """One target forward over these units' blocks (chains padded to the longest), every unit's
+        verdict on the target's device, one read of them all (:class:`HostTransfer`), then per unit:
+        commit, settle, observe; returns the tokens forwarded (rows x the longest block)."""
         rows = [r for u in units for r in u.rows]
+        # the block is built where the drafts are (host drafts stay on the host, for the target's checks)
+        where = next((d.device for u in units for d in [_drafts(u.block)] if d.device.type != "cpu"), "cpu")
         roots_B = torch.tensor([r.generated[-1] for r in rows], dtype=torch.long)
+        if where != "cpu":
+            roots_B = roots_B.to(where)
         start_B = torch.tensor([r.length - 1 for r in rows], dtype=torch.long)
         rows_B = torch.tensor([r.slot for r in rows], dtype=torch.long)
         T_max = max(u.block.num_drafted for u in units) + 1
@@ -203,24 +220,49 @@ class DecodeSteps:
             tokens_BT = units[0].block.tokens_BT(roots_B)
         else:
             tokens_BT = torch.zeros((len(rows), T_max), dtype=torch.long)
+            tokens_BT = tokens_BT if where == "cpu" else tokens_BT.to(where)
             r0 = 0
             for u in units:
                 seq = u.block.tokens_BT(roots_B[r0 : r0 + u.size])
                 tokens_BT[r0 : r0 + u.size, : seq.shape[1]] = seq
                 r0 += u.size
         t0 = self.now()
-        out = on_host(
-            self.target.forward(tokens_BT, start_B, rows_B=rows_B, **units[0].block.forward_kwargs("cpu"))
-        )
+        out = self.target.forward(tokens_BT, start_B, rows_B=rows_B, **units[0].block.forward_kwargs("cpu"))
         t1 = self.now()
         self.stats["forward_s"] += t1 - t0
-        check_logits(out.logits_BTV, step=self.stats["steps"] + 1, source="the target")
+        step = self.stats["steps"] + 1
+        transfer = HostTransfer(out.logits_BTV.device)
+        faults = [f for u in units for f in u.faults]
+        if avoids_host(out.logits_BTV):
+            faults.append(logits_faults(out.logits_BTV))
+        else:
+            check_logits(out.logits_BTV, step=step, source="the target")
+        if faults:
+            transfer.add("faults", torch.stack([f.to(transfer.device) for f in faults]))
+        t_rule = self.now()
+        outs, r0 = [], 0
+        for i, u in enumerate(units):
+            outs.append(slice_output(out, r0, r0 + u.size, u.block.num_drafted + 1))
+            verdict = self._verdict(u, outs[-1], start_B[r0 : r0 + u.size])
+            for name, part in zip(("tokens", "accepted", "path"), verdict, strict=True):
+                if part is not None:
+                    transfer.add(f"{name}{i}", part)
+            r0 += u.size
+        fetched = transfer.fetch()  # the step's one read
+        self.stats["rule_s"] += self.now() - t_rule
+        recheck = lambda: check_logits(out.logits_BTV, step=step, source="the target")  # noqa: E731
+        raise_faults(fetched, [recheck] + [c for u in units for c in u.rechecks])
         accepted: list[int] = []
         observe_s, r0 = 0.0, 0
-        for u in units:
+        for i, u in enumerate(units):
             r1 = r0 + u.size
-            unit_out = slice_output(out, r0, r1, u.block.num_drafted + 1)
-            a, dt = self._settle(u, unit_out, start_B[r0:r1], rows_B[r0:r1], changed)
+            path = fetched.get(f"path{i}")
+            verdict = Verdict(
+                torch.from_numpy(fetched[f"tokens{i}"]),
+                torch.from_numpy(fetched[f"accepted{i}"]),
+                None if path is None else torch.from_numpy(path),
+            )
+            a, dt = self._settle(u, outs[i], verdict, start_B[r0:r1], rows_B[r0:r1], changed)
             accepted += a
             observe_s += dt
             r0 = r1
@@ -241,44 +283,59 @@ class DecodeSteps:
             )
         return len(rows) * T_max
 
-    def _rule_kwargs(self, rows: list[Request], start_G: torch.Tensor, block: Any, T: int) -> dict[str, Any]:
-        """The keyed rule's noise and positions: the output-stream index of the token each block
-        position decides (docs/randomness.md)."""
+    def _rule_kwargs(
+        self, rows: list[Request], start_G: torch.Tensor, block: Any, T: int, device: Any
+    ) -> dict[str, Any]:
+        """The keyed rule's noise and positions on ``device``: the output-stream index of the token each
+        block position decides (docs/randomness.md)."""
         prompt_G = torch.tensor([len(r.prompt_ids) for r in rows], dtype=torch.long)
         offsets_T = block.forward_kwargs("cpu").get("depth_T", torch.arange(T))
         positions_GT = (start_G + 1 - prompt_G).unsqueeze(1) + offsets_T
-        return {"noise": PositionNoise([r.params.seed for r in rows]), "positions_BK": positions_GT}
+        noise = PositionNoise([r.params.seed for r in rows], device=device)
+        return {"noise": noise, "positions_BK": positions_GT.to(device)}
 
-    def _settle(
-        self, unit: Unit, out: TargetOutput, start_G: torch.Tensor, rows_G: torch.Tensor, changed
-    ) -> tuple[list[int], float]:
-        """Verify, commit, settle and observe one unit; returns (accepted drafts per row, observe s)."""
+    def _verdict(self, unit: Unit, out: TargetOutput, start_G: torch.Tensor) -> Verdict:
+        """One unit's verdict by the rule, where the logits are (a rule drawing from a generator: on
+        the host, row by row, each row's generator keyed by its seed and position)."""
         rows, block = unit.rows, unit.block
         sampling = rows[0].params.sampling
         T = block.num_drafted + 1
-        t_rule = self.now()
+        logits_BTV = out.logits_BTV
         fast = (
-            block.verify_greedy(self.rule, out.logits_BTV)
+            block.verify_greedy(self.rule, logits_BTV)
             if sampling.greedy and isinstance(block, ChainBlock)
             else None
         )
         if fast is not None:  # argmax matching: no noise, no generator (a keyed rule's too)
-            verdict = fast
-        elif self.keyed:
-            verdict = block.verify(
-                self.rule, out.logits_BTV, sampling, None, **self._rule_kwargs(rows, start_G, block, T)
-            )
-        elif sampling.greedy:
-            verdict = block.verify(self.rule, out.logits_BTV, sampling, None)
-        else:  # a rule drawing from a generator: one per row, keyed by its seed and position
-            verdicts = []
-            for i, r in enumerate(rows):
-                position = int(start_G[i]) + 1 - len(r.prompt_ids)
-                generator = torch.Generator().manual_seed(mix_seed(r.params.seed, position, 2))
-                one = row_block(block, i)
-                verdicts.append(one.verify(self.rule, out.logits_BTV[i : i + 1], sampling, generator))
-            verdict = join_verdicts(verdicts)
-        self.stats["rule_s"] += self.now() - t_rule
+            return fast
+        if self.keyed:
+            kwargs = self._rule_kwargs(rows, start_G, block, T, logits_BTV.device)
+            return block.verify(self.rule, logits_BTV, sampling, None, **kwargs)
+        if avoids_host(logits_BTV):  # a rule drawing from a generator verifies on the host
+            logits_BTV, block = logits_BTV.cpu(), block_on_host(block)
+        if sampling.greedy:
+            return block.verify(self.rule, logits_BTV, sampling, None)
+        verdicts = []
+        for i, r in enumerate(rows):
+            position = int(start_G[i]) + 1 - len(r.prompt_ids)
+            generator = torch.Generator().manual_seed(mix_seed(r.params.seed, position, 2))
+            one = row_block(block, i)
+            verdicts.append(one.verify(self.rule, logits_BTV[i : i + 1], sampling, generator))
+        return join_verdicts(verdicts)
+
+    def _settle(
+        self,
+        unit: Unit,
+        out: TargetOutput,
+        verdict: Verdict,
+        start_G: torch.Tensor,
+        rows_G: torch.Tensor,
+        changed: dict[str, list[int]],
+    ) -> tuple[list[int], float]:
+        """Commit, settle and observe one unit from its verdict on the host; returns (accepted drafts
+        per row, observe s)."""
+        rows, block = unit.rows, unit.block
+        sampling = rows[0].params.sampling
         accepted = verdict.num_accepted_B.tolist()
         tokens = verdict.tokens_BA.tolist()
         lengths = []

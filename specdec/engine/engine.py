@@ -47,14 +47,16 @@ from typing import Any
 
 import torch
 
-from specdec.checks import check_logits
+from specdec.checks import check_logits, logits_faults
 from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
-from specdec.engine.decode import DecodeSteps, mix_seed, on_host
+from specdec.engine.decode import DecodeSteps, mix_seed, raise_faults
 from specdec.engine.depth import DepthPolicy, FixedDepth, RowView, make_depth_policy
 from specdec.engine.drafting import DrafterPool, join_outputs, row_state
 from specdec.engine.logprobs import last_logits_only, prefill_logits_index
 from specdec.engine.request import Request, RequestOutput, RequestStatus, make_params
+from specdec.engine.transfer import HostTransfer
 from specdec.engine.units import group_state, row_output
+from specdec.host_sync import avoids_host
 from specdec.metrics import MetricsRecorder
 from specdec.noise import PositionNoise, sample_keyed
 from specdec.protocols import Drafter, Target, TargetOutput, TreeTarget
@@ -427,13 +429,11 @@ class Engine(DecodeSteps):
             [r.prompt_ids[r.num_prefilled : r.num_prefilled + n] for r in rows], dtype=torch.long
         )
         t0 = self.now()
-        out = on_host(
-            self.target.forward(
-                tokens_GT,
-                torch.tensor([r.num_prefilled for r in rows]),
-                rows_B=torch.tensor([r.slot for r in rows]),
-                logits_index_BN=prefill_logits_index(rows, n),
-            )
+        out = self.target.forward(
+            tokens_GT,
+            torch.tensor([r.num_prefilled for r in rows]),
+            rows_B=torch.tensor([r.slot for r in rows]),
+            logits_index_BN=prefill_logits_index(rows, n),
         )
         self.stats["forward_s"] += self.now() - t0
         self.stats["prefill_s"] += self.now() - t0
@@ -446,23 +446,36 @@ class Engine(DecodeSteps):
                 done.append((request, i))
         if not done:
             return
-        check_logits(out.logits_BTV, step="prefill", source="the target")
+        # The first tokens on the target's device, read in one copy with the logits' check.
+        transfer = HostTransfer(out.logits_BTV.device)
+        if avoids_host(out.logits_BTV):
+            transfer.add("faults", logits_faults(out.logits_BTV)[None])
+        else:
+            check_logits(out.logits_BTV, step="prefill", source="the target")
         by_sampling: dict[Any, list[tuple[Request, int]]] = {}
         for request, i in done:
             by_sampling.setdefault(request.params.sampling, []).append((request, i))
-        for sampling, group in by_sampling.items():
+        for g, (sampling, group) in enumerate(by_sampling.items()):
             logits_GV = out.logits_BTV[[i for _, i in group], -1]
             if sampling.greedy:
-                first = logits_GV.argmax(dim=-1).tolist()
-            else:
-                probs_GV = logits_to_probs(logits_GV, sampling.temperature, sampling.top_k, sampling.top_p)
-                noise = PositionNoise([r.params.seed for r, _ in group])
-                first = sample_keyed(probs_GV, noise, torch.zeros(len(group), dtype=torch.long)).tolist()
+                transfer.add(f"first{g}", logits_GV.argmax(dim=-1))
+                continue
+            probs_GV = logits_to_probs(
+                logits_GV, sampling.temperature, sampling.top_k, sampling.top_p, validate=False
+            )
+            noise = PositionNoise([r.params.seed for r, _ in group], device=logits_GV.device)
+            zeros_G = torch.zeros(len(group), dtype=torch.long, device=logits_GV.device)
+            transfer.add(f"first{g}", sample_keyed(probs_GV, noise, zeros_G, validate=False))
+        fetched = transfer.fetch()
+        raise_faults(fetched, [lambda: check_logits(out.logits_BTV, step="prefill", source="the target")])
+        for g, (sampling, group) in enumerate(by_sampling.items()):
+            first = fetched[f"first{g}"].tolist()
+            logits_GV = out.logits_BTV[[i for _, i in group], -1]
             t_first = self.now()
             started = []
-            for g, ((request, _), token) in enumerate(zip(group, first, strict=True)):
+            for j, ((request, _), token) in enumerate(zip(group, first, strict=True)):
                 request.metrics.first_token_s = t_first
-                self._commit(request, [token], changed, logits_GV[g : g + 1])
+                self._commit(request, [token], changed, logits_GV[j : j + 1])
                 if request.status is not RequestStatus.FINISHED:
                     request.status = RequestStatus.DECODE
                     started.append(request)

@@ -23,7 +23,8 @@ positions), so grouping never changes a row's tokens.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,17 +32,30 @@ import torch
 from specdec.blocks import ChainBlock, TreeBlock, Verdict
 from specdec.protocols import DecodeState, TargetOutput
 
-__all__ = ["Unit", "group_state", "merge_chains", "row_output", "slice_output", "row_block", "join_verdicts"]
+__all__ = [
+    "Unit",
+    "group_state",
+    "merge_chains",
+    "row_output",
+    "slice_output",
+    "row_block",
+    "join_verdicts",
+    "block_on_host",
+]
 
 
 @dataclass
 class Unit:
     """G rows and their block. ``drafter``: the cohort's shared instance (batched drafters), or None
-    when every row has its own (``request.drafter``)."""
+    when every row has its own (``request.drafter``). ``faults``: the device-side value checks of
+    its proposals (0-dim bools, read with the step's committed tokens), and ``rechecks`` the full
+    checks that raise their message where one is set (:mod:`specdec.engine.transfer`)."""
 
     rows: list[Any]
     block: ChainBlock | TreeBlock
     drafter: Any = None
+    faults: list[torch.Tensor] = field(default_factory=list)
+    rechecks: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -78,11 +92,16 @@ def merge_chains(units: list[Unit]) -> list[Unit]:
             out.append(group[0])
             continue
         blocks = [u.block for u in group]
-        tokens = torch.cat([b.draft_tokens_BK for b in blocks])
+        device = blocks[0].draft_tokens_BK.device  # a drafter on the device gives device tensors
+        tokens = torch.cat([b.draft_tokens_BK.to(device) for b in blocks])
         probs = None
         if blocks[0].draft_probs_BKV is not None:
-            probs = torch.cat([b.draft_probs_BKV for b in blocks])  # type: ignore[misc]
-        out.append(Unit([r for u in group for r in u.rows], ChainBlock(tokens, probs)))
+            probs = torch.cat([b.draft_probs_BKV.to(device) for b in blocks])  # type: ignore[union-attr]
+        unit = Unit([r for u in group for r in u.rows], ChainBlock(tokens, probs))
+        for u in group:
+            unit.faults += u.faults
+            unit.rechecks += u.rechecks
+        out.append(unit)
     return out + rest
 
 
@@ -119,3 +138,14 @@ def join_verdicts(verdicts: list[Verdict]) -> Verdict:
     if verdicts[0].path_BA is not None:
         path = torch.cat([v.path_BA for v in verdicts])
     return Verdict(tokens, accepted, path)
+
+
+def block_on_host(block: Any) -> Any:
+    """A block with its drafts on the CPU (a rule that runs on the host: one that draws from a
+    generator, whose numbers must not depend on the device)."""
+    if isinstance(block, ChainBlock):
+        probs = None if block.draft_probs_BKV is None else block.draft_probs_BKV.cpu()
+        return ChainBlock(block.draft_tokens_BK.cpu(), probs)
+    p = block.proposal
+    probs = None if p.draft_probs_BNV is None else p.draft_probs_BNV.cpu()
+    return TreeBlock(dataclasses.replace(p, tokens_BN=p.tokens_BN.cpu(), draft_probs_BNV=probs))
