@@ -39,7 +39,7 @@ depend on the drawn tokens of the node being verified): otherwise "c_i ~ draft_p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any, NamedTuple
@@ -54,6 +54,7 @@ __all__ = [
     "TokenTree",
     "TreeProposal",
     "TreeVerifyResult",
+    "tree_walk_fixed",
     "tree_rejection_sample",
     "tree_greedy_verify",
     "tree_greedy_walk",
@@ -445,14 +446,17 @@ def tree_greedy_verify(
     return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
 
 
-def tree_greedy_walk(
-    target_argmax_BN: torch.Tensor, tree: TokenTree, tokens_BN: torch.Tensor
+def tree_walk_fixed(
+    choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    tree: TokenTree,
+    tokens_BN: torch.Tensor,
+    B: int,
+    device: torch.device,
 ) -> TreeVerifyResult:
-    """:func:`tree_greedy_verify`'s walk in tensor ops on the argmax's device, every row one depth at a
-    time for the tree's whole depth (a row that has stopped stays put): no host read. The first
-    matching child in candidate order is followed, as in the host walk."""
-    device = target_argmax_BN.device
-    B = target_argmax_BN.shape[0]
+    """A tree walk in tensor ops on ``device``: every row one depth at a time for the tree's whole
+    depth (a row that has stopped stays put and its choices are dropped), so there is no host read.
+    ``choose(rows_B, node_B)`` gives each row's token at its node (the target's argmax, or a keyed
+    draw); the first child in candidate order holding it is followed, as in the host walks."""
     A = tree.max_depth + 1
     tokens_BN = tokens_BN.to(device=device, dtype=torch.long)
     kids_NC = tree.children_table(device)
@@ -463,7 +467,7 @@ def tree_greedy_walk(
     node_B = torch.zeros(B, dtype=torch.long, device=device)
     live_B = torch.ones(B, dtype=torch.bool, device=device)
     for depth in range(A):
-        want_B = target_argmax_BN[rows_B, node_B]
+        want_B = choose(rows_B, node_B)
         out_tokens[:, depth] = torch.where(live_B, want_B, out_tokens[:, depth])
         kids_BC = kids_NC[node_B]
         match_BC = (kids_BC >= 0) & (tokens_BN.gather(1, kids_BC.clamp(min=0)) == want_B[:, None])
@@ -474,3 +478,16 @@ def tree_greedy_walk(
         node_B = torch.where(go_B, next_B, node_B)
         live_B = go_B
     return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
+
+
+def tree_greedy_walk(
+    target_argmax_BN: torch.Tensor, tree: TokenTree, tokens_BN: torch.Tensor
+) -> TreeVerifyResult:
+    """:func:`tree_greedy_verify`'s walk on the argmax's device (:func:`tree_walk_fixed`): no host read."""
+    return tree_walk_fixed(
+        lambda rows_B, node_B: target_argmax_BN[rows_B, node_B],
+        tree,
+        tokens_BN,
+        target_argmax_BN.shape[0],
+        target_argmax_BN.device,
+    )

@@ -37,7 +37,7 @@ import torch
 from specdec.host_sync import avoids_host
 from specdec.noise import PositionNoise, sample_keyed, sample_with_keys
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.tree import TokenTree, TreeProposal, TreeVerifyResult, tree_greedy_verify
+from specdec.tree import TokenTree, TreeProposal, TreeVerifyResult, tree_greedy_verify, tree_walk_fixed
 from specdec.verify import VerifyResult, greedy_verify, validate_verify_inputs
 from specdec.verify_keyed import rejection_sample_keyed, validate_keyed_inputs
 from specdec.verify_rules import ExactVerify
@@ -179,32 +179,16 @@ def _gumbel_tree_fixed(
     noise: PositionNoise,
     positions_BN: torch.Tensor,
 ) -> TreeVerifyResult:
-    """:func:`gumbel_verify_tree`'s walk with every row at every depth (a stopped row stays put and its
-    draws are dropped): the same tokens, no host read (on an accelerator)."""
-    B = target_probs_BNV.shape[0]
+    """:func:`gumbel_verify_tree`'s walk with every row at every depth (:func:`tree_walk_fixed`: a
+    stopped row stays put and its draws are dropped): the same tokens, no host read (on an accelerator)."""
     device = target_probs_BNV.device
     positions_BN = positions_BN.to(device=device, dtype=torch.long)
-    kids_NC = tree.children_table(device)
-    A = tree.max_depth + 1
-    rows_B = torch.arange(B, device=device)
-    out_tokens = torch.full((B, A), -1, dtype=torch.long, device=device)
-    out_nodes = torch.full((B, A), -1, dtype=torch.long, device=device)
-    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
-    node_B = torch.zeros(B, dtype=torch.long, device=device)
-    live_B = torch.ones(B, dtype=torch.bool, device=device)
-    for depth in range(A):
+
+    def draw(rows_B: torch.Tensor, node_B: torch.Tensor) -> torch.Tensor:
         keys_B = noise.keys(positions_BN[rows_B, node_B], "sample", validate=False)
-        y_B = sample_with_keys(target_probs_BNV[rows_B, node_B], keys_B)
-        out_tokens[:, depth] = torch.where(live_B, y_B, out_tokens[:, depth])
-        kids_BC = kids_NC[node_B]
-        match_BC = (kids_BC >= 0) & (tokens_BN.gather(1, kids_BC.clamp(min=0)) == y_B[:, None])
-        go_B = live_B & match_BC.any(dim=1)
-        num_accepted = torch.where(live_B & ~go_B, depth, num_accepted)
-        chosen_B = kids_BC.gather(1, match_BC.long().argmax(dim=1, keepdim=True)).squeeze(1)
-        out_nodes[:, depth] = torch.where(go_B, chosen_B, out_nodes[:, depth])
-        node_B = torch.where(go_B, chosen_B, node_B)
-        live_B = go_B
-    return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
+        return sample_with_keys(target_probs_BNV[rows_B, node_B], keys_B)
+
+    return tree_walk_fixed(draw, tree, tokens_BN, target_probs_BNV.shape[0], device)
 
 
 def _need_noise(rule: str, noise: PositionNoise | None, positions: torch.Tensor | None) -> None:
