@@ -1,13 +1,13 @@
-"""Boundary checks of what plugins hand the decode loop: every proposal, every block of target logits.
+"""Boundary checks of what plugins hand the engine: every proposal, every block of target logits.
 
 Legend: B batch, K draft length, N tree nodes, T block length, V vocabulary.
 
 Exactness holds for *any* proposal drawn from the distribution the drafter reports, but only if
 that report is a distribution: a drafter that returns negative, infinite or unnormalised
 probabilities, float token ids, or tensors of the wrong shape would bias the output silently. So
-the loop runs :func:`check_proposal` on every proposal of every step (third-party drafters and our
+the engine runs :func:`check_proposal` on every proposal of every step (third-party drafters and our
 own alike) and :func:`check_logits` on every target output, and stops with a ``ValueError`` that
-names the step, the row and the source. Both cost one or two reductions over tensors the loop
+names the step, the row and the source. Both cost one or two reductions over tensors the engine
 reads anyway (``specdec bench`` reports the time per step as ``check_time_s``).
 
 On an accelerator a check must not read the host: :func:`logits_faults` and :func:`proposal_faults`

@@ -44,7 +44,7 @@ class StepStats:
     most tokens a row could accept (K for a chain, the tree's depth; default ``num_drafted``).
     ``num_accepted``: accepted drafts per running row. ``draft_time_s``: drafter time (propose +
     observe); ``target_time_s``: the target forward alone; ``verify_time_s``: forward, verification
-    and commit (the real price of a block, which γ policies weigh); ``check_time_s``: the loop's
+    and commit (the real price of a block, which γ policies weigh); ``check_time_s``: the engine's
     checks of the proposal and the logits (:mod:`specdec.checks`), inside ``verify_time_s``.
     ``row_drafted`` / ``row_depth``: per running row, where rows drafted differently (the engine's
     per-row depths; a row's block is padded to ``num_drafted + 1``); default every row as the step.
@@ -81,7 +81,7 @@ class SpecMetrics:
     target_time_s: float = 0.0
     draft_time_s: float = 0.0
     check_time_s: float = 0.0
-    """Time the loop spent checking proposals and logits (:mod:`specdec.checks`)."""
+    """Time the engine spent checking proposals and logits (:mod:`specdec.checks`)."""
     num_target_calls: int = 0
     num_generated_tokens: int = 0
     num_proposed: int = 0
@@ -124,9 +124,9 @@ def _percentile(sorted_xs: Sequence[float], q: float) -> float:
 
 
 class MetricsRecorder:
-    """Accumulates what the decode loop observes; :meth:`finish` turns it into :class:`SpecMetrics`.
+    """Accumulates what the engine observes; :meth:`finish` turns it into :class:`SpecMetrics`.
 
-    Cheap by design (a few list appends per step): it runs inside the hot loop.
+    Cheap by design (a few list appends per step): it runs inside every engine step.
     """
 
     def __init__(self) -> None:

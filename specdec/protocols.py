@@ -3,7 +3,7 @@
 Legend: B batch, T block length, K draft length (γ), N tree nodes, V vocabulary, D hidden size,
 L sequence capacity.
 
-The decode loop (``specdec.loop``) owns a :class:`DecodeState` with every row's committed tokens.
+The engine (:mod:`specdec.engine`) owns a :class:`DecodeState` with every row's committed tokens.
 Invariant between steps: the target's KV cache holds ``lengths_B - 1`` tokens per row: every
 committed token except the last one, which is fed first in the next verify block.
 
@@ -87,7 +87,7 @@ class Target(Protocol):
     length may hold stale entries from rejected drafts; they are never attended because every
     block overwrites its slots before attending.
 
-    Optional attributes the loop reads when present: ``device`` (where token tensors live),
+    Optional attributes the engine reads when present: ``device`` (where token tensors live),
     ``tokenizer`` (stop strings) and ``max_context_length`` (prompt + new tokens + γ + 1 must fit).
     One target serves one generation at a time: :func:`specdec.generate` holds a lock on it.
     """
@@ -179,10 +179,10 @@ class Proposal:
     processed by ``logits_to_probs`` with the run's sampling params) or None for a deterministic
     proposal. K may be smaller than the γ asked for, and may be 0.
 
-    ``tree`` (optional): a :class:`specdec.tree.TreeProposal`; the loop then verifies the whole
+    ``tree`` (optional): a :class:`specdec.tree.TreeProposal`; the engine then verifies the whole
     tree in one target call (the target must be a :class:`TreeTarget`), and ``tokens_BK`` /
-    ``probs_BKV`` are its first-candidate path (a valid chain proposal for loops that ignore
-    trees). The loop checks every proposal (shapes, dtypes, id range, finite normalised
+    ``probs_BKV`` are its first-candidate path (a valid chain proposal where a tree does not
+    pay). The engine checks every proposal (shapes, dtypes, id range, finite normalised
     probabilities) before the target sees it."""
 
     tokens_BK: torch.Tensor
@@ -192,11 +192,11 @@ class Proposal:
 
 @dataclass
 class DecodeState:
-    """Per-row token history shared by the loop and the drafters.
+    """Per-row token history shared by the engine and the drafters.
 
     ``tokens_BL``: prompt and committed tokens (slots past ``lengths_B`` are undefined);
     ``prompt_lengths_B``; ``lengths_B``: valid tokens per row; ``finished_B``: rows that hit a stop
-    condition (the loop keeps them in the batch but ignores their output). ``tree_ok``: whether a
+    condition (the engine keeps them in the batch but ignores their output). ``tree_ok``: whether a
     token tree pays at this step (the engine sets it each step: the row is verified alone, since a
     tree takes a forward of its own, and a tree-sized block costs little more than one token on
     this machine); a drafter that can draft either (``ngram-eagle-auto``, ``default``) drafts a

@@ -1,4 +1,4 @@
-"""Stop strings: the first generated token whose text completes one (the loop's and the engine's)."""
+"""Stop strings: the first generated token whose text completes one (the engine's and the CLI's)."""
 
 from __future__ import annotations
 

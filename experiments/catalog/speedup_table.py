@@ -4,7 +4,7 @@ Spec-Bench (Xia et al. 2024, arXiv 2401.07851) reports, per method and task cate
 speedup over plain autoregressive decoding on the same hardware and the mean accepted tokens per
 target call τ, greedy. Here the categories are HumanEval (code completion) and the eight MT-Bench
 question categories; the methods are our drafters, each against our plain decode (the ``none``
-drafter through the same loop) measured in the same run on the same prompts, prompt by prompt in
+drafter through the same engine) measured in the same run on the same prompts, prompt by prompt in
 turn. Greedy speculative output must equal plain greedy output token for token, so each run also
 records the exact-match rate: the lossless check at the level of whole generations (the
 distribution tests in ``tests/statistical`` check sampling).

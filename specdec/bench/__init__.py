@@ -1,7 +1,7 @@
 """Benchmarks of the speculative-decoding engine, every method side by side in one run.
 
-- ``specdec bench`` / ``python -m specdec.bench`` (:mod:`~specdec.bench.speculative`): our decode
-  loop per drafter against our plain decode, ``transformers``' ``generate`` and peers, on HumanEval
+- ``specdec bench`` / ``python -m specdec.bench`` (:mod:`~specdec.bench.speculative`): our engine
+  per drafter against our plain decode, ``transformers``' ``generate`` and peers, on HumanEval
   and MT-Bench prompts; results in ``bench.json`` / ``bench.md`` (:mod:`~specdec.bench.report`);
 - ``python -m specdec.bench.target`` (:mod:`~specdec.bench.target`): the native target's plain
   decode against ``transformers``, and its forward cost against block length;

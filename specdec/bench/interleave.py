@@ -1,7 +1,7 @@
 """The one interleaved runner: every method on the same prompts, side by side, in one process.
 
 ``specdec bench`` and the decoding experiments (``experiments/catalog``) both run several methods
-(our decode loop with a drafter, ``transformers``' ``generate``, a peer such as llama.cpp) on the
+(our engine with a drafter, ``transformers``' ``generate``, a peer such as llama.cpp) on the
 same prompts and report ratios. :func:`run_interleaved` runs each prompt through every method
 before the next prompt starts, rotating the order per prompt, so slow drifts of a shared machine
 hit all methods alike. :func:`time_interleaved` does the same for micro-benchmarks (one call per

@@ -1,4 +1,4 @@
-"""Speed benchmark: our decode loop per drafter vs plain decoding vs ``transformers`` ``generate``.
+"""Speed benchmark: our engine per drafter vs plain decoding vs ``transformers`` ``generate``.
 
     python -m specdec.bench --prompt-set humaneval,mtbench --num-prompts 5 --max-new-tokens 128 \\
         --temperatures 0,0.7 --drafters none,ngram,layerskip,eagle,eagle-tree --out results/bench

@@ -2,7 +2,7 @@
 
 Legend: B batch, K draft length.
 
-Running plain autoregressive decoding through the same loop as speculative decoding makes the
+Running plain autoregressive decoding through the same engine as speculative decoding makes the
 baseline share every cost that is not speculation (sampling, bookkeeping, cache handling).
 """
 

@@ -1,5 +1,5 @@
 """Drafters per request: each request gets its own drafter instance, added when it starts decoding
-and dropped when it leaves (STYLE principle 14: a drafter adds and drops rows).
+and dropped when it leaves.
 
 Legend: B = 1 (a drafter instance sees its request as a batch of one), L sequence capacity.
 

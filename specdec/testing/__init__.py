@@ -6,7 +6,7 @@ distribution exactly?
   verifier (:func:`verifier_step_law`); :func:`target_sequence_distribution`: the target's own joint.
 - :func:`sample_output_distribution`: Monte-Carlo counts through the real
   :func:`specdec.verify.rejection_sample` (or your verifier with the same signature) or the real
-  :func:`specdec.generate` loop.
+  :func:`specdec.generate` (the engine).
 - :func:`assert_same_distribution`: G-test / χ² with a stated false-alarm rate, zero-probability
   cells checked exactly, small cells pooled; reports the p-value and the worst cells.
 - :func:`required_sample_size` / :func:`detection_power`: N needed to detect a total-variation bias.

@@ -8,7 +8,7 @@ Two paths, both drawing every token with the engine's own functions:
   :func:`specdec.verify.rejection_sample`; pass your own verifier with the same signature). Drafts are
   sampled from the drafter's processed rows with :func:`specdec.sampling.sample_from_probs`; each of
   the R rows is one independent sample, so one verify call serves the whole batch.
-- ``via="generate"``: the real :func:`specdec.generate` loop, with the toy models behind the
+- ``via="generate"``: the real :func:`specdec.generate` (the engine), with the toy models behind the
   ``Target`` / ``Drafter`` protocols; every prompt row is one sample.
 """
 
@@ -168,7 +168,7 @@ def _sample_via_generate(
     eos_token_ids: Sequence[int],
     seed: int,
 ) -> Counter:
-    from specdec.loop import generate  # the loop is imported only when asked for
+    from specdec.loop import generate  # the engine is imported only when asked for
 
     engine_target = target if isinstance(target, Target) else target.as_target()  # type: ignore[union-attr]
     if isinstance(drafter, (str, Drafter)):

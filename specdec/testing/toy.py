@@ -8,10 +8,10 @@ L cache capacity.
 - :class:`PositionalModel`: fixed probability rows by position, for i.i.d. draft positions.
 - :class:`MarkovTarget` / :class:`MarkovDrafter`: a :class:`MarkovModel` behind the engine's
   :class:`~specdec.protocols.Target` and :class:`~specdec.protocols.Drafter` protocols, so the real
-  :func:`specdec.generate` loop can run on it. :class:`MarkovTarget` reads its context from its own
+  :func:`specdec.generate` engine can run on it. :class:`MarkovTarget` reads its context from its own
   positional cache and raises on protocol violations (a block that starts past the cached length),
-  so a loop that feeds wrong positions or rolls back wrongly changes the output distribution or fails
-  loudly instead of passing by luck.
+  so an engine that feeds wrong positions or rolls back wrongly changes the output distribution or
+  fails loudly instead of passing by luck.
 
 Every model answers ``next_token_probs(contexts, sampling)``: float64 ``[N, V]`` rows, each the
 distribution the engine would sample from after that context (logits processed by the real

@@ -21,10 +21,7 @@ stay float32. With ``int8`` the layer's four products take int8 rows (per-row sc
 activations) and the draft LM head (8,192 of the target's LM-head rows) int8 rows with 8-bit
 activations, as a ``gguf-q8`` target runs its own LM head; ``fc`` / ``fc_aux`` (raw target features,
 wide in range) stay as they are. :func:`~specdec.drafters.eagle.weights.load_packed_head` sets it for
-a ``gguf-q8`` target. Measured side by side (three alternations in one process, a fixed-depth chain
-of 3 at one request, 8 held-out prompts, 2-core Xeon): per drafted token 0.59–0.66 ms against
-0.64–0.91 ms in bf16 on the ``avx512-vnni`` path (acceptance 0.351 against 0.353), 0.56–0.69 against
-0.70–0.83 ms on the ``avx2`` path (0.326 against 0.332); the catch-up per step moved within the noise.
+a ``gguf-q8`` target (what that costs and saves: docs/eagle.md).
 It exposes the interface :class:`~specdec.drafters.eagle.cache.EagleCache` calls.
 """
 
