@@ -182,6 +182,16 @@ def test_prometheus_parsing_and_acceptance():
     acc = load.acceptance(before, after)
     assert acc == {"drafts": 6.0, "drafted": 24.0, "accepted": 15.0, "alpha": 0.625, "tau": 3.5}
     assert load.spec_counters(load.parse_prometheus_text("llamacpp:tokens_predicted_total 3\n")) is None
+    by_reason = (
+        'vllm:request_success_total{finished_reason="stop",model_name="m"} 3\n'
+        'vllm:request_success_total{model_name="m",finished_reason="length"} 2\n'
+        "vllm:num_requests_running 1\n"
+    )
+    assert load.parse_prometheus_text(by_reason, keep_label="finished_reason") == {
+        "vllm:request_success_total{stop}": 3.0,
+        "vllm:request_success_total{length}": 2.0,
+        "vllm:num_requests_running": 1.0,
+    }
     assert load.acceptance(None, after) is None
     zero = load.acceptance(before, before)
     assert zero["alpha"] is None and zero["tau"] is None
@@ -252,7 +262,7 @@ def test_open_loop_sends_at_the_arrival_times(server):
         assert t - 1e-3 <= r.sent_s < t + 0.5
 
 
-def test_metrics_deltas_and_served_model(server, bare_server):
+def test_metrics_deltas_and_model_card(server, bare_server):
     before = load.scrape_metrics(server.url)
     load.run_closed_loop(
         server.url, reqs("a", "b"), concurrency=2, endpoint="completions", model="m", sampling=SAMPLING
@@ -266,7 +276,7 @@ def test_metrics_deltas_and_served_model(server, bare_server):
         "tau": 1 + fake.ACCEPTED / fake.DRAFTS,
     }
     assert load.scrape_metrics(bare_server.url) is None  # no /metrics: no acceptance
-    assert load.served_model(server.url) == fake.MODEL
+    assert load.model_card(server.url)["id"] == fake.MODEL
     assert load.wait_healthy(server.url, 5.0)
 
 

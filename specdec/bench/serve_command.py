@@ -236,7 +236,7 @@ def _load(
 
     base = entry["base_url"]
     auth = {"api_key": config.api_key} if entry["kind"] == "url" else {}
-    model = config.model or load.served_model(base, **auth) or config.target
+    model = config.model or (load.model_card(base, **auth) or {}).get("id") or config.target
     entry["model"] = model
     sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "seed": config.seed}
     sampling |= ({"ignore_eos": True} if config.ignore_eos else {}) | REQUEST_EXTRAS.get(entry["kind"], {})
