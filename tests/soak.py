@@ -31,6 +31,7 @@ import httpx
 
 from specdec.bench import serve_load as load
 from specdec.bench import serve_peers as peers
+from specdec.bench import serve_probe as probe
 from specdec.cli_args import ArgumentParser, finite_float, positive_int, seed_int, stderr_line
 
 # The gauges of specdec/serve/metrics.py that must read 0 once the load has ended.
@@ -302,7 +303,7 @@ def judge_error(planned: Planned, status: int, body: bytes) -> str | None:
 
 def judge_idle(samples: Mapping[str, float]) -> tuple[bool, dict[str, float | None]]:
     """Whether every gauge of :data:`IDLE_GAUGES` reads 0 among parsed ``/metrics`` samples
-    (:func:`specdec.bench.serve_load.parse_prometheus_text`; a missing one is None and fails)."""
+    (:func:`specdec.bench.serve_probe.parse_prometheus_text`; a missing one is None and fails)."""
     values = {gauge: samples.get(gauge) for gauge in IDLE_GAUGES}
     return all(v == 0 for v in values.values()), values
 
@@ -415,7 +416,7 @@ def _start_server(config: SoakConfig, log: Path) -> peers.LaunchedServer:
 def _wait_idle(url: str, timeout_s: float) -> tuple[bool, dict[str, Any]]:
     t0 = time.monotonic()
     while True:
-        samples = load.get_metrics(url)
+        samples = probe.get_metrics(url)
         idle, values = judge_idle(samples) if samples is not None else (False, {"error": "no /metrics"})
         if idle or time.monotonic() - t0 > timeout_s:
             return idle, {**values, "seconds": round(time.monotonic() - t0, 2)}
@@ -464,9 +465,9 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
     url = server.base_url if server else config.base_url.rstrip("/")
     proc = server.proc if server else None
     try:
-        if not load.wait_healthy(url, config.start_timeout_s):
+        if not probe.wait_healthy(url, config.start_timeout_s):
             raise RuntimeError(f"{url}/health did not answer 200 within {config.start_timeout_s} s")
-        card = load.model_card(url, api_key=config.api_key)
+        card = probe.model_card(url, api_key=config.api_key)
         if card is None:
             raise RuntimeError(f"{url}/v1/models names no model")
         model, max_model_len = card["id"], int(card.get("max_model_len") or 1_000_000)
@@ -481,7 +482,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
         settings = {name: getattr(config, name) for name in shape}
         plan = plan_requests(config.num_requests, model=model, max_model_len=max_model_len, **settings)
         print(f"soak: {url}, {len(plan)} requests at concurrency {config.concurrency}", flush=True)
-        before = _counters(load.get_metrics(url, keep_label="finished_reason"))
+        before = _counters(probe.get_metrics(url, keep_label="finished_reason"))
         run = asyncio.run(_drive(config, url, plan, None if proc is None else proc.pid))
         outcomes: list[Outcome] = run["outcomes"]
         checks: dict[str, dict[str, Any]] = {}
@@ -509,7 +510,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
         warmup = max(1, round(config.warmup_fraction * len(plan)))
         flat, rss = judge_rss(run["rss"], warmup, config.rss_tolerance_frac, config.rss_tolerance_mb)
         checks["memory_flat"] = _check(flat if proc else None, rss if proc else "no server process")
-        after = _counters(load.get_metrics(url, keep_label="finished_reason")) if alive else before
+        after = _counters(probe.get_metrics(url, keep_label="finished_reason")) if alive else before
         counters = {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
         finished = sum(v for k, v in counters.items() if k.startswith("vllm:request_success_total"))
         accepted = sum(1 for o in good if o.status == 200)

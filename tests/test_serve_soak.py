@@ -36,7 +36,7 @@ from soak import (  # noqa: E402
     run_soak,
 )
 
-from specdec.bench.serve_load import parse_prometheus_text  # noqa: E402
+from specdec.bench.serve_probe import parse_prometheus_text  # noqa: E402
 from specdec.serve.metrics import ServerMetrics  # noqa: E402
 
 MB = 1 << 20

@@ -173,7 +173,7 @@ def launch(
     """Start ``command`` (output to ``log``) and wait for ``GET /health`` on ``port``; a
     ``RuntimeError`` with the log's last lines if it exits or does not answer within
     ``startup_timeout_s`` (the process is stopped then)."""
-    from specdec.bench.serve_load import wait_healthy
+    from specdec.bench.serve_probe import wait_healthy
 
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
