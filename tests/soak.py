@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -65,34 +65,46 @@ def _check_fractions(**values: float) -> None:
             raise ValueError(f"{name} must be in [0, 1], got {value!r}")
 
 
+def _rate(text: str) -> float:
+    value = finite_float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+    return value
+
+
+def _setting(default: Any, kind: Any, help: str) -> Any:
+    """A setting and its flag, ``--NAME`` without the ``_s`` of seconds, read by ``kind``."""
+    return field(default=default, metadata={"type": kind, "help": help})
+
+
 @dataclass(frozen=True, kw_only=True)
 class SoakConfig:
     """The soak's settings (see ``python tests/soak.py --help``)."""
 
-    num_requests: int = 1000
-    concurrency: int = 16
-    max_tokens: int = 16
-    disconnect_rate: float = 0.1
-    malformed_rate: float = 0.05
-    stream_fraction: float = 0.5
-    chat_fraction: float = 0.5
-    seed: int = 0
-    base_url: str | None = None
-    target: str = "smollm2-135m"
-    drafter: str = "default"
-    max_num_seqs: int = 8
-    server_args: tuple[str, ...] = ()
-    server_log: str | None = None
-    shutdown_timeout_s: float = 10.0
-    start_timeout_s: float = 900.0
-    request_timeout_s: float = 300.0
-    idle_timeout_s: float = 10.0
-    api_key: str | None = None
-    rss_interval_s: float = 0.5
-    warmup_fraction: float = 0.1
-    rss_tolerance_frac: float = 0.10
-    rss_tolerance_mb: float = 50.0
-    progress_s: float = 5.0
+    num_requests: int = _setting(1000, positive_int, "requests to send")
+    concurrency: int = _setting(16, positive_int, "requests in flight at once")
+    max_tokens: int = _setting(16, positive_int, "per request: max_tokens//2..this")
+    disconnect_rate: float = _setting(0.1, _rate, "of streamed ones: cut off")
+    malformed_rate: float = _setting(0.05, _rate, "of all requests: malformed")
+    stream_fraction: float = _setting(0.5, _rate, "of all requests: streamed")
+    chat_fraction: float = _setting(0.5, _rate, "of all requests: chat completions")
+    seed: int = _setting(0, seed_int, "seed of the plan")
+    base_url: str | None = _setting(None, str, "soak a running server (no RSS, shutdown or log checks)")
+    target: str = _setting("smollm2-135m", str, "the server's --target")
+    drafter: str = _setting("default", str, "the server's --drafter")
+    max_num_seqs: int = _setting(8, positive_int, "the server's cache slots")
+    server_args: tuple[str, ...] = _setting((), shlex.split, "more `specdec serve` flags, one string")
+    server_log: str | None = _setting(None, str, "the server's output, kept (None: a temp file)")
+    shutdown_timeout_s: float = _setting(10.0, finite_float, "the server's --shutdown-timeout, s")
+    start_timeout_s: float = _setting(900.0, finite_float, "s for the server to start")
+    request_timeout_s: float = _setting(300.0, finite_float, "s per request")
+    idle_timeout_s: float = _setting(10.0, finite_float, "s for the slots to free")
+    api_key: str | None = _setting(None, str, "the server's --api-key")
+    rss_interval_s: float = _setting(0.5, finite_float, "s between RSS samples")
+    warmup_fraction: float = _setting(0.1, _rate, "requests before RSS counts")
+    rss_tolerance_frac: float = _setting(0.10, finite_float, "RSS growth allowed, of the first RSS")
+    rss_tolerance_mb: float = _setting(50.0, finite_float, "RSS growth allowed, MB")
+    progress_s: float = _setting(5.0, finite_float, "s between progress lines")
 
     def __post_init__(self) -> None:
         names = ("disconnect_rate", "malformed_rate", "stream_fraction", "chat_fraction", "warmup_fraction")
@@ -562,41 +574,6 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f"\n{'PASS' if result['passed'] else 'FAIL'}", flush=True)
 
 
-def _rate(text: str) -> float:
-    value = finite_float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
-    return value
-
-
-FLAGS: dict[str, tuple[str, Any, str]] = {  # flag: (SoakConfig field, type, help)
-    "--num-requests": ("num_requests", positive_int, "requests to send"),
-    "--concurrency": ("concurrency", positive_int, "requests in flight at once"),
-    "--max-tokens": ("max_tokens", positive_int, "per request: max_tokens//2..this"),
-    "--disconnect-rate": ("disconnect_rate", _rate, "of streamed ones: cut off"),
-    "--malformed-rate": ("malformed_rate", _rate, "of all requests: malformed"),
-    "--stream-fraction": ("stream_fraction", _rate, "of all requests: streamed"),
-    "--chat-fraction": ("chat_fraction", _rate, "of all requests: chat completions"),
-    "--seed": ("seed", seed_int, "seed of the plan"),
-    "--base-url": ("base_url", str, "soak a running server (no RSS, shutdown or log checks)"),
-    "--target": ("target", str, "the server's --target"),
-    "--drafter": ("drafter", str, "the server's --drafter"),
-    "--max-num-seqs": ("max_num_seqs", positive_int, "the server's cache slots"),
-    "--server-args": ("server_args", shlex.split, "more `specdec serve` flags, one string ('--gamma 3')"),
-    "--server-log": ("server_log", str, "the server's output, kept (None: a temp file)"),
-    "--shutdown-timeout": ("shutdown_timeout_s", finite_float, "the server's, s"),
-    "--start-timeout": ("start_timeout_s", finite_float, "s for the server to start"),
-    "--request-timeout": ("request_timeout_s", finite_float, "s per request"),
-    "--idle-timeout": ("idle_timeout_s", finite_float, "s for the slots to free"),
-    "--api-key": ("api_key", str, "the server's --api-key"),
-    "--rss-interval": ("rss_interval_s", finite_float, "s between RSS samples"),
-    "--warmup-fraction": ("warmup_fraction", _rate, "requests before RSS counts"),
-    "--rss-tolerance-frac": ("rss_tolerance_frac", finite_float, "of the first RSS"),
-    "--rss-tolerance-mb": ("rss_tolerance_mb", finite_float, "RSS growth allowed"),
-    "--progress": ("progress_s", finite_float, "s between progress lines"),
-}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python tests/soak.py``: 0 if every check passed (or skipped), 1 if one failed, 2 if the soak
     could not run (bad arguments, a server that did not start)."""
@@ -605,11 +582,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    for flag, (name, kind, text) in FLAGS.items():
-        metavar = flag[2:].upper().replace("-", "_")
-        p.add_argument(
-            flag, dest=name, type=kind, default=getattr(SoakConfig, name), metavar=metavar, help=text
-        )
+    for setting in fields(SoakConfig):
+        flag = setting.name.removesuffix("_s")
+        p.add_argument("--" + flag.replace("_", "-"), dest=setting.name, metavar=flag.upper(),
+                       default=setting.default, **setting.metadata)  # fmt: skip
     p.add_argument("--out", default=None, help="write the result as JSON here")
     a = vars(p.parse_args(argv))
     out = a.pop("out")
