@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 from specdec.bench import serve_load as load  # noqa: E402
 from specdec.bench import serve_peers as peers  # noqa: E402
+from specdec.bench import serve_probe as probe  # noqa: E402
 from specdec.bench.serve_command import BenchServeConfig, run_bench_serve  # noqa: E402
 from specdec.bench.serve_load import BenchRequest, LevelRun, RequestResult, result_from_trace  # noqa: E402
 from specdec.bench.serve_report import level_figures, parse_goodput, percentile  # noqa: E402
@@ -174,16 +175,26 @@ def test_prometheus_parsing_and_acceptance():
         "llamacpp:tokens_predicted_total 120\n"
         "not_a_number NaNx\n"
     )
-    samples = load.parse_prometheus_text(text)
+    samples = probe.parse_prometheus_text(text)
     assert samples["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == 6.0
-    before = load.spec_counters(samples)
+    before = probe.spec_counters(samples)
     assert before == {"num_drafts": 4.0, "num_draft_tokens": 16.0, "num_accepted_tokens": 6.0}
     after = {"num_drafts": 10.0, "num_draft_tokens": 40.0, "num_accepted_tokens": 21.0}
-    acc = load.acceptance(before, after)
+    acc = probe.acceptance(before, after)
     assert acc == {"drafts": 6.0, "drafted": 24.0, "accepted": 15.0, "alpha": 0.625, "tau": 3.5}
-    assert load.spec_counters(load.parse_prometheus_text("llamacpp:tokens_predicted_total 3\n")) is None
-    assert load.acceptance(None, after) is None
-    zero = load.acceptance(before, before)
+    assert probe.spec_counters(probe.parse_prometheus_text("llamacpp:tokens_predicted_total 3\n")) is None
+    by_reason = (
+        'vllm:request_success_total{finished_reason="stop",model_name="m"} 3\n'
+        'vllm:request_success_total{model_name="m",finished_reason="length"} 2\n'
+        "vllm:num_requests_running 1\n"
+    )
+    assert probe.parse_prometheus_text(by_reason, keep_label="finished_reason") == {
+        "vllm:request_success_total{stop}": 3.0,
+        "vllm:request_success_total{length}": 2.0,
+        "vllm:num_requests_running": 1.0,
+    }
+    assert probe.acceptance(None, after) is None
+    zero = probe.acceptance(before, before)
     assert zero["alpha"] is None and zero["tau"] is None
 
 
@@ -252,12 +263,12 @@ def test_open_loop_sends_at_the_arrival_times(server):
         assert t - 1e-3 <= r.sent_s < t + 0.5
 
 
-def test_metrics_deltas_and_served_model(server, bare_server):
-    before = load.scrape_metrics(server.url)
+def test_metrics_deltas_and_model_card(server, bare_server):
+    before = probe.scrape_metrics(server.url)
     load.run_closed_loop(
         server.url, reqs("a", "b"), concurrency=2, endpoint="completions", model="m", sampling=SAMPLING
     )
-    acc = load.acceptance(before, load.scrape_metrics(server.url))
+    acc = probe.acceptance(before, probe.scrape_metrics(server.url))
     assert acc == {
         "drafts": 2.0 * fake.DRAFTS,
         "drafted": 2.0 * fake.DRAFT_TOKENS,
@@ -265,9 +276,9 @@ def test_metrics_deltas_and_served_model(server, bare_server):
         "alpha": fake.ACCEPTED / fake.DRAFT_TOKENS,
         "tau": 1 + fake.ACCEPTED / fake.DRAFTS,
     }
-    assert load.scrape_metrics(bare_server.url) is None  # no /metrics: no acceptance
-    assert load.served_model(server.url) == fake.MODEL
-    assert load.wait_healthy(server.url, 5.0)
+    assert probe.scrape_metrics(bare_server.url) is None  # no /metrics: no acceptance
+    assert probe.model_card(server.url)["id"] == fake.MODEL
+    assert probe.wait_healthy(server.url, 5.0)
 
 
 # --- the command ---------------------------------------------------------------------------------

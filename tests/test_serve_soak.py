@@ -1,4 +1,4 @@
-"""The soak of ``specdec serve`` (``python -m specdec.serve.soak``): its plan and its judgements on
+"""The soak of ``specdec serve`` (``python tests/soak.py``): its plan and its judgements on
 made-up answers, /metrics texts and RSS series (each must be able to fail), and a scaled-down soak
 against a server on a free loopback port over the tiny random Llama of ``tests/test_serve.py``
 (byte-level tokenizer, ``ngram`` drafter): 60 requests at concurrency 8, max_tokens 8, half the
@@ -21,19 +21,23 @@ if _MISSING:
         f"the soak needs the [serve] extra and psutil: missing {', '.join(_MISSING)}", allow_module_level=True
     )
 
-from specdec.serve.metrics import ServerMetrics  # noqa: E402
-from specdec.serve.soak import SoakConfig, main, run_soak  # noqa: E402
-from specdec.serve.soak_checks import (  # noqa: E402
+from soak import (  # noqa: E402
     IDLE_GAUGES,
     MALFORMED,
     Planned,
+    SoakConfig,
     judge_error,
     judge_idle,
     judge_rss,
     judge_stream,
     judge_whole,
+    main,
     plan_requests,
+    run_soak,
 )
+
+from specdec.bench.serve_probe import parse_prometheus_text  # noqa: E402
+from specdec.serve.metrics import ServerMetrics  # noqa: E402
 
 MB = 1 << 20
 PLAN = {"model": "m", "max_model_len": 2048, "max_tokens": 16}
@@ -137,7 +141,7 @@ def test_judge_error():
 
 def test_judge_idle_reads_the_servers_own_gauges():
     metrics = ServerMetrics("tiny", 4)
-    text = lambda: metrics.render()[0].decode()  # noqa: E731
+    text = lambda: parse_prometheus_text(metrics.render()[0].decode())  # noqa: E731
     idle, values = judge_idle(text())
     assert idle and values == dict.fromkeys(IDLE_GAUGES, 0.0)
     metrics.set_load(running=0, waiting=0, slots_in_use=1)  # a leaked slot
@@ -148,7 +152,7 @@ def test_judge_idle_reads_the_servers_own_gauges():
     metrics.set_load(running=0, waiting=0, slots_in_use=0)
     assert judge_idle(text())[0]
     fake = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 0.0\n'
-    idle, values = judge_idle(fake)  # the other two are missing: not idle
+    idle, values = judge_idle(parse_prometheus_text(fake))  # the other two are missing: not idle
     assert not idle and values["specdec:cache_slots_in_use"] is None
 
 

@@ -231,12 +231,13 @@ def _load(
 ) -> None:
     """Warm-up, then every level against the server at ``entry["base_url"]``; figures into ``entry``."""
     from specdec.bench import serve_load as load
+    from specdec.bench import serve_probe as probe
     from specdec.bench.serve_peers import REQUEST_EXTRAS
     from specdec.bench.serve_report import level_figures, level_label
 
     base = entry["base_url"]
     auth = {"api_key": config.api_key} if entry["kind"] == "url" else {}
-    model = config.model or load.served_model(base, **auth) or config.target
+    model = config.model or (probe.model_card(base, **auth) or {}).get("id") or config.target
     entry["model"] = model
     sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "seed": config.seed}
     sampling |= ({"ignore_eos": True} if config.ignore_eos else {}) | REQUEST_EXTRAS.get(entry["kind"], {})
@@ -248,7 +249,7 @@ def _load(
         )  # fmt: skip
         entry["warmup_failed"] = sum(not r.ok for r in warm.results)
     for level in _levels(config):
-        before = load.scrape_metrics(base, **auth)
+        before = probe.scrape_metrics(base, **auth)
         if level["mode"] == "concurrency":
             run = load.run_closed_loop(
                 base, requests, concurrency=level["concurrency"], sampling=sampling, **common
@@ -258,7 +259,7 @@ def _load(
                 base, requests, request_rate=level["request_rate"], burstiness=config.burstiness,
                 seed=config.seed, sampling=sampling, **common,
             )  # fmt: skip
-        acc = load.acceptance(before, load.scrape_metrics(base, **auth))
+        acc = probe.acceptance(before, probe.scrape_metrics(base, **auth))
         figures = level_figures(run, config.goodput_ms)
         entry["levels"].append(
             {**level, **figures, "acceptance": acc, "requests": [r.to_dict() for r in run.results]}

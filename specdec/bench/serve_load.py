@@ -27,10 +27,8 @@ A request fails on an HTTP status other than 200, an ``error`` event in the stre
 ends without ``data: [DONE]``, a stream with neither a token chunk nor a ``finish_reason``, or a
 connection error or timeout.
 
-:func:`scrape_metrics` and :func:`acceptance` read the server's Prometheus ``/metrics`` before and
-after a level: vLLM's ``…:spec_decode_num_drafts``, ``…:spec_decode_num_draft_tokens`` and
-``…:spec_decode_num_accepted_tokens`` counters (``specdec serve`` exposes them as ``vllm:…``,
-llama-server with ``--metrics`` as ``llamacpp:…``).
+:mod:`specdec.bench.serve_probe` reads what the server reports about itself (``/health``,
+``/v1/models``, ``/metrics``).
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,27 +46,22 @@ import httpx
 
 __all__ = [
     "ENDPOINTS",
-    "SPEC_COUNTERS",
     "BenchRequest",
     "RequestResult",
     "LevelRun",
     "result_from_trace",
     "arrival_times",
+    "SSEReply",
+    "post_sse",
     "stream_request",
+    "http_client",
+    "closed_loop",
     "run_closed_loop",
     "run_open_loop",
-    "parse_prometheus_text",
-    "spec_counters",
-    "scrape_metrics",
-    "acceptance",
-    "served_model",
-    "wait_healthy",
 ]
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 """``--endpoint`` → the route the requests are posted to."""
-SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-"""The speculative-decoding counters read from ``/metrics`` (names ``<prefix>:spec_decode_<name>``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,6 +213,40 @@ def _choice_text(choice: Mapping[str, Any], endpoint: str) -> str:
     return choice.get("text") or ""
 
 
+@dataclass
+class SSEReply:
+    """What one streamed ``POST`` got: the status (None if no answer came), the body of an answer other
+    than 200, the ``data:`` payloads with their arrival times (``time.perf_counter``), whether the client
+    closed the stream before its end, and why the transport failed."""
+
+    status: int | None = None
+    body: bytes = b""
+    events: list[tuple[float, str]] = field(default_factory=list)
+    cut_off: bool = False
+    error: str | None = None
+
+
+async def post_sse(client: httpx.AsyncClient, path: str, content: bytes, *, stop_after: int = 0) -> SSEReply:
+    """``POST`` a JSON body to ``path`` and read its SSE stream; ``stop_after`` > 0 closes the connection
+    once that many events came, unless the last is ``[DONE]``. Never raises for the server's failure."""
+    reply = SSEReply()
+    try:
+        async with client.stream("POST", path, content=content) as response:
+            reply.status = response.status_code
+            if response.status_code != 200:
+                reply.body = await response.aread()
+                return reply
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    reply.events.append((time.perf_counter(), line[5:].strip()))
+                    if stop_after and len(reply.events) >= stop_after and reply.events[-1][1] != "[DONE]":
+                        reply.cut_off = True  # leaving the block closes the connection
+                        break
+    except (httpx.HTTPError, OSError) as err:
+        reply.error = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    return reply
+
+
 async def stream_request(
     client: httpx.AsyncClient,
     request: BenchRequest,
@@ -229,53 +256,45 @@ async def stream_request(
     sampling: Mapping[str, Any],
     start_s: float = 0.0,
 ) -> RequestResult:
-    """Send one streamed request through ``client`` (its ``base_url`` set) and time it; never raises
+    """Send one streamed request through ``client`` (:func:`http_client`) and time it; never raises
     for a failure of the server (the result says why it failed)."""
-    body = _payload(request, endpoint, model, sampling)
+    body = json.dumps(_payload(request, endpoint, model, sampling)).encode()
     token_times: list[float] = []
     last_choice: float | None = None
     finish: float | None = None
     usage: Mapping[str, Any] | None = None
-    error: str | None = None
     sent = time.perf_counter()
-    try:
-        async with client.stream("POST", ENDPOINTS[endpoint], json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode("utf-8", "replace")
-                error = f"HTTP {response.status_code}: {' '.join(text.split())[:200]}"
-            else:
-                done = False
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    now = time.perf_counter()
-                    try:
-                        event = json.loads(data)
-                    except json.JSONDecodeError:
-                        error = f"an event that is not JSON: {data[:80]!r}"
-                        break
-                    if not isinstance(event, dict):
-                        continue
-                    if event.get("error"):
-                        error = f"error event: {json.dumps(event['error'])[:200]}"
-                        break
-                    choices = event.get("choices")
-                    if choices and isinstance(choices[0], Mapping):
-                        last_choice = now
-                        if _choice_text(choices[0], endpoint):
-                            token_times.append(now)
-                        if finish is None and choices[0].get("finish_reason"):
-                            finish = now
-                    if isinstance(event.get("usage"), Mapping):
-                        usage = event["usage"]
-                if error is None and not done:
-                    error = "the stream ended without data: [DONE]"
-    except (httpx.HTTPError, OSError) as err:
-        error = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    reply = await post_sse(client, ENDPOINTS[endpoint], body)
+    error = reply.error
+    if error is None and reply.status != 200:
+        text = reply.body.decode("utf-8", "replace")
+        error = f"HTTP {reply.status}: {' '.join(text.split())[:200]}"
+    done = False
+    for now, data in reply.events if error is None else ():
+        if data == "[DONE]":
+            done = True
+            break
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError:
+            error = f"an event that is not JSON: {data[:80]!r}"
+            break
+        if not isinstance(event, dict):
+            continue
+        if event.get("error"):
+            error = f"error event: {json.dumps(event['error'])[:200]}"
+            break
+        choices = event.get("choices")
+        if choices and isinstance(choices[0], Mapping):
+            last_choice = now
+            if _choice_text(choices[0], endpoint):
+                token_times.append(now)
+            if finish is None and choices[0].get("finish_reason"):
+                finish = now
+        if isinstance(event.get("usage"), Mapping):
+            usage = event["usage"]
+    if error is None and not done:
+        error = "the stream ended without data: [DONE]"
     return result_from_trace(
         request.index,
         sent_s=sent,
@@ -288,8 +307,11 @@ async def stream_request(
     )
 
 
-def _client(base_url: str, timeout_s: float, api_key: str | None) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def http_client(base_url: str, timeout_s: float, api_key: str | None = None) -> httpx.AsyncClient:
+    """An asyncio client for ``base_url`` that sends JSON (and the API key), with no connection limit."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     return httpx.AsyncClient(
         base_url=base_url,
         headers=headers,
@@ -298,18 +320,26 @@ def _client(base_url: str, timeout_s: float, api_key: str | None) -> httpx.Async
     )
 
 
+async def closed_loop(items: Sequence[Any], concurrency: int, send: Callable[[Any], Awaitable[Any]]) -> list:
+    """``await send(item)`` for every item through ``concurrency`` workers, each taking the next item
+    when its last one has ended; the results in the order of ``items``."""
+    results: list[Any] = [None] * len(items)
+    todo = iter(enumerate(items))
+
+    async def worker() -> None:
+        for i, item in todo:
+            results[i] = await send(item)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
 async def _closed(base_url: str, requests: Sequence[BenchRequest], concurrency: int, **kw: Any) -> LevelRun:
     timeout_s, api_key = kw.pop("timeout_s"), kw.pop("api_key")
-    results: list[RequestResult] = []
-    queue = list(reversed(requests))
-    async with _client(base_url, timeout_s, api_key) as client:
+    async with http_client(base_url, timeout_s, api_key) as client:
         start = time.perf_counter()
-
-        async def worker() -> None:
-            while queue:
-                results.append(await stream_request(client, queue.pop(), start_s=start, **kw))
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        send = lambda request: stream_request(client, request, start_s=start, **kw)
+        results = await closed_loop(requests, concurrency, send)
         duration = time.perf_counter() - start
     return LevelRun(sorted(results, key=lambda r: r.index), duration)
 
@@ -318,7 +348,7 @@ async def _open(
     base_url: str, requests: Sequence[BenchRequest], times: Sequence[float], **kw: Any
 ) -> LevelRun:
     timeout_s, api_key = kw.pop("timeout_s"), kw.pop("api_key")
-    async with _client(base_url, timeout_s, api_key) as client:
+    async with http_client(base_url, timeout_s, api_key) as client:
         start = time.perf_counter()
 
         async def one(request: BenchRequest, at: float) -> RequestResult:
@@ -369,108 +399,3 @@ def run_open_loop(
     times = arrival_times(len(requests), request_rate, burstiness, seed)
     kw = {"endpoint": endpoint, "model": model, "sampling": sampling, "timeout_s": timeout_s}
     return asyncio.run(_open(base_url, requests, times, api_key=api_key, **kw))
-
-
-def parse_prometheus_text(text: str) -> dict[str, float]:
-    """Prometheus text exposition → ``{sample name: value summed over its label sets}`` (comments,
-    blank lines and samples whose value is not a number are skipped)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, _, rest = line.partition("{")
-            rest = rest.rpartition("}")[2]
-        else:
-            name, _, rest = line.partition(" ")
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        out[name.strip()] = out.get(name.strip(), 0.0) + value
-    return out
-
-
-def spec_counters(samples: Mapping[str, float]) -> dict[str, float] | None:
-    """The :data:`SPEC_COUNTERS` among parsed ``/metrics`` samples: a sample named
-    ``<prefix>:spec_decode_<counter>`` (with or without ``_total``) counts, ``_created`` and
-    ``…_per_pos`` samples do not; None when the server exposes none of them."""
-    found: dict[str, float] = {}
-    for name, value in samples.items():
-        base = name.removesuffix("_total")
-        prefix, colon, metric = base.rpartition(":")
-        if not colon or not prefix:
-            continue
-        for counter in SPEC_COUNTERS:
-            if metric == f"spec_decode_{counter}":
-                found[counter] = found.get(counter, 0.0) + value
-    if not found:
-        return None
-    return {counter: found.get(counter, 0.0) for counter in SPEC_COUNTERS}
-
-
-def scrape_metrics(base_url: str, *, timeout_s: float = 10.0, api_key: str | None = None) -> dict | None:
-    """The server's speculative-decoding counters now (:func:`spec_counters`); None when it has no
-    ``/metrics`` or no such counters."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        response = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s, headers=headers)
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
-        return None
-    return spec_counters(parse_prometheus_text(response.text))
-
-
-def acceptance(before: Mapping[str, float] | None, after: Mapping[str, float] | None) -> dict | None:
-    """Speculation over a level from the counters before and after it: ``drafts`` (verify steps that
-    drafted), ``drafted`` and ``accepted`` tokens, α = accepted / drafted and τ = 1 + accepted /
-    drafts (vLLM's mean acceptance length; None without drafts). None without counters."""
-    if before is None or after is None:
-        return None
-    drafts, drafted, accepted = (after[c] - before[c] for c in SPEC_COUNTERS)
-    return {
-        "drafts": drafts,
-        "drafted": drafted,
-        "accepted": accepted,
-        "alpha": accepted / drafted if drafted > 0 else None,
-        "tau": 1.0 + accepted / drafts if drafts > 0 else None,
-    }
-
-
-def served_model(base_url: str, *, timeout_s: float = 10.0, api_key: str | None = None) -> str | None:
-    """The first model id of ``GET /v1/models``; None if the server does not say."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        response = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout_s, headers=headers)
-        data = response.json().get("data") if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
-    if (
-        isinstance(data, list)
-        and data
-        and isinstance(data[0], Mapping)
-        and isinstance(data[0].get("id"), str)
-    ):
-        return data[0]["id"]
-    return None
-
-
-def wait_healthy(base_url: str, timeout_s: float, *, alive: Any = None) -> bool:
-    """Poll ``GET /health`` until it answers 200 (True), ``timeout_s`` passes or ``alive()`` turns
-    false (False)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if alive is not None and not alive():
-            return False
-        try:
-            if httpx.get(base_url.rstrip("/") + "/health", timeout=5.0).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    return False

@@ -111,14 +111,15 @@ def context_per_slot(prompts: Sequence[str], max_tokens: int, *, template_tokens
 
 
 def ours_command(
-    drafter: str, *, target: str, threads: int, max_num_seqs: int, port: int, host: str = "127.0.0.1",
+    drafter: str, *, target: str, threads: int | None, max_num_seqs: int, port: int, host: str = "127.0.0.1",
     gamma: str = "auto",
 ) -> list[str]:  # fmt: skip
-    """The command that starts ``specdec serve`` for ``ours:DRAFTER`` (this Python's ``-m specdec``)."""
+    """The command that starts ``specdec serve`` for ``ours:DRAFTER`` (this Python's ``-m specdec``;
+    ``threads`` None: torch's default)."""
     return [
         sys.executable, "-m", "specdec", "serve", "--target", target, "--drafter", drafter,
-        "--max-num-seqs", str(max_num_seqs), "--threads", str(threads), "--host", host, "--port", str(port),
-        "--gamma", gamma, "--log-level", "warning",
+        "--max-num-seqs", str(max_num_seqs), *(["--threads", str(threads)] if threads else []),
+        "--host", host, "--port", str(port), "--gamma", gamma, "--log-level", "warning",
     ]  # fmt: skip
 
 
@@ -172,7 +173,7 @@ def launch(
     """Start ``command`` (output to ``log``) and wait for ``GET /health`` on ``port``; a
     ``RuntimeError`` with the log's last lines if it exits or does not answer within
     ``startup_timeout_s`` (the process is stopped then)."""
-    from specdec.bench.serve_load import wait_healthy
+    from specdec.bench.serve_probe import wait_healthy
 
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
