@@ -9,7 +9,7 @@ See docs/moe.md. Importing this package registers the built-in routers and nothi
 """
 
 from .capacity import drop_overflow, expert_capacity, keep_mask
-from .config import MoEConfig
+from .config import MoEConfig, RouterConfig
 from .dispatch import Dispatcher, DispatchPlan, LocalDispatcher, ReferenceDispatcher
 from .experts import SharedExperts, SwiGLUExperts
 from .hf import HF_CONVERTERS, from_hf, swap_moe_blocks
@@ -23,6 +23,7 @@ from .routers import (
     SigmoidBiasRouter,
     SoftmaxTopKRouter,
     SwitchRouter,
+    TopKRouter,
     build_router,
     get_router,
     register_router,
@@ -40,12 +41,14 @@ __all__ = [
     "MoEConfig",
     "ReferenceDispatcher",
     "Router",
+    "RouterConfig",
     "Routing",
     "SharedExperts",
     "SigmoidBiasRouter",
     "SoftmaxTopKRouter",
     "SwiGLUExperts",
     "SwitchRouter",
+    "TopKRouter",
     "build_router",
     "collect_aux_losses",
     "drop_overflow",

@@ -1,4 +1,5 @@
-"""MoEConfig: the frozen, keyword-only description of one Mixture-of-Experts layer.
+"""MoEConfig: the frozen, keyword-only description of one Mixture-of-Experts layer, and RouterConfig,
+the base of each router's own knobs (each router's ``Config``, beside it in moe/routers.py).
 
 Legend: T tokens, D model dim (`dim`), H expert hidden dim (`hidden_dim`), E experts, K experts per token.
 """
@@ -7,6 +8,33 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """A router's own knobs; the base of every router's ``Config`` (``moe.SigmoidBiasRouter.Config``).
+
+    A router with knobs of its own subclasses this as its nested ``Config`` (a frozen, keyword-only
+    dataclass whose ``name`` defaults to its registered name); a router without uses this one.
+
+    Attributes:
+        name: the router's name in `moe.ROUTERS`.
+        routed_scaling_factor: multiplies the routed weights (DeepSeek-V3 uses 2.5); 1.0 leaves them as is.
+    """
+
+    name: str
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not _positive_float(self.routed_scaling_factor):
+            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
+
+    def topk_options(self, router: Any) -> dict[str, Any] | None:
+        """The router's top-k rule as `kernels.topk_routing` options (``scoring``, ``renormalize``,
+        ``bias_E``): a `moe.TopKRouter` routes with them, and the CPU fast path (moe/native_cpu.py) runs
+        them in one C call. None (here): the router routes otherwise; the fast path does not apply."""
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,16 +47,14 @@ class MoEConfig:
         num_experts: E, the number of routed experts.
         top_k: K, experts per token for token-choice routers; for "expert_choice" the average number of
             experts per token (capacity per expert = ceil(capacity_factor * T * K / E)).
-        router: a name in `moe.ROUTERS` ("softmax_topk", "switch", "sigmoid_bias", "expert_choice", ...).
-        renormalize: rescale each token's top-k weights to sum to 1 (Mixtral; Qwen's `norm_topk_prob`).
-            Used by "softmax_topk" and "sigmoid_bias"; "switch" never renormalises (its weight is p_i).
-        routed_scaling_factor: multiplies the routed weights (DeepSeek-V3 uses 2.5); 1.0 leaves them as is.
+        router: the router and its knobs: a name in `moe.ROUTERS` ("softmax_topk", "switch",
+            "sigmoid_bias", "expert_choice", ...) for its defaults, or its config, e.g.
+            `moe.SoftmaxTopKRouter.Config(renormalize=False)`; stored as the config.
         capacity_factor: None for dropless routing (the default); otherwise each expert takes at most
             ceil(capacity_factor * T * K / E) token slots per forward and drops the rest (see capacity.py).
             For "expert_choice" it sets the capacity (None means 1.0).
         aux_loss_coef: coefficient of the Switch/GShard load-balancing loss (arXiv:2101.03961 uses 1e-2).
         z_loss_coef: coefficient of the ST-MoE router z-loss (arXiv:2202.08906 uses 1e-3); 0 disables it.
-        bias_update_rate: gamma of DeepSeek-V3's auxiliary-loss-free balancing (arXiv:2412.19437, 1e-3).
         num_shared_experts: always-active experts added to every token (DeepSeek-MoE, Qwen2-MoE); 0 for none.
         shared_hidden_dim: total hidden size of the shared experts, stored fused as one SwiGLU;
             None means num_shared_experts * hidden_dim.
@@ -41,13 +67,10 @@ class MoEConfig:
     hidden_dim: int
     num_experts: int
     top_k: int = 2
-    router: str = "softmax_topk"
-    renormalize: bool = True
-    routed_scaling_factor: float = 1.0
+    router: str | RouterConfig = "softmax_topk"
     capacity_factor: float | None = None
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
-    bias_update_rate: float = 1e-3
     num_shared_experts: int = 0
     shared_hidden_dim: int | None = None
     shared_expert_gate: bool = False
@@ -59,13 +82,10 @@ class MoEConfig:
             _check_int(name, getattr(self, name), low=1)
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k must be <= num_experts={self.num_experts}, got top_k={self.top_k}")
-        if not isinstance(self.router, str) or not self.router:
-            raise ValueError(f"router must be a non-empty router name, got {self.router!r}")
+        object.__setattr__(self, "router", _router_config(self.router))
         if self.capacity_factor is not None and not _positive_float(self.capacity_factor):
             raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {self.capacity_factor!r}")
-        if not _positive_float(self.routed_scaling_factor):
-            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
-        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+        for name in ("aux_loss_coef", "z_loss_coef"):
             value = getattr(self, name)
             if not _positive_float(value, allow_zero=True):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -85,6 +105,22 @@ class MoEConfig:
         if self.num_shared_experts == 0:
             return 0
         return self.shared_hidden_dim or self.num_shared_experts * self.hidden_dim
+
+
+def _router_config(router: object) -> RouterConfig:
+    """The config of ``router`` (a name: its router's defaults), checked against its router's ``Config``."""
+    from .routers import get_router  # the registry imports this module
+
+    if isinstance(router, str):
+        return get_router(router).Config(name=router)
+    if not isinstance(router, RouterConfig):
+        raise ValueError(f"router must be a router name or a moe.RouterConfig, got {router!r}")
+    expected = get_router(router.name).Config
+    if not isinstance(router, expected):
+        raise ValueError(
+            f"router {router.name!r} takes a {expected.__qualname__}, got a {type(router).__qualname__}"
+        )
+    return router
 
 
 def _check_int(name: str, value: object, *, low: int) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from .config import MoEConfig
 from .layer import MoE
+from .routers import SoftmaxTopKRouter
 
 
 def _check_silu(act: Callable, where: str) -> None:
@@ -44,8 +45,7 @@ def _routed(block: nn.Module, *, renormalize: bool, **shared) -> MoE:
         hidden_dim=experts.intermediate_dim,
         num_experts=experts.num_experts,
         top_k=gate.top_k,
-        router="softmax_topk",
-        renormalize=renormalize,
+        router=SoftmaxTopKRouter.Config(renormalize=renormalize),
         **shared,
     )
     layer = MoE(config=config, device=weight.device, dtype=weight.dtype)

@@ -259,7 +259,7 @@ class MoE(nn.Module):
         """DeepSeek-V3 bias update of a "sigmoid_bias" router (see SigmoidBiasRouter.update_bias)."""
         update = getattr(self.router, "update_bias", None)
         if update is None:
-            raise ValueError(f"router {self.config.router!r} has no bias to update (use 'sigmoid_bias')")
+            raise ValueError(f"router {self.config.router.name!r} has no bias to update (use 'sigmoid_bias')")
         return update(load_E)
 
     def stats(self) -> dict[str, object]:
@@ -285,7 +285,7 @@ class MoE(nn.Module):
         c = self.config
         return (
             f"dim={c.dim}, hidden_dim={c.hidden_dim}, num_experts={c.num_experts}, top_k={c.top_k}, "
-            f"router={c.router!r}, capacity_factor={c.capacity_factor}, shared={c.shared_hidden}"
+            f"router={c.router}, capacity_factor={c.capacity_factor}, shared={c.shared_hidden}"
         )
 
 

@@ -16,11 +16,13 @@ measured 0.59 -> 0.39 ms per call at T = 1, 1.91 -> 1.62 ms at T = 8 and 14.1 ->
 Same routing and statistics; outputs equal up to the float rounding of the combine's sum order.
 
 :func:`native_forward` takes it only when nothing could tell the difference: float32 on a CPU, no
-autograd and no tracing, eval mode, dropless, a built-in token-choice router (softmax top-k, Switch,
-sigmoid with bias), the stock experts and local dispatcher, no forward hooks on the router or the
-experts (they would miss calls), no backend forced (config.backend or the
-SPECDEC_ROUTING_BACKEND / SPECDEC_GROUPED_GEMM_BACKEND variables), oneDNN present, the C library
-built, and ``layer.native_cpu`` True. Otherwise it returns None and the layer runs the general path.
+autograd and no tracing, eval mode, dropless, a router whose own ``Config`` gives its rule as
+:func:`kernels.route_sorted_cpu` options (``topk_options``: softmax top-k, Switch, sigmoid with
+bias; a router that inherits its ``Config`` may route otherwise and does not qualify), the stock
+experts and local dispatcher, no forward hooks on the router or the experts (they would miss calls),
+no backend forced (config.backend or the SPECDEC_ROUTING_BACKEND / SPECDEC_GROUPED_GEMM_BACKEND
+variables), oneDNN present, the C library built, and ``layer.native_cpu`` True. Otherwise it returns
+None and the layer runs the general path.
 """
 
 from __future__ import annotations
@@ -35,15 +37,11 @@ import kernels
 
 from .dispatch import LocalDispatcher
 from .experts import SwiGLUExperts
-from .routers import SigmoidBiasRouter, SoftmaxTopKRouter, SwitchRouter
 
 if TYPE_CHECKING:
     from .layer import MoE
 
 __all__ = ["native_forward"]
-
-# router class -> scoring function; exact classes only (a subclass may route differently)
-_SCORING = {SoftmaxTopKRouter: "softmax", SwitchRouter: "softmax", SigmoidBiasRouter: "sigmoid"}
 
 
 def _hooked(module: torch.nn.Module) -> bool:
@@ -56,6 +54,14 @@ def _hooked(module: torch.nn.Module) -> bool:
     )
 
 
+def _topk_options(layer: MoE) -> dict | None:
+    """The router's top-k rule, from the Config its class declares itself (a subclass may route otherwise)."""
+    router = layer.router
+    if vars(type(router)).get("Config") is not type(layer.config.router):
+        return None
+    return layer.config.router.topk_options(router)
+
+
 def _applies(layer: MoE, x_TD: Tensor) -> bool:
     config, router, experts = layer.config, layer.router, layer.experts
     return (
@@ -66,7 +72,6 @@ def _applies(layer: MoE, x_TD: Tensor) -> bool:
         and config.capacity_factor is None
         and config.num_experts <= kernels.routing.MAX_EXPERTS
         and config.backend is None
-        and type(router) in _SCORING
         and type(experts) is SwiGLUExperts
         and experts.backend is None
         and not _hooked(router)
@@ -85,17 +90,11 @@ def _applies(layer: MoE, x_TD: Tensor) -> bool:
 def native_forward(layer: MoE, x_TD: Tensor) -> Tensor | None:
     """The routed experts' output y_TD (no shared experts) on the native path, or None when it does not
     apply (see the module docstring). Records the same statistics as the general path."""
-    if not _applies(layer, x_TD):
+    if not _applies(layer, x_TD) or (options := _topk_options(layer)) is None:
         return None
     router, experts = layer.router, layer.experts
-    sigmoid_bias = type(router) is SigmoidBiasRouter
     route = kernels.route_sorted_cpu(
-        F.linear(x_TD, router.weight),
-        router.top_k,
-        scoring=_SCORING[type(router)],
-        renormalize=router.renormalize and type(router) is not SwitchRouter,
-        bias_E=router.expert_bias if sigmoid_bias else None,
-        scale=router.routed_scaling_factor,
+        F.linear(x_TD, router.weight), router.top_k, scale=router.routed_scaling_factor, **options
     )
     sizes_E = route.group_sizes_E
     layer.record_plan(

@@ -15,8 +15,11 @@ Built-in routers:
     sigmoid_bias   DeepSeek-V3 sigmoid scores with auxiliary-loss-free bias balancing (arXiv:2412.19437).
     expert_choice  each expert picks its top-capacity tokens (Zhou et al., arXiv:2202.09368).
 
-Third-party routers register with `register_router("name")` on a `Router` subclass, or through the
-`moe.routers` entry-point group (`name = "package.module:RouterClass"`).
+A router's knobs are its nested `Config` (a `moe.RouterConfig` subclass: `MoEConfig(router=
+moe.SigmoidBiasRouter.Config(bias_update_rate=0.01))`), which also tells the CPU fast path
+(moe/native_cpu.py) how to compute its rule. A new router is one file: its `Config` (if it has knobs)
+and its `Router` subclass, registered with `register_router("name")` or through the `moe.routers`
+entry-point group (`name = "package.module:RouterClass"`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +36,7 @@ from torch import Tensor, nn
 import kernels
 from kernels import Registry
 
-from .config import MoEConfig
+from .config import MoEConfig, RouterConfig, _positive_float
 
 ENTRY_POINT_GROUP = "moe.routers"
 
@@ -56,19 +59,24 @@ class Routing:
 
 
 class Router(nn.Module):
-    """Base class: a linear gate weight [E, D] (nn.Linear layout) and a `route` rule on its logits."""
+    """Base class: a linear gate weight [E, D] (nn.Linear layout) and a `route` rule on its logits.
+
+    `config` is the router's own `Config` (`MoEConfig.router`); the layer's sizes come from the MoEConfig.
+    """
 
     #: set by register_router
     name: ClassVar[str] = ""
+    #: the router's knobs; a router with knobs of its own nests a RouterConfig subclass here
+    Config: ClassVar[type[RouterConfig]] = RouterConfig
 
     def __init__(
         self, config: MoEConfig, *, device: torch.device | None = None, dtype: torch.dtype | None = None
     ):
         super().__init__()
+        self.config = config.router
         self.num_experts = config.num_experts
         self.top_k = config.top_k
-        self.renormalize = config.renormalize
-        self.routed_scaling_factor = config.routed_scaling_factor
+        self.routed_scaling_factor = config.router.routed_scaling_factor
         self.backend = config.backend
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim, device=device, dtype=dtype))
         self.reset_parameters()
@@ -107,7 +115,7 @@ ROUTERS = Registry("router", ENTRY_POINT_GROUP)
 
 
 def register_router(name: str) -> Callable[[type[Router]], type[Router]]:
-    """Class decorator: make a Router subclass available as MoEConfig(router=name)."""
+    """Class decorator: make a Router subclass available as MoEConfig(router=name) (or its Config)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"router name must be a non-empty string, got {name!r}")
 
@@ -138,48 +146,65 @@ def get_router(name: str) -> type[Router]:
 def build_router(
     config: MoEConfig, *, device: torch.device | None = None, dtype: torch.dtype | None = None
 ) -> Router:
-    """Instantiate config.router for config."""
-    return get_router(config.router)(config, device=device, dtype=dtype)
+    """Instantiate config.router's router for config."""
+    return get_router(config.router.name)(config, device=device, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- built-in routers
+class TopKRouter(Router):
+    """Token choice by one top-k rule: its `Config.topk_options`, run by `kernels.topk_routing` here
+    and in one C call on the CPU fast path (moe/native_cpu.py). A new rule of this kind is a Config."""
+
+    def route(self, logits_TE: Tensor) -> Routing:
+        options = self.config.topk_options(self)
+        weights_TK, experts_TK = kernels.topk_routing(logits_TE, self.top_k, backend=self.backend, **options)
+        return Routing(logits_TE, experts_TK, self._scaled(weights_TK))
+
+
 @register_router("softmax_topk")
-class SoftmaxTopKRouter(Router):
+class SoftmaxTopKRouter(TopKRouter):
     """p = softmax(logits); the top-k experts by p; weights p_k, divided by their sum when `renormalize`.
 
     GShard top-2 (arXiv:2006.16668) and Mixtral (arXiv:2401.04088) renormalise; Qwen-MoE leaves it to
     `norm_topk_prob`. Ties go to the lower expert index.
     """
 
-    def route(self, logits_TE: Tensor) -> Routing:
-        weights_TK, experts_TK = kernels.topk_routing(
-            logits_TE, self.top_k, scoring="softmax", renormalize=self.renormalize, backend=self.backend
-        )
-        return Routing(logits_TE, experts_TK, self._scaled(weights_TK))
+    @dataclass(frozen=True, kw_only=True)
+    class Config(RouterConfig):
+        """renormalize: rescale each token's top-k weights to sum to 1 (Mixtral; Qwen's `norm_topk_prob`)."""
+
+        name: str = "softmax_topk"
+        renormalize: bool = True
+
+        def topk_options(self, router: Router) -> dict[str, Any]:
+            return {"scoring": "softmax", "renormalize": self.renormalize}
 
 
 @register_router("switch")
-class SwitchRouter(Router):
+class SwitchRouter(TopKRouter):
     """Switch Transformer top-1 routing (Fedus et al., arXiv:2101.03961, eq. 1-2).
 
     p = softmax(logits); each token goes to argmax_i p_i, and the expert output is scaled by that p_i (not
     renormalised, so the gate stays differentiable). Combine with a capacity factor for the paper's setup.
     """
 
+    @dataclass(frozen=True, kw_only=True)
+    class Config(RouterConfig):
+        """No knob but the scaling factor."""
+
+        name: str = "switch"
+
+        def topk_options(self, router: Router) -> dict[str, Any]:
+            return {"scoring": "softmax", "renormalize": False}
+
     def __init__(self, config: MoEConfig, **kwargs) -> None:
         if config.top_k != 1:
             raise ValueError(f"top_k must be 1 for the 'switch' router (Switch is top-1), got {config.top_k}")
         super().__init__(config, **kwargs)
 
-    def route(self, logits_TE: Tensor) -> Routing:
-        weights_TK, experts_TK = kernels.topk_routing(
-            logits_TE, 1, scoring="softmax", renormalize=False, backend=self.backend
-        )
-        return Routing(logits_TE, experts_TK, self._scaled(weights_TK))
-
 
 @register_router("sigmoid_bias")
-class SigmoidBiasRouter(Router):
+class SigmoidBiasRouter(TopKRouter):
     """DeepSeek-V3 routing with auxiliary-loss-free load balancing (arXiv:2412.19437, section 2.1.2).
 
     s = sigmoid(logits). The top-k experts are chosen by s + b, where the bias b (buffer `expert_bias`) is
@@ -192,9 +217,27 @@ class SigmoidBiasRouter(Router):
     and clears the accumulator. Under expert parallelism, all-reduce `pending_load` first (or pass load_E).
     """
 
+    @dataclass(frozen=True, kw_only=True)
+    class Config(RouterConfig):
+        """renormalize: the chosen experts' weights sum to 1 (as in the paper).
+        bias_update_rate: gamma of the bias update (arXiv:2412.19437 uses 1e-3)."""
+
+        name: str = "sigmoid_bias"
+        renormalize: bool = True
+        bias_update_rate: float = 1e-3
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if not _positive_float(self.bias_update_rate, allow_zero=True):
+                raise ValueError(
+                    f"bias_update_rate must be a finite number >= 0, got {self.bias_update_rate!r}"
+                )
+
+        def topk_options(self, router: Router) -> dict[str, Any]:
+            return {"scoring": "sigmoid", "renormalize": self.renormalize, "bias_E": router.expert_bias}
+
     def __init__(self, config: MoEConfig, *, device=None, dtype=None) -> None:
         super().__init__(config, device=device, dtype=dtype)
-        self.bias_update_rate = config.bias_update_rate
         self.register_buffer(
             "expert_bias", torch.zeros(config.num_experts, device=device, dtype=torch.float32)
         )
@@ -203,17 +246,6 @@ class SigmoidBiasRouter(Router):
             torch.zeros(config.num_experts, device=device, dtype=torch.int64),
             persistent=False,
         )
-
-    def route(self, logits_TE: Tensor) -> Routing:
-        weights_TK, experts_TK = kernels.topk_routing(
-            logits_TE,
-            self.top_k,
-            scoring="sigmoid",
-            renormalize=self.renormalize,
-            bias_E=self.expert_bias,
-            backend=self.backend,
-        )
-        return Routing(logits_TE, experts_TK, self._scaled(weights_TK))
 
     def balance_probs(self, logits_TE: Tensor) -> Tensor:
         """Normalised sigmoid scores s_i / sum_j s_j (DeepSeek-V3's sequence-wise balance loss, eq. 19)."""
@@ -235,7 +267,7 @@ class SigmoidBiasRouter(Router):
         if load.shape != (self.num_experts,):
             raise ValueError(f"load_E must have shape [E={self.num_experts}], got {tuple(load.shape)}")
         if load.sum() > 0:
-            self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+            self.expert_bias += self.config.bias_update_rate * torch.sign(load.mean() - load)
         self.pending_load.zero_()
         return load
 

@@ -17,6 +17,8 @@ from experiments.catalog import (
 from experiments.catalog.specdec_runs import (
     CATEGORIES,
     TINY_TARGET,
+    DecodeRunConfig,
+    InterleavedRunConfig,
     category_prompts,
     drafter_unavailable,
     open_target,
@@ -112,6 +114,29 @@ def test_configs_validate():
         lossy_quality.LossyQualityConfig(leniences=(1.0, 0.0))
     with pytest.raises(ValueError, match="gamma"):
         leviathan_table3_analog.AcceptanceConfig(gamma=0)
+
+
+def test_decode_configs_share_one_base():
+    from experiments.catalog.serving_load import ServingLoadConfig
+
+    local = [
+        gamma_sweep.GammaSweepConfig,
+        speedup_table.SpeedupConfig,
+        leviathan_table3_analog.AcceptanceConfig,
+        lossy_quality.LossyQualityConfig,
+    ]
+    assert all(issubclass(cls, InterleavedRunConfig) for cls in local)
+    assert issubclass(ServingLoadConfig, DecodeRunConfig)
+    assert gamma_sweep.GammaSweepConfig().max_new_tokens == 96  # a subclass may restate a default
+    assert speedup_table.SpeedupConfig().max_new_tokens == 128
+    with pytest.raises(ValueError, match=r"AcceptanceConfig\.gamma must be >= 1, got 0"):
+        leviathan_table3_analog.AcceptanceConfig(gamma=0)
+    with pytest.raises(ValueError, match=r"SpeedupConfig\.max_new_tokens must be >= 2, got 1"):
+        speedup_table.SpeedupConfig(max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"LossyQualityConfig\.num_threads must be >= 0, got -1"):
+        lossy_quality.LossyQualityConfig(num_threads=-1)
+    with pytest.raises(ValueError, match=r"ServingLoadConfig\.threads must be >= 1, got 0"):
+        ServingLoadConfig(threads=0)
 
 
 def test_sequence_log_likelihood_matches_transformers():

@@ -73,7 +73,7 @@ def test_from_hf_matches_the_block(block_cls, make_config, extra, experts_implem
             p.normal_(std=0.2)
     layer = moe.MoE.from_hf(block)
     assert not layer.training
-    assert layer.config.renormalize == extra.get("norm_topk_prob", True)
+    assert layer.config.router.renormalize == extra.get("norm_topk_prob", True)
     assert (layer.shared_experts is not None) == (block_cls is Qwen2MoeSparseMoeBlock)
     x = torch.randn(3, 5, config.hidden_size)
     with torch.no_grad():

@@ -27,7 +27,7 @@ def dense_reference(layer: moe.MoE, x: torch.Tensor) -> torch.Tensor:
     x_TD = x.reshape(-1, config.dim)
     probs_TE = torch.softmax(x_TD @ layer.router.weight.T, dim=-1)
     top_TK, experts_TK = probs_TE.topk(config.top_k, dim=-1)
-    if config.renormalize:
+    if config.router.renormalize:
         top_TK = top_TK / top_TK.sum(dim=-1, keepdim=True)
     gates_TE = torch.zeros_like(probs_TE).scatter(1, experts_TK, top_TK)
     y_TD = torch.zeros_like(x_TD)
@@ -53,7 +53,7 @@ def spread_router(layer: moe.MoE, std: float = 1.0) -> None:
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_forward_matches_dense_reference(top_k, renormalize):
     torch.manual_seed(top_k)
-    layer = moe.MoE(16, 24, 5, top_k, renormalize=renormalize)
+    layer = moe.MoE(16, 24, 5, top_k, router=moe.SoftmaxTopKRouter.Config(renormalize=renormalize))
     spread_router(layer)
     x = torch.randn(3, 7, 16)
     y = layer(x)

@@ -68,7 +68,7 @@ CASES = {
     ),
     # DeepSeek-V3 sigmoid routing with a (replicated) selection bias and a routed scaling factor.
     "sigmoid-bias": Case(
-        options=dict(top_k=3, router="sigmoid_bias", routed_scaling_factor=2.5),
+        options=dict(top_k=3, router=moe.SigmoidBiasRouter.Config(routed_scaling_factor=2.5)),
         tokens={2: [8, 3], 3: [4, 4, 4], 4: [2, 7, 3, 5]},
         seed=2,
         average=True,

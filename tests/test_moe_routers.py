@@ -46,10 +46,28 @@ def test_register_router_adds_a_plugin():
         moe.register_router("bad")(object)
 
 
+def test_router_config_by_name_or_by_config():
+    sizes = {"dim": 8, "hidden_dim": 4, "num_experts": 6}
+    by_name = moe.MoEConfig(**sizes, router="sigmoid_bias")
+    assert by_name == moe.MoEConfig(**sizes, router=moe.SigmoidBiasRouter.Config())
+    assert by_name.router.name == "sigmoid_bias" and by_name.router.bias_update_rate == 1e-3
+    assert moe.MoEConfig(**sizes, router="expert_choice").router == moe.RouterConfig(name="expert_choice")
+    with pytest.raises(ValueError, match=r"router 'softmax_topk' takes a SoftmaxTopKRouter\.Config"):
+        moe.MoEConfig(**sizes, router=moe.SwitchRouter.Config(name="softmax_topk"))
+    with pytest.raises(ValueError, match="unknown router 'nope'"):
+        moe.MoEConfig(**sizes, router=moe.RouterConfig(name="nope"))
+    with pytest.raises(ValueError, match="router name or a moe.RouterConfig"):
+        moe.MoEConfig(**sizes, router=3)
+    with pytest.raises(ValueError, match="bias_update_rate must be a finite number >= 0"):
+        moe.SigmoidBiasRouter.Config(bias_update_rate=-1.0)
+    with pytest.raises(ValueError, match="routed_scaling_factor must be > 0"):
+        moe.SoftmaxTopKRouter.Config(routed_scaling_factor=float("nan"))
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_softmax_topk_weights(renormalize):
     torch.manual_seed(0)
-    router = make_router(top_k=3, renormalize=renormalize)
+    router = make_router(top_k=3, router=moe.SoftmaxTopKRouter.Config(renormalize=renormalize))
     x = torch.randn(10, 8)
     routing = router(x)
     probs_TE = torch.softmax(x @ router.weight.T, dim=-1)
@@ -66,7 +84,7 @@ def test_softmax_topk_weights(renormalize):
 
 def test_routed_scaling_factor_multiplies_weights():
     torch.manual_seed(0)
-    plain, scaled = make_router(), make_router(routed_scaling_factor=2.5)
+    plain, scaled = make_router(), make_router(router=moe.SoftmaxTopKRouter.Config(routed_scaling_factor=2.5))
     scaled.load_state_dict(plain.state_dict())
     x = torch.randn(4, 8)
     torch.testing.assert_close(scaled(x).weights_TK, 2.5 * plain(x).weights_TK)
@@ -99,7 +117,7 @@ def test_sigmoid_bias_selects_with_bias_but_weights_without_it():
 
 
 def test_sigmoid_bias_update_rule():
-    router = make_router(router="sigmoid_bias", num_experts=4, bias_update_rate=0.01)
+    router = make_router(router=moe.SigmoidBiasRouter.Config(bias_update_rate=0.01), num_experts=4)
     load = router.update_bias(torch.tensor([10, 0, 5, 5]))
     assert load.tolist() == [10.0, 0.0, 5.0, 5.0]
     # mean 5: overloaded expert 0 goes down by gamma, underloaded expert 1 up, balanced ones stay.
@@ -111,7 +129,9 @@ def test_sigmoid_bias_update_rule():
 def test_bias_balancing_moves_load_toward_uniform():
     """DeepSeek-V3 aux-loss-free balancing: a skewed router becomes balanced by bias updates alone."""
     torch.manual_seed(3)
-    layer = moe.MoE(16, 8, 8, 2, router="sigmoid_bias", bias_update_rate=0.05, aux_loss_coef=0.0)
+    layer = moe.MoE(
+        16, 8, 8, 2, router=moe.SigmoidBiasRouter.Config(bias_update_rate=0.05), aux_loss_coef=0.0
+    )
     with torch.no_grad():
         layer.router.weight.normal_(std=0.3)
         layer.router.weight[:2] += 1.0  # experts 0 and 1 are preferred by every token with x ~ 1 + noise

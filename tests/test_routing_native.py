@@ -7,6 +7,8 @@ native forward with the general path (forced by SPECDEC_ROUTING_BACKEND=torch), 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -100,7 +102,7 @@ def test_native_ops_reject_bad_input():
 
 LAYER_OPTIONS = [
     {"router": "softmax_topk", "top_k": 2},
-    {"router": "softmax_topk", "top_k": 3, "renormalize": False, "routed_scaling_factor": 1.5},
+    {"router": moe.SoftmaxTopKRouter.Config(renormalize=False, routed_scaling_factor=1.5), "top_k": 3},
     {"router": "switch", "top_k": 1},
     {"router": "sigmoid_bias", "top_k": 2},
     {"router": "softmax_topk", "top_k": 2, "num_shared_experts": 1, "shared_expert_gate": True},
@@ -173,6 +175,43 @@ def test_layer_takes_the_general_path_where_native_does_not_apply(monkeypatch, c
             layer(x)
     assert not calls
     assert len(seen) == (case == "hook")
+
+
+def test_a_router_config_gives_the_native_path_its_rule(monkeypatch):
+    """A plugin top-k router (a Config naming its rule) takes the native path, with the general path's
+    numbers; a subclass that inherits its parent's Config (it may route otherwise) does not."""
+
+    @moe.register_router("test_sigmoid_topk")
+    class SigmoidTopK(moe.TopKRouter):
+        @dataclass(frozen=True, kw_only=True)
+        class Config(moe.RouterConfig):
+            name: str = "test_sigmoid_topk"
+
+            def topk_options(self, router):
+                return {"scoring": "sigmoid", "renormalize": False}
+
+    @moe.register_router("test_subclass")
+    class Subclass(moe.SoftmaxTopKRouter):
+        pass
+
+    try:
+        x = torch.randn(9, 16)
+        for name, native in (("test_sigmoid_topk", True), ("test_subclass", False)):
+            torch.manual_seed(0)
+            config = moe.SoftmaxTopKRouter.Config if name == "test_subclass" else SigmoidTopK.Config
+            layer = moe.MoE(16, 24, 4, 2, router=name).eval()
+            assert type(layer.config.router) is config and layer.config.router.name == name
+            calls = _spy_native(monkeypatch)
+            with torch.no_grad():
+                out = layer(x)
+            assert bool(calls) == native, name
+            layer.native_cpu = False
+            with torch.no_grad():
+                torch.testing.assert_close(out, layer(x), rtol=1e-6, atol=1e-6)
+            monkeypatch.undo()
+    finally:
+        moe.ROUTERS.unregister("test_sigmoid_topk")
+        moe.ROUTERS.unregister("test_subclass")
 
 
 def test_without_a_compiler_the_layer_takes_the_general_path(monkeypatch, tmp_path):

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from experiments.catalog.specdec_runs import (
     TINY_TARGET,
+    InterleavedRunConfig,
     Method,
-    check_placement,
     drafter_options,
     drafter_unavailable,
     method_rows,
@@ -30,7 +30,6 @@ from experiments.catalog.specdec_runs import (
     prompt_runs,
     run_methods,
 )
-from experiments.config import validate_config
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
@@ -43,36 +42,22 @@ DRAFTERS = ("ngram", "bigram", "eagle")
 
 
 @dataclass(frozen=True, kw_only=True)
-class GammaSweepConfig:
+class GammaSweepConfig(InterleavedRunConfig):
     """One drafter at every γ of ``gammas``, beside plain decoding, on the same prompts."""
 
-    target: str = "smollm2-135m"
-    device: str = "cpu"
-    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
-    dtype: str | None = None
-    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
     drafter: str = "ngram"
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     max_gamma_theory: int = 8
-    temperature: float = 0.0
     prompt_sets: tuple[str, ...] = ("humaneval", "mtbench")
     num_prompts: int = 3
     max_new_tokens: int = 96
     chat: bool = True
-    seed: int = 0
-    lm_corpus_chars: int = 1_500_000
-    num_threads: int = 1
 
     def __post_init__(self) -> None:
-        validate_config(self)
-        check_placement(self)
+        super().__post_init__()
         if not self.gammas or min(self.gammas) < 1:
             raise ValueError(f"gammas must be a non-empty list of ints >= 1, got {self.gammas}")
-        if self.max_gamma_theory < 1 or self.num_prompts < 1 or self.max_new_tokens < 2:
-            raise ValueError(
-                "need max_gamma_theory >= 1, num_prompts >= 1, max_new_tokens >= 2; got "
-                f"{self.max_gamma_theory}, {self.num_prompts}, {self.max_new_tokens}"
-            )
+        self.at_least(max_gamma_theory=1, num_prompts=1)
 
 
 def plan(*, smoke: bool = False) -> Sweep:

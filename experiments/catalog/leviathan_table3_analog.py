@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from experiments.catalog.specdec_runs import (
     TINY_TARGET,
+    InterleavedRunConfig,
     Method,
-    check_placement,
     drafter_options,
     drafter_unavailable,
     method_rows,
@@ -31,7 +31,6 @@ from experiments.catalog.specdec_runs import (
     prompt_runs,
     run_methods,
 )
-from experiments.config import validate_config
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
@@ -85,33 +84,18 @@ TEMPERATURES = (0.0, 1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
-class AcceptanceConfig:
+class AcceptanceConfig(InterleavedRunConfig):
     """One drafter at one temperature: α over ``num_prompts`` prompts per set, with draft length γ."""
 
-    target: str = "smollm2-135m"
-    device: str = "cpu"
-    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
-    dtype: str | None = None
-    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
     drafter: str = "unigram"
-    temperature: float = 0.0
     gamma: int = 1
     prompt_sets: tuple[str, ...] = ("humaneval", "mtbench")
     num_prompts: int = 4
-    max_new_tokens: int = 128
     chat: bool = True
-    seed: int = 0
-    lm_corpus_chars: int = 1_500_000
-    num_threads: int = 1
 
     def __post_init__(self) -> None:
-        validate_config(self)
-        check_placement(self)
-        if self.gamma < 1 or self.num_prompts < 1 or self.max_new_tokens < 2:
-            raise ValueError(
-                "need gamma >= 1, num_prompts >= 1, max_new_tokens >= 2; got "
-                f"{self.gamma}, {self.num_prompts}, {self.max_new_tokens}"
-            )
+        super().__post_init__()
+        self.at_least(gamma=1, num_prompts=1)
 
 
 def _drafters(target: str) -> tuple[list[str], list[str]]:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from experiments.catalog.specdec_runs import (
     TINY_TARGET,
+    InterleavedRunConfig,
     Method,
     PromptRun,
-    check_placement,
     drafter_options,
     drafter_unavailable,
     method_rows,
@@ -33,7 +33,6 @@ from experiments.catalog.specdec_runs import (
     sequence_log_likelihood,
     torch_threads,
 )
-from experiments.config import validate_config
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
@@ -62,29 +61,18 @@ LENIENCES = (1.0, 0.5, 0.3, 0.1)
 
 
 @dataclass(frozen=True, kw_only=True)
-class LossyQualityConfig:
+class LossyQualityConfig(InterleavedRunConfig):
     """One drafter and temperature: plain decoding and the lenient rule at each lenience, same problems."""
 
-    target: str = "smollm2-135m"
-    device: str = "cpu"
-    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
-    dtype: str | None = None
-    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
     drafter: str = "ngram"
     leniences: tuple[float, ...] = LENIENCES
-    temperature: float = 0.0
     gamma: int = 4
     num_problems: int = 12
     prompt_style: str = "instruct"
-    max_new_tokens: int = 128
     timeout_s: float = 10.0
-    seed: int = 0
-    lm_corpus_chars: int = 1_500_000
-    num_threads: int = 1
 
     def __post_init__(self) -> None:
-        validate_config(self)
-        check_placement(self)
+        super().__post_init__()
         from experiments.humaneval import PROMPT_STYLES
 
         if self.prompt_style not in PROMPT_STYLES:
@@ -93,11 +81,9 @@ class LossyQualityConfig:
             )
         if not self.leniences or not all(0.0 < x <= 1.0 for x in self.leniences):
             raise ValueError(f"leniences must be numbers in (0, 1], got {self.leniences}")
-        if self.gamma < 1 or self.num_problems < 1 or self.max_new_tokens < 2 or not self.timeout_s > 0:
-            raise ValueError(
-                "need gamma >= 1, num_problems >= 1, max_new_tokens >= 2, timeout_s > 0; got "
-                f"{self.gamma}, {self.num_problems}, {self.max_new_tokens}, {self.timeout_s}"
-            )
+        self.at_least(gamma=1, num_problems=1)
+        if not self.timeout_s > 0:
+            raise ValueError(f"LossyQualityConfig.timeout_s must be > 0, got {self.timeout_s}")
 
 
 def plan(*, smoke: bool = False) -> Sweep:

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.catalog.specdec_runs import TINY_TARGET, check_placement
-from experiments.config import config_to_dict, validate_config
+from experiments.catalog.specdec_runs import TINY_TARGET, DecodeRunConfig
+from experiments.config import config_to_dict
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
@@ -72,15 +72,11 @@ _STATS = ("mean", "p50", "p90", "p99")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServingLoadConfig:
-    """One server (``specdec serve``: target, drafter, γ policy, slots, threads) loaded at every rate."""
+class ServingLoadConfig(DecodeRunConfig):
+    """One server (``specdec serve``: target, drafter, γ policy, slots, threads) loaded at every rate.
 
-    target: str = "smollm2-135m"
-    """built-in name, checkpoint folder, or ``tiny-random`` (the CI smoke's random Llama)"""
-    device: str = "cpu"
-    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
-    dtype: str | None = None
-    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
+    ``seed`` is sent with every request and draws the arrival times."""
+
     drafter: str = "default"
     """``specdec serve --drafter``; ``none`` is the baseline"""
     gamma: str = "auto"
@@ -95,7 +91,6 @@ class ServingLoadConfig:
     num_prompts: int = 8
     """prompts per set (evenly spaced): each rate sends len(prompt_sets) · num_prompts requests"""
     max_tokens: int = 128
-    temperature: float = 0.0
     endpoint: str = "chat"
     """``completions`` or ``chat`` (the target's chat template)"""
     threads: int = 2
@@ -107,12 +102,9 @@ class ServingLoadConfig:
     warmup_requests: int = 1
     request_timeout_s: float = 600.0
     startup_timeout_s: float = 600.0
-    seed: int = 0
-    """sent with every request; draws the arrival times"""
 
     def __post_init__(self) -> None:
-        validate_config(self)
-        check_placement(self)
+        super().__post_init__()
         for name in ("target", "drafter", "gamma"):
             if not getattr(self, name).strip():
                 raise ValueError(f"ServingLoadConfig.{name} must be a non-empty string")
@@ -130,9 +122,7 @@ class ServingLoadConfig:
             )
         if len(set(self.request_rates)) != len(self.request_rates):
             raise ValueError(f"ServingLoadConfig.request_rates repeats a rate: {self.request_rates}")
-        for name in ("threads", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ServingLoadConfig.{name} must be >= 1, got {getattr(self, name)}")
+        self.at_least(threads=1, max_num_seqs=1)
         try:  # the load's own checks: endpoint, prompt sets, SLOs, sizes, timeouts
             bench_config(self, "http://127.0.0.1", out=Path("."))
         except ValueError as err:

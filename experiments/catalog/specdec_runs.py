@@ -2,7 +2,9 @@
 
 Legend: B batch, T sequence length, V vocabulary.
 
-Not an experiment itself. ``leviathan-table3-analog``, ``speedup-table``, ``gamma-sweep``,
+Not an experiment itself. Their configs extend :class:`DecodeRunConfig` (a target on a device, a
+temperature, a seed), the in-process ones through :class:`InterleavedRunConfig` (new tokens, the
+count-based drafters' corpus, torch threads). ``leviathan-table3-analog``, ``speedup-table``, ``gamma-sweep``,
 ``batch-sweep`` and ``lossy-quality`` call :func:`run_interleaved` to run several *methods* (a
 drafter, γ and verification rule) on the same prompts, prompt by prompt in turn (so drifting load
 on a shared machine hits every method alike), and summarise them with
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from experiments.config import validate_config
 from specdec.bench.interleave import Prompt
 
 __all__ = [
@@ -34,6 +37,8 @@ __all__ = [
     "open_target",
     "open_run_target",
     "check_placement",
+    "DecodeRunConfig",
+    "InterleavedRunConfig",
     "tiny_checkpoint",
     "drafter_unavailable",
     "category_prompts",
@@ -161,6 +166,50 @@ def check_placement(config: Any) -> None:
         ) from None
     if config.dtype is not None and config.dtype not in DTYPES:
         raise ValueError(f"{cls}.dtype must be one of {DTYPES} or None, got {config.dtype!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeRunConfig:
+    """What every decode-run config has: a target placed on a device, a temperature and a seed.
+
+    Building one checks every field against its type (:func:`~experiments.config.validate_config`)
+    and the placement (:func:`check_placement`); a subclass adds its fields and, after
+    ``super().__post_init__()``, its own checks (:meth:`at_least` for lower bounds).
+    """
+
+    target: str = "smollm2-135m"
+    """built-in name, checkpoint folder, or ``tiny-random`` (the CI smoke's random Llama)"""
+    device: str = "cpu"
+    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
+    dtype: str | None = None
+    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        validate_config(self)
+        check_placement(self)
+
+    def at_least(self, **lows: int) -> None:
+        """``ValueError`` naming the first field below its lower bound (``gamma=1``: γ >= 1)."""
+        for name, low in lows.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"{type(self).__name__}.{name} must be >= {low}, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InterleavedRunConfig(DecodeRunConfig):
+    """A decode run in this process: its methods on the same prompts, in turn (:func:`run_methods`)."""
+
+    max_new_tokens: int = 128
+    lm_corpus_chars: int = 1_500_000
+    """characters of text the count-based ``unigram`` and ``bigram`` drafters learn from"""
+    num_threads: int = 1
+    """torch intra-op threads (0: leave torch's setting; :func:`torch_threads`)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.at_least(max_new_tokens=2, num_threads=0)
 
 
 def drafter_unavailable(name: str, target: str) -> str | None:

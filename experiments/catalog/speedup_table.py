@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from experiments.catalog.specdec_runs import (
     CATEGORIES,
     TINY_TARGET,
+    InterleavedRunConfig,
     Method,
-    check_placement,
     drafter_options,
     drafter_unavailable,
     method_rows,
@@ -27,7 +27,6 @@ from experiments.catalog.specdec_runs import (
     prompt_runs,
     run_methods,
 )
-from experiments.config import validate_config
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
 from experiments.store import RunRecord
@@ -40,37 +39,22 @@ DRAFTERS = ("ngram", "bigram", "layerskip", "eagle", "eagle-tree", "ngram-eagle"
 
 
 @dataclass(frozen=True, kw_only=True)
-class SpeedupConfig:
+class SpeedupConfig(InterleavedRunConfig):
     """One prompt category: plain decoding and every drafter on the same prompts, in one run."""
 
-    target: str = "smollm2-135m"
-    device: str = "cpu"
-    """torch device the target (and any draft head or model, which follow it) runs on: cpu, cuda, cuda:1"""
-    dtype: str | None = None
-    """the target's compute dtype (float32, bfloat16, float16); None: its weights format's own"""
     category: str = "humaneval"
     drafters: tuple[str, ...] = ("ngram", "bigram", "layerskip")
     gamma: int = 4
-    temperature: float = 0.0
     num_prompts: int = 2
-    max_new_tokens: int = 128
     chat: bool = True
-    seed: int = 0
-    lm_corpus_chars: int = 1_500_000
-    num_threads: int = 1
 
     def __post_init__(self) -> None:
-        validate_config(self)
-        check_placement(self)
+        super().__post_init__()
         if not self.drafters or "none" in self.drafters:
             raise ValueError(
                 f"drafters must be a non-empty list without 'none' (the baseline), got {self.drafters}"
             )
-        if self.gamma < 1 or self.num_prompts < 1 or self.max_new_tokens < 2:
-            raise ValueError(
-                "need gamma >= 1, num_prompts >= 1, max_new_tokens >= 2; got "
-                f"{self.gamma}, {self.num_prompts}, {self.max_new_tokens}"
-            )
+        self.at_least(gamma=1, num_prompts=1)
 
 
 def _available(target: str) -> tuple[tuple[str, ...], list[str]]:
