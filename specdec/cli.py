@@ -7,6 +7,7 @@
     specdec serve --target smollm2-135m --drafter default --port 8000   # extra [serve]
     specdec bench-serve --servers ours:none,ours:default,llama-server --concurrency 1,2,4,8
     specdec perplexity --target smollm2-135m --weights fp32,gguf-q8 --text FILE --ctx 256 --peers llama.cpp
+    specdec train-head --target smollm2-135m --steps 4000 --out head.safetensors
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``specdec`` argument parser (``generate``, ``bench``, ``export-head``, ``serve``,
-    ``bench-serve``, ``perplexity``)."""
+    ``bench-serve``, ``perplexity``, ``train-head``)."""
     parser = ArgumentParser(prog="specdec", description="Speculative decoding with exact verification.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     _add_generate(sub)
@@ -203,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.quality.command import add_perplexity
 
     add_perplexity(sub)
+    from specdec.drafters.eagle.train.command import add_train_head
+
+    add_train_head(sub)
     return parser
 
 

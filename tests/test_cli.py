@@ -166,6 +166,18 @@ def test_bad_arguments_exit_with_a_message(ckpt, capsys):
         main(["generate"])  # --prompt is required
 
 
+def test_train_head_is_a_subcommand_with_one_flag_per_config_field(capsys):
+    """``specdec train-head`` carries the recipe's flags (generated from TrainConfig); a bad config
+    value is one line and exit status 2, before anything loads."""
+    with pytest.raises(SystemExit):
+        main(["train-head", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--out", "--data-root", "--work", "--no-eval", "--steps", "--aux-layers", "--data-seed"):
+        assert flag in text
+    assert main(["train-head", "--steps", "0"]) == 2
+    assert "TrainConfig.steps must be an int >= 1" in capsys.readouterr().err
+
+
 def test_parse_options():
     assert parse_options(["a=1", "b=0.5", "c=true", "d=x=y", "e=False"], "--o") == {
         "a": 1,
