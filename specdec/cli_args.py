@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import signal
 import sys
@@ -30,10 +31,19 @@ __all__ = [
     "check_text",
     "device_arg",
     "add_engine_arguments",
+    "config_from_args",
     "depth_or_policy",
     "stderr_line",
     "interrupt_watch",
 ]
+
+
+def config_from_args(cls: type, args: argparse.Namespace, /, **given: Any) -> Any:
+    """A config dataclass from parsed arguments: each field from the argument of its name, where
+    the parser has one, and ``given`` for the fields whose flags are named or parsed otherwise."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    parsed = {name: value for name, value in vars(args).items() if name in names}
+    return cls(**{**parsed, **given})
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -424,7 +424,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A :class:`BenchConfig` from parsed arguments."""
-    from specdec.cli_args import parse_options
+    from specdec.cli_args import config_from_args, parse_options
 
     per_drafter: dict[str, dict[str, Any]] = {}
     for item in args.drafter_option or ():
@@ -438,30 +438,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if not eq or not label or not value.strip().isdigit():
             raise ValueError(f"--drafter-gamma expects LABEL=N with an int N >= 0, got {item!r}")
         gammas[label] = int(value)
-    return BenchConfig(
-        target=args.target,
+    return config_from_args(
+        BenchConfig,
+        args,
         prompt_sets=args.prompt_set,
-        num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens,
-        temperatures=args.temperatures,
-        drafters=args.drafters,
-        hf_baselines=args.hf_baselines,
-        gamma=args.gamma,
         drafter_gammas=gammas,
-        gamma_policy=args.gamma_policy,
-        draft_model=args.draft_model,
         drafter_options=per_drafter,
-        chat=args.chat,
-        seed=args.seed,
-        dtype=args.dtype,
-        weights=args.weights,
-        peers=args.peers,
-        backend=args.backend,
-        device=args.device,
-        compile=args.compile,
         warmup=not args.no_warmup,
-        out=args.out,
-        name=args.name,
     )
 
 

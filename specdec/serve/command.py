@@ -13,6 +13,7 @@ import os
 
 from specdec.cli_args import (
     add_engine_arguments,
+    config_from_args,
     finite_float,
     nonnegative_int,
     parse_options,
@@ -99,32 +100,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key = os.environ.get("SPECDEC_API_KEY")
         if api_key is not None:
             check_api_key(api_key, "$SPECDEC_API_KEY")
-    extra = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
-
-    config = ServeConfig(
-        target=args.target,
-        backend=args.backend,
-        weights=args.weights,
-        dtype=args.dtype,
-        compile=args.compile,
-        device=args.device,
-        drafter=args.drafter,
+    config = config_from_args(
+        ServeConfig,
+        args,
         drafter_options=parse_options(args.drafter_option, "--drafter-option"),
-        gamma=args.gamma,
         gamma_options=parse_options(args.gamma_option, "--gamma-option"),
-        verify=args.verify,
         verify_options=parse_options(args.verify_option, "--verify-option"),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        threads=args.threads,
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
         api_key=api_key,
-        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes or ServeConfig.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
-        log_level=args.log_level,
-        **extra,
     )
     return serve(config)
