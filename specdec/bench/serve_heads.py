@@ -31,7 +31,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "LLAMA_CONVERT_ENV",
@@ -41,6 +43,7 @@ __all__ = [
     "convert_command",
     "head_cache_dir",
     "prepare_eagle3_head",
+    "prepare_heads",
 ]
 
 LLAMA_CONVERT_ENV = "LLAMA_CONVERT"
@@ -203,3 +206,37 @@ def prepare_eagle3_head(
         )
     partial.rename(gguf)  # a half-written file is never picked up
     return gguf
+
+
+def prepare_heads(
+    specs: Sequence[Any],
+    *,
+    target: str,
+    head: str | None = None,
+    converter: str | None = None,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, Path | str]:
+    """``{server name: its converted head, or why it could not be made}`` for every
+    ``llama-server:eagle3`` among ``specs`` that will run (one without a llama-server or a GGUF
+    target is skipped later, and converts nothing). ``converter``: ``--llama-convert``. A missing
+    script, module or file is a ``ValueError`` here, before any server starts; a failed conversion
+    stops only that server."""
+    from specdec.bench import serve_peers as peers
+
+    heads: dict[str, Path | str] = {}
+    for spec in specs:
+        if (
+            spec.kind != "llama-server"
+            or spec.mode != "eagle3"
+            or peers.llama_server_skipped(spec.name, target)
+        ):
+            continue
+        script = find_converter(peers.find_llama_server(), converter)
+        try:
+            heads[spec.name] = made = prepare_eagle3_head(target, converter=script, head=head, say=say)
+        except RuntimeError as err:
+            heads[spec.name] = str(err)
+        else:
+            if say is not None:
+                say(f"{spec.name}: head {made}")
+    return heads
