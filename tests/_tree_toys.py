@@ -1,5 +1,5 @@
 """Toy models for token-tree tests: a tree-attention Markov target, a Markov tree drafter, and the
-exact law of one tree verification step computed independently of ``specdec.tree``.
+exact law of one tree verification step computed independently of ``specdec.verify.tree``.
 
 Legend: B batch, T block length, N tree nodes, O Markov order, V vocabulary.
 """
@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specdec.noise import sample_keyed
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 from specdec.sampling import logits_to_probs
 from specdec.testing import MarkovModel, MarkovTarget
-from specdec.tree import TokenTree, TreeProposal
+from specdec.verify.noise import sample_keyed
+from specdec.verify.tree import TokenTree, TreeProposal
 
 
 class TreeMarkovTarget(MarkovTarget):
@@ -148,7 +148,7 @@ def draw_children(
     return (q_BV.log() - (-u.log()).log()).topk(k, dim=-1).indices
 
 
-# --- exact law of one tree step (independent of specdec.tree) -----------------------------------------
+# --- exact law of one tree step (independent of specdec.verify.tree) ----------------------------------
 def _draws(q: list[float], k: int, mode: str):
     """Ordered candidate tuples with their probabilities (None = an exhausted, always-rejected slot)."""
     V = len(q)

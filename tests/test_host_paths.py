@@ -17,12 +17,12 @@ import torch
 
 from specdec.engine import cost_model
 from specdec.host_sync import accelerator_paths
-from specdec.noise import PositionNoise, sample_keyed
 from specdec.sampling import logits_to_probs
-from specdec.tree import TokenTree, tree_greedy_verify, tree_greedy_walk, tree_rejection_sample
 from specdec.verify import rejection_sample
-from specdec.verify_gumbel import gumbel_verify, gumbel_verify_tree
-from specdec.verify_keyed import rejection_sample_keyed
+from specdec.verify.chain import rejection_sample_keyed
+from specdec.verify.gumbel import gumbel_verify, gumbel_verify_tree
+from specdec.verify.noise import PositionNoise, sample_keyed
+from specdec.verify.tree import TokenTree, tree_greedy_verify, tree_greedy_walk, tree_rejection_sample
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 B, K, V = 7, 4, 50

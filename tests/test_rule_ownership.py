@@ -13,19 +13,21 @@ from _tiny import TableTarget, random_table
 from _tree_toys import TreeMarkovDrafter, TreeMarkovTarget
 
 import specdec
-import specdec.verify_rules as verify_rules
+import specdec.verify.registry as verify_rules
 from specdec.sampling import SamplingParams
 from specdec.testing import MarkovModel, assert_same_distribution
-from specdec.tree import TokenTree, TreeProposal, tree_rejection_sample
 from specdec.verify import VerifyResult, greedy_verify
-from specdec.verify_lossy import (
+from specdec.verify.contract import GreedyVerifyRule, TreeVerifyRule
+from specdec.verify.exact import ExactVerify
+from specdec.verify.lenient import (
     LenientVerify,
     _lenient_tree_walk,
     lenient_sample,
     lenient_tree_greedy,
     lenient_tree_sample,
 )
-from specdec.verify_rules import ExactVerify, GreedyVerifyRule, TreeVerifyRule, verify_chain, verify_tree
+from specdec.verify.registry import verify_chain, verify_tree
+from specdec.verify.tree import TokenTree, TreeProposal, tree_rejection_sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

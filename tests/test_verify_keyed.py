@@ -9,14 +9,16 @@ import pytest
 import torch
 
 import specdec
-from specdec.noise import PositionNoise, draft_keyed, sample_keyed
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.testing import MarkovModel
-from specdec.tree import TokenTree, TreeProposal
 from specdec.verify import greedy_verify, rejection_sample
-from specdec.verify_gumbel import GumbelVerify, KeyedExactVerify, gumbel_verify, gumbel_verify_tree
-from specdec.verify_keyed import rejection_sample_keyed
-from specdec.verify_rules import GreedyVerifyRule, TreeVerifyRule, make_verify_rule, verify_chain
+from specdec.verify.chain import rejection_sample_keyed
+from specdec.verify.contract import GreedyVerifyRule, TreeVerifyRule
+from specdec.verify.exact import KeyedExactVerify
+from specdec.verify.gumbel import GumbelVerify, gumbel_verify, gumbel_verify_tree
+from specdec.verify.noise import PositionNoise, draft_keyed, sample_keyed
+from specdec.verify.registry import make_verify_rule, verify_chain
+from specdec.verify.tree import TokenTree, TreeProposal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

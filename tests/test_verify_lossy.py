@@ -13,8 +13,9 @@ from specdec.cli import main
 from specdec.sampling import SamplingParams
 from specdec.testing import assert_same_distribution
 from specdec.verify import rejection_sample
-from specdec.verify_lossy import LenientVerify, lenient_sample
-from specdec.verify_rules import VERIFY_RULES, ExactVerify, make_verify_rule
+from specdec.verify.exact import ExactVerify
+from specdec.verify.lenient import LenientVerify, lenient_sample
+from specdec.verify.registry import VERIFY_RULES, make_verify_rule
 
 
 def _probs(V: int, seed: int, sharp: float = 1.5) -> torch.Tensor:

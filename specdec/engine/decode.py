@@ -7,7 +7,7 @@ block, T_max the step's longest block, V vocabulary.
 :class:`DecodeSteps` is the part of :class:`specdec.engine.Engine` that runs decoding rows (the engine
 holds the scheduling, the prefill and the public API). Randomness: a per-request drafter draws from a
 generator keyed by (request seed, output position) (:func:`mix_seed`); a batched drafter gets the
-rows' :class:`~specdec.noise.PositionNoise`; the keyed rules get the rows' noise and positions, a rule
+rows' :class:`~specdec.verify.noise.PositionNoise`; the keyed rules get the rows' noise and positions, a rule
 drawing from a generator one generator per row, keyed the same way. So what a row emits never depends
 on the rows beside it.
 
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from specdec.blocks import ChainBlock, TreeBlock, Verdict, make_block
 from specdec.checks import check_logits, check_proposal, logits_faults, proposal_faults
 from specdec.engine.request import Request, RequestStatus
 from specdec.engine.transfer import HostTransfer
@@ -43,8 +42,9 @@ from specdec.engine.units import (
 )
 from specdec.host_sync import avoids_host
 from specdec.metrics import StepStats
-from specdec.noise import PositionNoise
 from specdec.protocols import Proposal, TargetOutput
+from specdec.verify.blocks import ChainBlock, TreeBlock, Verdict, make_block
+from specdec.verify.noise import PositionNoise
 
 __all__ = ["DecodeSteps", "mix_seed", "raise_faults"]
 

@@ -10,7 +10,7 @@ back by one call. Rows are grouped only where that cannot change what any row em
 
 - a **cohort** of a batched drafter (``batched_rows = True``: one instance serves any set of rows at
   once, keeps no per-row state, and draws its randomness from the keyed ``noise`` it is given,
-  :mod:`specdec.noise`, stream ``"draft"``): the rows that share a depth and sampling settings are
+  :mod:`specdec.verify.noise`, stream ``"draft"``): the rows that share a depth and sampling settings are
   drafted by one ``propose`` over a G-row :class:`~specdec.protocols.DecodeState`;
 - rows drafted one by one (a drafter instance per request) whose chains share depth, sampling
   settings and the kind of proposal (probabilities or a point mass) are **merged** into one unit
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from specdec.blocks import ChainBlock, TreeBlock, Verdict
 from specdec.protocols import DecodeState, TargetOutput
+from specdec.verify.blocks import ChainBlock, TreeBlock, Verdict
 
 __all__ = [
     "Unit",

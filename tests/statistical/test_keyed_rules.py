@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from specdec.noise import PositionNoise, draft_keyed, sample_keyed
 from specdec.sampling import SamplingParams
 from specdec.testing import (
     GoodnessOfFit,
@@ -46,8 +45,9 @@ from specdec.testing import (
     total_variation,
 )
 from specdec.verify import VerifyResult
-from specdec.verify_gumbel import gumbel_verify
-from specdec.verify_keyed import rejection_sample_keyed
+from specdec.verify.chain import rejection_sample_keyed
+from specdec.verify.gumbel import gumbel_verify
+from specdec.verify.noise import PositionNoise, draft_keyed, sample_keyed
 
 pytestmark = pytest.mark.statistical
 

@@ -47,8 +47,8 @@ from typing import Any, NamedTuple
 import torch
 
 from specdec.host_sync import avoids_host
-from specdec.noise import PositionNoise, sample_keyed, sample_with_keys
 from specdec.sampling import sample_from_probs
+from specdec.verify.noise import PositionNoise, sample_keyed, sample_with_keys
 
 __all__ = [
     "TokenTree",
@@ -299,7 +299,7 @@ def tree_rejection_sample(
             (deterministic candidates).
         replacement: children drawn i.i.d. (SpecInfer) or without replacement (RSD).
         generator: source of randomness (the same seed gives the same tokens).
-        noise, positions_BN: keyed randomness instead (:mod:`specdec.noise`; the engine's): node i of
+        noise, positions_BN: keyed randomness instead (:mod:`specdec.verify.noise`; the engine's): node i of
             row b decides sequence position ``positions_BN[b, i]``. Node i's acceptance uniform is
             keyed by the root's position and i (stream ``"tree"``; each step's root position is new),
             the recovered or bonus token by the position it fills (stream ``"residual"``), so a row's

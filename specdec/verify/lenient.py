@@ -23,11 +23,12 @@ inequality reversed; accepting only tokens at least l times as likely as the arg
 intent, and l = 1 gives plain argmax matching). Recovered and bonus tokens are the target's argmax.
 
 **Token trees** (the rule's tree policy, ``LenientVerify.verify_tree``; lossy for l < 1, exact for
-l = 1, where it is :func:`specdec.tree.tree_rejection_sample` / :func:`~specdec.tree.tree_greedy_verify`).
+l = 1, where it is :func:`specdec.verify.tree.tree_rejection_sample` /
+:func:`~specdec.verify.tree.tree_greedy_verify`).
 Legend there: N tree nodes (node 0 the root), A accepted path length + 1.
 
 - sampling (:func:`lenient_tree_sample`): SpecInfer's multi-candidate recursive rejection sampling
-  (:mod:`specdec.tree`) with the draft measure scaled by l, so that a chain tree is the rule above. At
+  (:mod:`specdec.verify.tree`) with the draft measure scaled by l, so that a chain tree is the rule above. At
   a node, with residual r (first the target) and children c_1..c_k tried in drawing order, c_i is
   accepted with probability min(1, r(c_i) / (l · draft_i(c_i))); on rejection
   r ← norm(max(r − l · draft_i, 0)) (point masses: r without c_i); all rejected: the recovered token
@@ -52,7 +53,9 @@ import math
 import torch
 
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from specdec.tree import (
+from specdec.verify.chain import rejection_sample
+from specdec.verify.contract import VerifyResult, validate_verify_inputs
+from specdec.verify.tree import (
     TokenTree,
     TreeProposal,
     TreeVerifyResult,
@@ -60,7 +63,6 @@ from specdec.tree import (
     tree_greedy_verify,
     tree_rejection_sample,
 )
-from specdec.verify import VerifyResult, rejection_sample, validate_verify_inputs
 
 __all__ = ["LenientVerify", "lenient_sample", "lenient_tree_sample", "lenient_tree_greedy"]
 
@@ -159,7 +161,7 @@ def lenient_sample(
 
 
 class LenientVerify:
-    """The ``lenient`` verification rule (a :class:`specdec.verify_rules.TreeVerifyRule`): chains
+    """The ``lenient`` verification rule (a :class:`specdec.verify.registry.TreeVerifyRule`): chains
     and token trees (see the module doc for both policies).
 
     Option: ``lenience`` l ∈ (0, 1] (default 0.5); l = 1 is exact. Lossy for l < 1.
@@ -259,7 +261,7 @@ def lenient_tree_sample(
     validate: bool = True,
 ) -> TreeVerifyResult:
     """Lenient multi-candidate recursive rejection sampling down a token tree (module doc, "Token
-    trees"); same inputs and output as :func:`specdec.tree.tree_rejection_sample`, which l = 1 calls.
+    trees"); same inputs and output as :func:`specdec.verify.tree.tree_rejection_sample`, which l = 1 calls.
 
     Lossy for l < 1: per node, no token is emitted with probability above target(x) / l.
     Leviathan et al. 2023 (arXiv 2211.17192), Appendix A.5, applied to SpecInfer's (arXiv
@@ -302,7 +304,7 @@ def _lenient_tree_walk(
     replacement: bool,
     generator: torch.Generator | None,
 ) -> TreeVerifyResult:
-    """The walk of :func:`specdec.tree.tree_rejection_sample` (same random draws, in the same order)
+    """The walk of :func:`specdec.verify.tree.tree_rejection_sample` (same random draws, in the same order)
     with the draft measure scaled by ``lenience``; at l = 1 it returns the same tokens."""
     B, N, _ = target_probs_BNV.shape
     device = target_probs_BNV.device
@@ -364,7 +366,7 @@ def lenient_tree_greedy(
 ) -> TreeVerifyResult:
     """Greedy lenient verification of a token tree (module doc, "Token trees"): at each node the
     child most likely under the raw softmax of the target's logits, if its probability is at least
-    l times the largest; then the argmax. l = 1 calls :func:`specdec.tree.tree_greedy_verify`."""
+    l times the largest; then the argmax. l = 1 calls :func:`specdec.verify.tree.tree_greedy_verify`."""
     _check_lenience(lenience)
     _check_tree_inputs(target_logits_BNV, tree, tokens_BN, None)
     argmax_BN = target_logits_BNV.argmax(dim=-1).cpu()

@@ -9,8 +9,8 @@ Every step of the loop (``specdec.loop``) goes the same way through a block:
    ``lengths_B - 1 ...`` (a chain ``[root, d_1..d_K]``, or a tree's nodes with its ancestor mask
    and depths);
 2. ``verify(rule, logits_BTV, ...)``: the verification rule's :class:`Verdict`, the committed
-   tokens per row (the block only calls the rule: :func:`specdec.verify_rules.verify_chain` /
-   :func:`~specdec.verify_rules.verify_tree`; greedy shortcuts and tree policies are the rule's);
+   tokens per row (the block only calls the rule: :func:`specdec.verify.registry.verify_chain` /
+   :func:`~specdec.verify.registry.verify_tree`; greedy shortcuts and tree policies are the rule's);
 3. ``settle(target, out, verdict, start_B, lengths_B)``: the cache made to read like the committed
    text (a chain needs nothing; a tree's accepted path is compacted into chain order) and rolled
    back to ``lengths_B - 1``; returns the verify output along the committed path, which the
@@ -30,8 +30,9 @@ import torch
 
 from specdec.protocols import Proposal, TargetOutput, TreeTarget
 from specdec.sampling import SamplingParams
-from specdec.tree import TreeProposal
-from specdec.verify_rules import VerifyRule, verify_chain, verify_tree
+from specdec.verify.contract import VerifyRule
+from specdec.verify.registry import verify_chain, verify_tree
+from specdec.verify.tree import TreeProposal
 
 __all__ = ["Verdict", "ChainBlock", "TreeBlock", "make_block"]
 

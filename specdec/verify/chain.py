@@ -30,107 +30,14 @@ Edge cases, all exact:
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from specdec.host_sync import avoids_host
 from specdec.sampling import sample_from_probs
+from specdec.verify.contract import VerifyResult, validate_keyed_inputs, validate_verify_inputs
+from specdec.verify.noise import PositionNoise, sample_with_keys
 
-__all__ = ["VerifyResult", "greedy_verify", "rejection_sample", "validate_verify_inputs"]
-
-# Tolerance on Σ probs = 1 (float32 sums over a 50k vocabulary are off by ~1e-5).
-_NORM_ATOL = 1e-3
-
-
-class VerifyResult(NamedTuple):
-    """``tokens [B, K+1]``: accepted drafts, then one recovered or bonus token, then ``-1`` padding.
-    ``num_accepted [B]``: how many draft tokens were accepted (0..K)."""
-
-    tokens: torch.Tensor
-    num_accepted: torch.Tensor
-
-
-def _check_probs(name: str, probs: torch.Tensor) -> None:
-    if not probs.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got dtype {probs.dtype}")
-    if probs.numel() == 0:
-        return
-    if torch.isnan(probs).any():
-        raise ValueError(f"{name} contains NaN")
-    if (probs < 0).any():
-        raise ValueError(f"{name} contains negative probabilities (min {probs.min().item():.3g})")
-    sums = probs.double().sum(dim=-1)
-    worst = (sums - 1.0).abs().max().item()
-    if worst > _NORM_ATOL:
-        raise ValueError(
-            f"{name} must be normalised over the last (vocab) dim: a row sums to "
-            f"{sums.flatten()[(sums - 1.0).abs().flatten().argmax()].item():.6g} (tolerance {_NORM_ATOL})"
-        )
-
-
-def validate_verify_inputs(
-    target_probs_BKV: torch.Tensor,
-    draft_tokens_BK: torch.Tensor,
-    draft_probs_BKV: torch.Tensor | None,
-) -> None:
-    """Raise ``ValueError`` naming the argument when shapes, vocabularies or values are wrong."""
-    if not isinstance(target_probs_BKV, torch.Tensor) or target_probs_BKV.ndim != 3:
-        raise ValueError(
-            "target_probs_BKV must be a tensor of shape [B, K+1, V], got "
-            f"{getattr(target_probs_BKV, 'shape', type(target_probs_BKV).__name__)}"
-        )
-    if not isinstance(draft_tokens_BK, torch.Tensor) or draft_tokens_BK.ndim != 2:
-        raise ValueError(
-            "draft_tokens_BK must be a tensor of shape [B, K], got "
-            f"{getattr(draft_tokens_BK, 'shape', type(draft_tokens_BK).__name__)}"
-        )
-    B, K1, V = target_probs_BKV.shape
-    if draft_tokens_BK.shape[0] != B:
-        raise ValueError(
-            f"batch mismatch: draft_tokens_BK has B={draft_tokens_BK.shape[0]}, target_probs_BKV has B={B}"
-        )
-    K = draft_tokens_BK.shape[1]
-    if K1 != K + 1:
-        raise ValueError(
-            f"draft length mismatch: target_probs_BKV must have K+1={K + 1} positions for K={K} draft "
-            f"tokens, got {K1}"
-        )
-    if V < 1:
-        raise ValueError("target_probs_BKV must have a vocab dim V >= 1")
-    if draft_tokens_BK.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-        raise ValueError(f"draft_tokens_BK must be an integer tensor, got dtype {draft_tokens_BK.dtype}")
-    if draft_tokens_BK.device != target_probs_BKV.device:
-        raise ValueError(
-            f"draft_tokens_BK is on {draft_tokens_BK.device}, target_probs_BKV on {target_probs_BKV.device}"
-        )
-    if draft_tokens_BK.numel() and (int(draft_tokens_BK.min()) < 0 or int(draft_tokens_BK.max()) >= V):
-        raise ValueError(
-            f"draft_tokens_BK must lie in [0, V={V}), got values in "
-            f"[{int(draft_tokens_BK.min())}, {int(draft_tokens_BK.max())}]"
-        )
-    _check_probs("target_probs_BKV", target_probs_BKV)
-    if draft_probs_BKV is not None:
-        if not isinstance(draft_probs_BKV, torch.Tensor) or draft_probs_BKV.ndim != 3:
-            raise ValueError(
-                "draft_probs_BKV must be None or a tensor of shape [B, K, V], got "
-                f"{getattr(draft_probs_BKV, 'shape', type(draft_probs_BKV).__name__)}"
-            )
-        if draft_probs_BKV.shape[:2] != (B, K):
-            raise ValueError(
-                f"draft_probs_BKV must have shape [B={B}, K={K}, V], got {tuple(draft_probs_BKV.shape)}"
-            )
-        if draft_probs_BKV.shape[2] != V:
-            raise ValueError(
-                f"vocab mismatch: draft_probs_BKV has V={draft_probs_BKV.shape[2]}, "
-                f"target_probs_BKV has V={V}"
-            )
-        if draft_probs_BKV.device != target_probs_BKV.device:
-            raise ValueError(
-                f"draft_probs_BKV is on {draft_probs_BKV.device}, target_probs_BKV on "
-                f"{target_probs_BKV.device}"
-            )
-        _check_probs("draft_probs_BKV", draft_probs_BKV)
+__all__ = ["greedy_verify", "rejection_sample", "rejection_sample_keyed"]
 
 
 def rejection_sample(
@@ -255,3 +162,89 @@ def greedy_verify(target_logits_BKV: torch.Tensor, draft_tokens_BK: torch.Tensor
     positions_K1 = torch.arange(K1, device=argmax_BK1.device)
     keep_BK1 = positions_K1.unsqueeze(0) <= num_accepted_B.unsqueeze(1)
     return VerifyResult(torch.where(keep_BK1, argmax_BK1, -1), num_accepted_B)
+
+
+def rejection_sample_keyed(
+    target_probs_BKV: torch.Tensor,
+    draft_tokens_BK: torch.Tensor,
+    draft_probs_BKV: torch.Tensor | None = None,
+    *,
+    noise: PositionNoise,
+    positions_BK: torch.Tensor,
+    validate: bool = True,
+) -> VerifyResult:
+    """:func:`specdec.verify.rejection_sample` with the randomness of each position keyed by it.
+
+    Args:
+        target_probs_BKV: ``[B, K+1, V]`` processed target probabilities at the K draft positions and
+            the bonus position.
+        draft_tokens_BK: ``[B, K]`` proposed token ids.
+        draft_probs_BKV: ``[B, K, V]`` drafter probabilities, or ``None`` for point-mass proposals.
+        noise: the rows' public randomness (one seed per row).
+        positions_BK: ``[B, K+1]`` integer sequence positions of the tokens the K+1 target rows decide
+            (the engine's convention: index of the token in the request's stream).
+        validate: check shapes and values.
+
+    Returns:
+        ``VerifyResult(tokens [B, K+1], num_accepted [B])`` exactly as ``rejection_sample``.
+
+    Leviathan et al. 2023 (arXiv 2211.17192), Algorithm 1; the draws are described in the module doc.
+    """
+    if validate:
+        validate_verify_inputs(target_probs_BKV, draft_tokens_BK, draft_probs_BKV)
+        validate_keyed_inputs(noise, positions_BK, target_probs_BKV)
+    B, K1, V = target_probs_BKV.shape
+    K = K1 - 1
+    device = target_probs_BKV.device
+    work_dtype = torch.float64 if target_probs_BKV.dtype == torch.float64 else torch.float32
+    target_probs_BKV = target_probs_BKV.to(work_dtype)
+    draft_tokens_BK = draft_tokens_BK.to(device=device, dtype=torch.long)
+    positions_BK = positions_BK.to(dtype=torch.long)
+    rows_B = torch.arange(B, device=device)
+
+    # --- accept / reject each draft token: u at each draft position, stream "accept" -------------
+    target_at_draft_BK = target_probs_BKV[:, :K].gather(-1, draft_tokens_BK.unsqueeze(-1)).squeeze(-1)
+    if draft_probs_BKV is None:
+        draft_at_draft_BK = torch.ones_like(target_at_draft_BK)
+    else:
+        draft_probs_BKV = draft_probs_BKV.to(work_dtype)
+        draft_at_draft_BK = draft_probs_BKV.gather(-1, draft_tokens_BK.unsqueeze(-1)).squeeze(-1)
+    u_BK = noise.uniform_BK(positions_BK[:, :K], "accept", validate=validate)
+    # u < target/draft  <=>  u·draft < target (float64 u); draft == 0 is rejected.
+    accepted_BK = (u_BK * draft_at_draft_BK < target_at_draft_BK) & (draft_at_draft_BK > 0)
+    num_accepted_B = accepted_BK.long().cumprod(dim=-1).sum(dim=-1)
+
+    # --- one recovered (stream "residual") or bonus (stream "sample") token per row ---------------
+    # Every row in one race, each under its own stream's key (the same token as racing the rejected
+    # and the bonus rows apart: a row's race reads only its weights and its key), with no host read
+    # of which rows were rejected.
+    stop_B = num_accepted_B
+    stop_positions_B = positions_BK[rows_B, stop_B]
+    target_at_stop_BV = target_probs_BKV[rows_B, stop_B]
+    rejected_B = stop_B < K
+    stop_dist_BV = target_at_stop_BV
+    if K > 0:
+        draft_tokens_B = draft_tokens_BK[rows_B, stop_B.clamp(max=K - 1)]
+        if draft_probs_BKV is None:
+            draft_at_stop_BV = torch.zeros_like(target_at_stop_BV).scatter_(-1, draft_tokens_B[:, None], 1.0)
+        else:
+            draft_at_stop_BV = draft_probs_BKV[rows_B, stop_B.clamp(max=K - 1)]
+        residual_BV = (target_at_stop_BV - draft_at_stop_BV).clamp_(min=0.0)
+        # Zero residual mass is unreachable under a consistent proposal (specdec.verify's module doc).
+        empty_B = residual_BV.sum(dim=-1) <= 0
+        residual_BV = torch.where(empty_B.unsqueeze(-1), target_at_stop_BV, residual_BV)
+        stop_dist_BV = torch.where(rejected_B.unsqueeze(-1), residual_BV, target_at_stop_BV)
+    keys_B = torch.where(
+        rejected_B,
+        noise.keys(stop_positions_B, "residual", validate=False),
+        noise.keys(stop_positions_B, "sample", validate=False),
+    )
+    stop_token_B = sample_with_keys(stop_dist_BV, keys_B)
+
+    # --- assemble [accepted..., recovered/bonus, -1...] ----------------------------------------
+    tokens_BK1 = torch.full((B, K + 1), -1, dtype=torch.long, device=device)
+    if K > 0:
+        keep_BK = torch.arange(K, device=device).unsqueeze(0) < num_accepted_B.unsqueeze(1)
+        tokens_BK1[:, :K] = torch.where(keep_BK, draft_tokens_BK, tokens_BK1[:, :K])
+    tokens_BK1[rows_B, stop_B] = stop_token_B
+    return VerifyResult(tokens_BK1, num_accepted_B)

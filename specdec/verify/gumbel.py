@@ -5,25 +5,25 @@ Legend: B batch, K draft length (γ), N tree nodes, V vocabulary.
 **gumbel** (Daliri, Musco and Suresh 2024, "Coupling without Communication and Drafter-Invariant
 Speculative Decoding", arXiv 2408.07978). At each position p the target's token is its keyed
 Gumbel-max sample ``y_p = argmax_v log target_probs_p(v) + G(seed, p, "sample")``
-(:func:`specdec.noise.sample_keyed`). A draft token is accepted iff it equals ``y_p``; the first
+(:func:`specdec.verify.noise.sample_keyed`). A draft token is accepted iff it equals ``y_p``; the first
 mismatch commits ``y_p`` (the recovered token), and after K matches the bonus ``y_{K+1}``. Every
 committed token is therefore the token plain keyed decoding would have produced at that position,
 given the same prefix: the output is **the same as decoding without a drafter**, for any drafter and
 any draft depth, and so follows the target's distribution exactly. The price is acceptance: a draft
 drawn independently of the target is accepted with probability Σ_v draft(v)·target(v) (below exact
 rejection sampling's Σ_v min(draft, target)); a drafter that draws with the same public noise
-(:func:`specdec.noise.draft_keyed`) is accepted with probability ≥ (1 − TV) / (1 + TV).
+(:func:`specdec.verify.noise.draft_keyed`) is accepted with probability ≥ (1 − TV) / (1 + TV).
 
 For trees: at each node the target's sample ``y`` at that node's position (its depth) is computed,
 and the walk descends into the child whose token equals it; the committed path is the longest root
 path whose node tokens equal y at each depth, then y after it. Again the output is plain keyed
 decoding's.
 
-**exact, keyed**: :func:`specdec.verify_keyed.rejection_sample_keyed`; the output depends on the
+**exact, keyed**: :func:`specdec.verify.chain.rejection_sample_keyed`; the output depends on the
 seed and the drafter's proposals, not on batch neighbours or step boundaries.
 
 Both rules take the public randomness as keyword arguments: ``noise=`` (a
-:class:`specdec.noise.PositionNoise`, one seed per row) and ``positions_BK=`` (``[B, K+1]`` for
+:class:`specdec.verify.noise.PositionNoise`, one seed per row) and ``positions_BK=`` (``[B, K+1]`` for
 chains, ``[B, N]`` for trees: the sequence position of the token each target row decides; a tree
 node at depth d decides position ``start + d``).
 """
@@ -35,14 +35,13 @@ from typing import Any
 import torch
 
 from specdec.host_sync import avoids_host
-from specdec.noise import PositionNoise, sample_keyed, sample_with_keys
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.tree import TokenTree, TreeProposal, TreeVerifyResult, tree_greedy_verify, tree_walk_fixed
-from specdec.verify import VerifyResult, greedy_verify, validate_verify_inputs
-from specdec.verify_keyed import rejection_sample_keyed, validate_keyed_inputs
-from specdec.verify_rules import ExactVerify
+from specdec.verify.chain import greedy_verify
+from specdec.verify.contract import VerifyResult, need_noise, validate_keyed_inputs, validate_verify_inputs
+from specdec.verify.noise import PositionNoise, sample_keyed, sample_with_keys
+from specdec.verify.tree import TokenTree, TreeProposal, TreeVerifyResult, tree_greedy_verify, tree_walk_fixed
 
-__all__ = ["gumbel_verify", "gumbel_verify_tree", "GumbelVerify", "KeyedExactVerify"]
+__all__ = ["gumbel_verify", "gumbel_verify_tree", "GumbelVerify"]
 
 
 def gumbel_verify(
@@ -56,7 +55,7 @@ def gumbel_verify(
 ) -> VerifyResult:
     """Drafter-invariant verification of K draft tokens per row (arXiv 2408.07978; module doc).
 
-    Same inputs and output as :func:`specdec.verify_keyed.rejection_sample_keyed`; ``draft_probs_BKV``
+    Same inputs and output as :func:`specdec.verify.chain.rejection_sample_keyed`; ``draft_probs_BKV``
     is not used (only whether a draft equals the target's keyed sample matters). The target's sample
     is computed only at positions a row reaches: up to its first mismatch; on an accelerator
     (:func:`specdec.host_sync.avoids_host`) at every position at once, in one race
@@ -191,15 +190,6 @@ def _gumbel_tree_fixed(
     return tree_walk_fixed(draw, tree, tokens_BN, target_probs_BNV.shape[0], device)
 
 
-def _need_noise(rule: str, noise: PositionNoise | None, positions: torch.Tensor | None) -> None:
-    if noise is None or positions is None:
-        raise ValueError(
-            f"verification rule {rule!r} draws from public randomness keyed by seed and position: call it "
-            "with noise= (a specdec.noise.PositionNoise, one seed per row) and positions_BK= (the sequence "
-            "position of the token each target row decides); greedy runs need neither"
-        )
-
-
 class GumbelVerify:
     """The ``gumbel`` verification rule: drafter-invariant, lossless (:func:`gumbel_verify`).
 
@@ -228,7 +218,7 @@ class GumbelVerify:
     ) -> VerifyResult:
         if sampling.greedy and noise is None:
             return greedy_verify(target_logits_BKV, draft_tokens_BK)
-        _need_noise("gumbel", noise, positions_BK)
+        need_noise("gumbel", noise, positions_BK)
         return gumbel_verify(
             target_probs_BKV,
             draft_tokens_BK,
@@ -261,7 +251,7 @@ class GumbelVerify:
         Inputs are checked on the host only (on an accelerator the engine's checks cover them)."""
         if sampling.greedy:
             return tree_greedy_verify(target_logits_BNV.argmax(dim=-1), proposal.tree, proposal.tokens_BN)
-        _need_noise("gumbel", noise, positions_BK)
+        need_noise("gumbel", noise, positions_BK)
         validate = not avoids_host(target_logits_BNV)
         target_probs_BNV = logits_to_probs(
             target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p, validate=validate
@@ -277,83 +267,3 @@ class GumbelVerify:
 
     def __repr__(self) -> str:
         return "GumbelVerify()"
-
-
-class KeyedExactVerify(ExactVerify):
-    """``exact`` with keyed randomness: :func:`specdec.verify_keyed.rejection_sample_keyed` when called
-    with ``noise=`` and ``positions_BK=``, else :class:`specdec.verify_rules.ExactVerify` unchanged (a
-    generator consumed in call order), so it can stand in for ``exact`` in today's loop.
-
-    Trees: greedy and generator runs as ``exact``; with ``noise=`` and ``positions_BK=`` (``[B, N]``,
-    per node) SpecInfer's tree rejection sampling with keyed randomness
-    (:func:`specdec.tree.tree_rejection_sample`).
-    """
-
-    def __call__(
-        self,
-        target_probs_BKV: torch.Tensor,
-        draft_tokens_BK: torch.Tensor,
-        draft_probs_BKV: torch.Tensor | None,
-        *,
-        target_logits_BKV: torch.Tensor,
-        sampling: SamplingParams,
-        generator: torch.Generator | None = None,
-        validate: bool = True,
-        noise: PositionNoise | None = None,
-        positions_BK: torch.Tensor | None = None,
-    ) -> VerifyResult:
-        if noise is None and positions_BK is None:
-            return super().__call__(
-                target_probs_BKV,
-                draft_tokens_BK,
-                draft_probs_BKV,
-                target_logits_BKV=target_logits_BKV,
-                sampling=sampling,
-                generator=generator,
-                validate=validate,
-            )
-        _need_noise("exact", noise, positions_BK)
-        return rejection_sample_keyed(
-            target_probs_BKV,
-            draft_tokens_BK,
-            draft_probs_BKV,
-            noise=noise,  # type: ignore[arg-type]
-            positions_BK=positions_BK,  # type: ignore[arg-type]
-            validate=validate,
-        )
-
-    def verify_greedy(
-        self,
-        target_logits_BKV: torch.Tensor,
-        draft_tokens_BK: torch.Tensor,
-        draft_probs_BKV: torch.Tensor | None,
-    ) -> VerifyResult | None:
-        """As ``exact``: argmax matching for point-mass proposals (no random draw is made)."""
-        if draft_probs_BKV is not None:
-            return None
-        return greedy_verify(target_logits_BKV, draft_tokens_BK)
-
-    def verify_tree(
-        self,
-        target_logits_BNV: torch.Tensor,
-        proposal: TreeProposal,
-        *,
-        sampling: SamplingParams,
-        generator: torch.Generator | None = None,
-        noise: PositionNoise | None = None,
-        positions_BK: torch.Tensor | None = None,
-    ) -> TreeVerifyResult:
-        if noise is None or sampling.greedy:
-            return super().verify_tree(target_logits_BNV, proposal, sampling=sampling, generator=generator)
-        _need_noise("exact", noise, positions_BK)
-        return self._sample_tree(
-            target_logits_BNV,
-            proposal,
-            sampling,
-            noise=noise,
-            positions_BN=positions_BK,
-            validate=not avoids_host(target_logits_BNV),  # on an accelerator the engine's checks
-        )
-
-    def __repr__(self) -> str:
-        return "KeyedExactVerify()"
