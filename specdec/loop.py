@@ -165,7 +165,7 @@ def generate(
             ``tokenizer`` or ``target.tokenizer``).
         on_commit: streaming callback ``(row, newly committed ids)``, called after each engine step.
         verify: the verification rule, a name in :data:`specdec.verify.registry.VERIFY_RULES` built with
-            ``verify_options``, or a :class:`specdec.verify.registry.VerifyRule`. Default ``"exact"``
+            ``verify_options``, or a :class:`specdec.verify.contract.VerifyRule`. Default ``"exact"``
             (rejection sampling, position-keyed); ``"gumbel"`` is drafter-invariant; ``"lenient"``
             (:mod:`specdec.verify.lenient`) is lossy.
 

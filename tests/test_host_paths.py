@@ -19,7 +19,7 @@ from specdec.engine import cost_model
 from specdec.host_sync import accelerator_paths
 from specdec.sampling import logits_to_probs
 from specdec.verify import rejection_sample
-from specdec.verify.chain import rejection_sample_keyed
+from specdec.verify.chain import rejection_sample as rejection_sample_keyed
 from specdec.verify.gumbel import gumbel_verify, gumbel_verify_tree
 from specdec.verify.noise import PositionNoise, sample_keyed
 from specdec.verify.tree import TokenTree, tree_greedy_verify, tree_greedy_walk, tree_rejection_sample

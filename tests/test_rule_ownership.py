@@ -21,7 +21,6 @@ from specdec.verify.contract import GreedyVerifyRule, TreeVerifyRule
 from specdec.verify.exact import ExactVerify
 from specdec.verify.lenient import (
     LenientVerify,
-    _lenient_tree_walk,
     lenient_sample,
     lenient_tree_greedy,
     lenient_tree_sample,
@@ -193,7 +192,7 @@ def test_the_lenient_tree_walk_at_l_1_is_the_exact_tree_rule(kind):
     exact = tree_rejection_sample(
         target, tree, tokens, draft, replacement=replacement, generator=torch.Generator().manual_seed(3)
     )
-    walk = _lenient_tree_walk(
+    walk = lenient_tree_sample(
         target,
         tree,
         tokens,

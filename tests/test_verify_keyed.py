@@ -12,9 +12,9 @@ import specdec
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.testing import MarkovModel
 from specdec.verify import greedy_verify, rejection_sample
-from specdec.verify.chain import rejection_sample_keyed
+from specdec.verify.chain import rejection_sample as rejection_sample_keyed
 from specdec.verify.contract import GreedyVerifyRule, TreeVerifyRule
-from specdec.verify.exact import KeyedExactVerify
+from specdec.verify.exact import ExactVerify
 from specdec.verify.gumbel import GumbelVerify, gumbel_verify, gumbel_verify_tree
 from specdec.verify.noise import PositionNoise, draft_keyed, sample_keyed
 from specdec.verify.registry import make_verify_rule, verify_chain
@@ -250,7 +250,7 @@ def test_rules_are_plugins():
     )
     assert torch.equal(keyed.tokens, gumbel_verify(probs, drafts, noise=noise, positions_BK=positions).tokens)
 
-    exact = KeyedExactVerify()
+    exact = ExactVerify()
     plain = exact(
         probs,
         drafts,

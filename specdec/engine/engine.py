@@ -62,8 +62,6 @@ from specdec.protocols import Drafter, Target, TargetOutput, TreeTarget
 from specdec.sampling import logits_to_probs
 from specdec.stop_strings import StopStrings
 from specdec.verify.contract import VerifyRule
-from specdec.verify.exact import KeyedExactVerify
-from specdec.verify.gumbel import GumbelVerify
 from specdec.verify.noise import PositionNoise, sample_keyed
 from specdec.verify.registry import make_verify_rule
 
@@ -114,8 +112,8 @@ class Engine(DecodeSteps):
         max_num_batched_tokens: the token budget of a step (decode blocks plus prefill chunks).
         verify: ``exact`` (rejection sampling, position-keyed), ``gumbel`` (drafter-invariant), or
             another rule of :data:`specdec.verify.registry.VERIFY_RULES` built with ``verify_options``, or
-            a :class:`specdec.verify.registry.VerifyRule` object (a rule whose ``__call__`` takes no
-            ``noise`` draws from a generator seeded by the request's seed and position).
+            a :class:`specdec.verify.contract.VerifyRule` object. A rule that declares
+            ``drafter_invariant`` lets sampled rows take their depths from load and timings.
         max_model_len: cache slots per request (prompt + new tokens + γ + 1 must fit); default
             ``min(target.max_context_length, 2048)``.
         prefill_chunk: tokens per prefill forward (fixed chunk boundaries).
@@ -179,12 +177,7 @@ class Engine(DecodeSteps):
             )
         self.target = target
         self.vocab_size = int(target.vocab_size)
-        if isinstance(verify, str) and verify == "exact":
-            if verify_options:
-                raise ValueError(f"verify 'exact' takes no options, got {dict(verify_options)}")
-            self.rule: VerifyRule = KeyedExactVerify()
-        else:
-            self.rule = make_verify_rule(verify, verify_options)
+        self.rule: VerifyRule = make_verify_rule(verify, verify_options)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         self.keyed = "noise" in inspect.signature(self.rule.__call__).parameters
         self.tree_ok = isinstance(target, TreeTarget)
@@ -374,7 +367,7 @@ class Engine(DecodeSteps):
 
     def _free(self, request: Request) -> bool:
         """May this row's depth follow load and timings without changing its output?"""
-        return request.params.sampling.greedy or isinstance(self.rule, GumbelVerify)
+        return request.params.sampling.greedy or getattr(self.rule, "drafter_invariant", False)
 
     def _depths(self, rows: list[Request]) -> list[int]:
         views = []

@@ -26,6 +26,29 @@ Edge cases, all exact:
 - A residual with zero mass can only be reached with probability 0 under a consistent proposal
   (it needs target ≤ draft everywhere, which makes acceptance certain). It is reached through an
   inconsistent proposal (draft(x) == 0); then the recovered token is drawn from the target itself.
+
+**Randomness** is public and keyed (:mod:`specdec.verify.noise`): every draw is taken from a
+:class:`~specdec.verify.noise.PositionNoise` at the sequence position it decides, not from a
+generator consumed in call order:
+
+- **accepted token** at position p: draft x_p is kept iff ``u < target(x_p) / draft(x_p)`` with
+  ``u = noise.uniform_BK(p, "accept")``;
+- **recovered token** at the first rejection p: Gumbel-max sample
+  (:func:`specdec.verify.noise.sample_keyed`) from the residual with stream ``"residual"``;
+- **bonus token** after K acceptances: Gumbel-max sample from the target with stream ``"sample"``.
+
+Why it stays exact: the token committed at position p is a function of the prefix, the draft at p
+and the noise at p only (acceptance never looks ahead), and the noise at p is independent of the
+noise at every other position, of the other streams and of the other rows. A draft drawn with the
+``"draft"`` stream or with :func:`specdec.verify.noise.draft_keyed` keeps this; a drafter must never
+read the ``"accept"`` or ``"residual"`` streams, and must not choose its depth from draws at
+positions it then drops. So a request's output is a function of its seed and the drafter's
+proposals, whatever rows share its batch and however the engine splits its steps; ``gumbel``
+(:mod:`specdec.verify.gumbel`) removes the dependence on the proposals too.
+
+**Acceptance hook.** ``draft_scale`` l multiplies the draft measure: x_k is kept with probability
+min(1, target(x_k) / (l · draft(x_k))) and the residual is norm(max(target − l · draft, 0)). l = 1 is
+the exact rule above; ``lenient`` (:mod:`specdec.verify.lenient`) passes its lenience.
 """
 
 from __future__ import annotations
@@ -37,7 +60,7 @@ from specdec.sampling import sample_from_probs
 from specdec.verify.contract import VerifyResult, validate_keyed_inputs, validate_verify_inputs
 from specdec.verify.noise import PositionNoise, sample_with_keys
 
-__all__ = ["greedy_verify", "rejection_sample", "rejection_sample_keyed"]
+__all__ = ["greedy_verify", "rejection_sample"]
 
 
 def rejection_sample(
@@ -45,7 +68,10 @@ def rejection_sample(
     draft_tokens_BK: torch.Tensor,
     draft_probs_BKV: torch.Tensor | None = None,
     *,
+    noise: PositionNoise | None = None,
+    positions_BK: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    draft_scale: float = 1.0,
     validate: bool = True,
 ) -> VerifyResult:
     """Verify K draft tokens per row against the target; keep the target distribution exactly.
@@ -56,7 +82,10 @@ def rejection_sample(
         draft_tokens_BK: ``[B, K]`` proposed token ids.
         draft_probs_BKV: ``[B, K, V]`` drafter probabilities the tokens were sampled from, processed
             by the same function; ``None`` for a deterministic (point-mass) proposal.
-        generator: source of randomness; the same seed gives the same tokens.
+        noise: the rows' public randomness (one seed per row); with ``positions_BK`` ``[B, K+1]``,
+            the sequence position of the token each target row decides (module doc).
+        generator: without ``noise``: a generator consumed in call order instead.
+        draft_scale: the acceptance hook l (module doc); 1 is exact.
         validate: check shapes and values (on by default; switch off in a hot loop whose inputs
             are known to be valid).
 
@@ -69,59 +98,72 @@ def rejection_sample(
     """
     if validate:
         validate_verify_inputs(target_probs_BKV, draft_tokens_BK, draft_probs_BKV)
+        if noise is not None or positions_BK is not None:
+            validate_keyed_inputs(noise, positions_BK, target_probs_BKV)  # type: ignore[arg-type]
     B, K1, V = target_probs_BKV.shape
     K = K1 - 1
     device = target_probs_BKV.device
     # float64 inputs stay float64 (exact enumeration in specdec.testing); narrower ones run in float32.
     work_dtype = torch.float64 if target_probs_BKV.dtype == torch.float64 else torch.float32
     target_probs_BKV = target_probs_BKV.to(work_dtype)
-    draft_tokens_BK = draft_tokens_BK.long()
+    draft_tokens_BK = draft_tokens_BK.to(device=device, dtype=torch.long)
+    rows_B = torch.arange(B, device=device)
 
-    # --- accept / reject each draft token -------------------------------------------------
+    # --- accept / reject each draft token ---------------------------------------------------------
     target_at_draft_BK = target_probs_BKV[:, :K].gather(-1, draft_tokens_BK.unsqueeze(-1)).squeeze(-1)
     if draft_probs_BKV is None:
         draft_at_draft_BK = torch.ones_like(target_at_draft_BK)
     else:
         draft_probs_BKV = draft_probs_BKV.to(work_dtype)
         draft_at_draft_BK = draft_probs_BKV.gather(-1, draft_tokens_BK.unsqueeze(-1)).squeeze(-1)
-    # drawn on the generator's device (a CPU generator gives the same numbers for probabilities on
-    # any device), then moved to the probabilities'
-    drawn_on = generator.device if generator is not None else device
-    u_BK = torch.rand((B, K), generator=generator, device=drawn_on).to(device)
-    # u < target/draft  <=>  u * draft < target: P(accept) = min(1, target/draft), no division,
-    # p == q accepts surely (u < 1), draft == 0 is rejected explicitly.
-    accepted_BK = (u_BK * draft_at_draft_BK < target_at_draft_BK) & (draft_at_draft_BK > 0)
+    if noise is not None:
+        positions_BK = positions_BK.to(dtype=torch.long)  # type: ignore[union-attr]
+        u_BK = noise.uniform_BK(positions_BK[:, :K], "accept", validate=validate)
+    else:
+        # drawn on the generator's device (a CPU generator gives the same numbers on any device)
+        drawn_on = generator.device if generator is not None else device
+        u_BK = torch.rand((B, K), generator=generator, device=drawn_on).to(device)
+    # u < target/(l·draft)  <=>  u·l·draft < target: no division, p == q accepts surely (u < 1),
+    # draft == 0 is rejected explicitly.
+    accepted_BK = (u_BK * (draft_scale * draft_at_draft_BK) < target_at_draft_BK) & (draft_at_draft_BK > 0)
     # Number of leading accepts: the row stops at its first rejection.
     num_accepted_B = accepted_BK.long().cumprod(dim=-1).sum(dim=-1)
 
-    # --- one recovered (first rejection) or bonus (all accepted) token per row -----------
-    rows_B = torch.arange(B, device=device)
+    # --- one recovered (first rejection) or bonus (all accepted) token per row -------------------
     stop_B = num_accepted_B  # position of the recovered/bonus token, in 0..K
     target_at_stop_BV = target_probs_BKV[rows_B, stop_B]
     rejected_B = stop_B < K
-    if K > 0 and (avoids_host(rejected_B) or bool(rejected_B.any())):  # no host read on a device
+    stop_dist_BV = target_at_stop_BV
+    if K > 0:
         stop_clamped_B = stop_B.clamp(max=K - 1)
         if draft_probs_BKV is None:
-            draft_at_stop_BV = torch.zeros_like(target_at_stop_BV)
-            draft_at_stop_BV[rows_B, draft_tokens_BK[rows_B, stop_clamped_B]] = 1.0
+            at_B1 = draft_tokens_BK[rows_B, stop_clamped_B][:, None]
+            draft_at_stop_BV = torch.zeros_like(target_at_stop_BV).scatter_(-1, at_B1, 1.0)
         else:
             draft_at_stop_BV = draft_probs_BKV[rows_B, stop_clamped_B]
-        residual_BV = (target_at_stop_BV - draft_at_stop_BV).clamp_(min=0.0)
+        residual_BV = (target_at_stop_BV - draft_scale * draft_at_stop_BV).clamp_(min=0.0)
         # A residual with no mass is unreachable under a consistent proposal (see module doc);
         # fall back to the target so the output is still a valid target sample.
         empty_B = residual_BV.sum(dim=-1) <= 0
         residual_BV = torch.where(empty_B.unsqueeze(-1), target_at_stop_BV, residual_BV)
         # Bonus rows (all accepted) draw from the target itself.
         stop_dist_BV = torch.where(rejected_B.unsqueeze(-1), residual_BV, target_at_stop_BV)
+    if noise is not None:
+        # Every row in one race, each under its own stream's key: no host read of which rows were rejected.
+        stop_positions_B = positions_BK[rows_B, stop_B]  # type: ignore[index]
+        keys_B = torch.where(
+            rejected_B,
+            noise.keys(stop_positions_B, "residual", validate=False),
+            noise.keys(stop_positions_B, "sample", validate=False),
+        )
+        stop_token_B = sample_with_keys(stop_dist_BV, keys_B)
     else:
-        stop_dist_BV = target_at_stop_BV
-    stop_token_B = sample_from_probs(stop_dist_BV, generator, validate=not avoids_host(stop_dist_BV))
+        stop_token_B = sample_from_probs(stop_dist_BV, generator, validate=not avoids_host(stop_dist_BV))
 
-    # --- assemble [accepted..., recovered/bonus, -1...] -----------------------------------
-    positions_K1 = torch.arange(K + 1, device=device)
+    # --- assemble [accepted..., recovered/bonus, -1...] -------------------------------------------
     tokens_BK1 = torch.full((B, K + 1), -1, dtype=torch.long, device=device)
     if K > 0:
-        keep_BK = positions_K1[:K].unsqueeze(0) < num_accepted_B.unsqueeze(1)
+        keep_BK = torch.arange(K, device=device).unsqueeze(0) < num_accepted_B.unsqueeze(1)
         tokens_BK1[:, :K] = torch.where(keep_BK, draft_tokens_BK, tokens_BK1[:, :K])
     tokens_BK1[rows_B, stop_B] = stop_token_B
     return VerifyResult(tokens_BK1, num_accepted_B)
@@ -162,89 +204,3 @@ def greedy_verify(target_logits_BKV: torch.Tensor, draft_tokens_BK: torch.Tensor
     positions_K1 = torch.arange(K1, device=argmax_BK1.device)
     keep_BK1 = positions_K1.unsqueeze(0) <= num_accepted_B.unsqueeze(1)
     return VerifyResult(torch.where(keep_BK1, argmax_BK1, -1), num_accepted_B)
-
-
-def rejection_sample_keyed(
-    target_probs_BKV: torch.Tensor,
-    draft_tokens_BK: torch.Tensor,
-    draft_probs_BKV: torch.Tensor | None = None,
-    *,
-    noise: PositionNoise,
-    positions_BK: torch.Tensor,
-    validate: bool = True,
-) -> VerifyResult:
-    """:func:`specdec.verify.rejection_sample` with the randomness of each position keyed by it.
-
-    Args:
-        target_probs_BKV: ``[B, K+1, V]`` processed target probabilities at the K draft positions and
-            the bonus position.
-        draft_tokens_BK: ``[B, K]`` proposed token ids.
-        draft_probs_BKV: ``[B, K, V]`` drafter probabilities, or ``None`` for point-mass proposals.
-        noise: the rows' public randomness (one seed per row).
-        positions_BK: ``[B, K+1]`` integer sequence positions of the tokens the K+1 target rows decide
-            (the engine's convention: index of the token in the request's stream).
-        validate: check shapes and values.
-
-    Returns:
-        ``VerifyResult(tokens [B, K+1], num_accepted [B])`` exactly as ``rejection_sample``.
-
-    Leviathan et al. 2023 (arXiv 2211.17192), Algorithm 1; the draws are described in the module doc.
-    """
-    if validate:
-        validate_verify_inputs(target_probs_BKV, draft_tokens_BK, draft_probs_BKV)
-        validate_keyed_inputs(noise, positions_BK, target_probs_BKV)
-    B, K1, V = target_probs_BKV.shape
-    K = K1 - 1
-    device = target_probs_BKV.device
-    work_dtype = torch.float64 if target_probs_BKV.dtype == torch.float64 else torch.float32
-    target_probs_BKV = target_probs_BKV.to(work_dtype)
-    draft_tokens_BK = draft_tokens_BK.to(device=device, dtype=torch.long)
-    positions_BK = positions_BK.to(dtype=torch.long)
-    rows_B = torch.arange(B, device=device)
-
-    # --- accept / reject each draft token: u at each draft position, stream "accept" -------------
-    target_at_draft_BK = target_probs_BKV[:, :K].gather(-1, draft_tokens_BK.unsqueeze(-1)).squeeze(-1)
-    if draft_probs_BKV is None:
-        draft_at_draft_BK = torch.ones_like(target_at_draft_BK)
-    else:
-        draft_probs_BKV = draft_probs_BKV.to(work_dtype)
-        draft_at_draft_BK = draft_probs_BKV.gather(-1, draft_tokens_BK.unsqueeze(-1)).squeeze(-1)
-    u_BK = noise.uniform_BK(positions_BK[:, :K], "accept", validate=validate)
-    # u < target/draft  <=>  u·draft < target (float64 u); draft == 0 is rejected.
-    accepted_BK = (u_BK * draft_at_draft_BK < target_at_draft_BK) & (draft_at_draft_BK > 0)
-    num_accepted_B = accepted_BK.long().cumprod(dim=-1).sum(dim=-1)
-
-    # --- one recovered (stream "residual") or bonus (stream "sample") token per row ---------------
-    # Every row in one race, each under its own stream's key (the same token as racing the rejected
-    # and the bonus rows apart: a row's race reads only its weights and its key), with no host read
-    # of which rows were rejected.
-    stop_B = num_accepted_B
-    stop_positions_B = positions_BK[rows_B, stop_B]
-    target_at_stop_BV = target_probs_BKV[rows_B, stop_B]
-    rejected_B = stop_B < K
-    stop_dist_BV = target_at_stop_BV
-    if K > 0:
-        draft_tokens_B = draft_tokens_BK[rows_B, stop_B.clamp(max=K - 1)]
-        if draft_probs_BKV is None:
-            draft_at_stop_BV = torch.zeros_like(target_at_stop_BV).scatter_(-1, draft_tokens_B[:, None], 1.0)
-        else:
-            draft_at_stop_BV = draft_probs_BKV[rows_B, stop_B.clamp(max=K - 1)]
-        residual_BV = (target_at_stop_BV - draft_at_stop_BV).clamp_(min=0.0)
-        # Zero residual mass is unreachable under a consistent proposal (specdec.verify's module doc).
-        empty_B = residual_BV.sum(dim=-1) <= 0
-        residual_BV = torch.where(empty_B.unsqueeze(-1), target_at_stop_BV, residual_BV)
-        stop_dist_BV = torch.where(rejected_B.unsqueeze(-1), residual_BV, target_at_stop_BV)
-    keys_B = torch.where(
-        rejected_B,
-        noise.keys(stop_positions_B, "residual", validate=False),
-        noise.keys(stop_positions_B, "sample", validate=False),
-    )
-    stop_token_B = sample_with_keys(stop_dist_BV, keys_B)
-
-    # --- assemble [accepted..., recovered/bonus, -1...] ----------------------------------------
-    tokens_BK1 = torch.full((B, K + 1), -1, dtype=torch.long, device=device)
-    if K > 0:
-        keep_BK = torch.arange(K, device=device).unsqueeze(0) < num_accepted_B.unsqueeze(1)
-        tokens_BK1[:, :K] = torch.where(keep_BK, draft_tokens_BK, tokens_BK1[:, :K])
-    tokens_BK1[rows_B, stop_B] = stop_token_B
-    return VerifyResult(tokens_BK1, num_accepted_B)

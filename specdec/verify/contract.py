@@ -12,11 +12,10 @@ in :data:`specdec.verify.registry.VERIFY_RULES` and called by the engine's verif
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from specdec.sampling import SamplingParams
 from specdec.verify.noise import PositionNoise
 from specdec.verify.tree import TreeProposal, TreeVerifyResult
 
@@ -160,11 +159,15 @@ def need_noise(rule: str, noise: PositionNoise | None, positions: torch.Tensor |
 class VerifyRule(Protocol):
     """Turns target and draft probabilities into committed tokens, like :func:`rejection_sample`.
 
-    Same inputs and output as :func:`specdec.verify.rejection_sample`, plus the target's raw logits
-    (``[B, K+1, V]``, before temperature / top-k / top-p) and the run's sampling parameters, for rules
-    that look at the unprocessed distribution. ``lossless`` says whether the output distribution is
-    exactly the target's. Greedy runs call ``__call__`` too, with one-hot target probabilities,
-    unless the rule offers a fast path (:class:`GreedyVerifyRule`).
+    The one signature of a rule: the inputs and output of :func:`specdec.verify.rejection_sample`,
+    plus the target's raw logits (``[B, K+1, V]``, before temperature / top-k / top-p), the run's
+    sampling parameters, and the rows' public randomness: ``noise`` (one seed per row) and
+    ``positions_BK`` (``[B, K+1]``, the sequence position of the token each target row decides).
+    ``lossless`` says whether the output distribution is exactly the target's. A rule may also
+    declare ``drafter_invariant = True`` (its output does not depend on the drafter: the engine may
+    then choose draft depths from load and timings); absent means False. Greedy runs call
+    ``__call__`` too, with one-hot target probabilities, unless the rule offers a fast path
+    (:class:`GreedyVerifyRule`).
     """
 
     lossless: bool
@@ -174,12 +177,11 @@ class VerifyRule(Protocol):
         target_probs_BKV: torch.Tensor,
         draft_tokens_BK: torch.Tensor,
         draft_probs_BKV: torch.Tensor | None,
-        *,
-        target_logits_BKV: torch.Tensor,
-        sampling: SamplingParams,
-        generator: torch.Generator | None = None,
-        validate: bool = True,
-    ) -> VerifyResult: ...
+        **context: Any,
+    ) -> VerifyResult:
+        """``context``: ``target_logits_BKV``, ``sampling``, ``noise``, ``positions_BK``, ``validate``
+        (spelled out once, in :meth:`specdec.verify.rule.Rule.__call__`)."""
+        ...
 
 
 @runtime_checkable
@@ -199,17 +201,13 @@ class GreedyVerifyRule(VerifyRule, Protocol):
 
 @runtime_checkable
 class TreeVerifyRule(VerifyRule, Protocol):
-    """A rule that also verifies a token tree: ``verify_tree`` is its tree policy. Exact rules use
-    multi-candidate recursive rejection sampling (:mod:`specdec.tree`); a lossy rule defines and
-    documents its own (``lenient``: :func:`specdec.verify_lossy.lenient_tree_sample`)."""
+    """A rule that also verifies a token tree: ``verify_tree`` is its tree policy (``positions_BK``
+    is then ``[B, N]``, per node). Exact rules use multi-candidate recursive rejection sampling
+    (:mod:`specdec.verify.tree`); a lossy rule defines and documents its own (``lenient``)."""
 
     def verify_tree(
-        self,
-        target_logits_BNV: torch.Tensor,
-        proposal: TreeProposal,
-        *,
-        sampling: SamplingParams,
-        generator: torch.Generator | None = None,
+        self, target_logits_BNV: torch.Tensor, proposal: TreeProposal, **context: Any
     ) -> TreeVerifyResult:
-        """The committed path of a tree whose node i's target logits are ``target_logits_BNV[:, i]``."""
+        """The committed path of a tree whose node i's target logits are ``target_logits_BNV[:, i]``;
+        ``context``: ``sampling``, ``noise``, ``positions_BK`` (``[B, N]``, per node)."""
         ...

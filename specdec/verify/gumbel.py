@@ -1,4 +1,4 @@
-"""Drafter-invariant verification (``gumbel``) and the position-keyed exact rule, as plugins.
+"""Drafter-invariant verification: the ``gumbel`` rule.
 
 Legend: B batch, K draft length (γ), N tree nodes, V vocabulary.
 
@@ -19,10 +19,7 @@ and the walk descends into the child whose token equals it; the committed path i
 path whose node tokens equal y at each depth, then y after it. Again the output is plain keyed
 decoding's.
 
-**exact, keyed**: :func:`specdec.verify.chain.rejection_sample_keyed`; the output depends on the
-seed and the drafter's proposals, not on batch neighbours or step boundaries.
-
-Both rules take the public randomness as keyword arguments: ``noise=`` (a
+The rule takes the public randomness as keyword arguments: ``noise=`` (a
 :class:`specdec.verify.noise.PositionNoise`, one seed per row) and ``positions_BK=`` (``[B, K+1]`` for
 chains, ``[B, N]`` for trees: the sequence position of the token each target row decides; a tree
 node at depth d decides position ``start + d``).
@@ -35,11 +32,10 @@ from typing import Any
 import torch
 
 from specdec.host_sync import avoids_host
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.verify.chain import greedy_verify
 from specdec.verify.contract import VerifyResult, need_noise, validate_keyed_inputs, validate_verify_inputs
 from specdec.verify.noise import PositionNoise, sample_keyed, sample_with_keys
-from specdec.verify.tree import TokenTree, TreeProposal, TreeVerifyResult, tree_greedy_verify, tree_walk_fixed
+from specdec.verify.rule import Rule
+from specdec.verify.tree import TokenTree, TreeProposal, TreeVerifyResult, check_tree_inputs, tree_walk_fixed
 
 __all__ = ["gumbel_verify", "gumbel_verify_tree", "GumbelVerify"]
 
@@ -132,14 +128,7 @@ def gumbel_verify_tree(
     B, N, V = target_probs_BNV.shape
     device = target_probs_BNV.device
     if validate:
-        if N != tree.num_nodes or tuple(tokens_BN.shape) != (B, N):
-            raise ValueError(
-                f"tree has {tree.num_nodes} nodes: target_probs_BNV must be [B, {tree.num_nodes}, V] and "
-                f"tokens_BN [B, {tree.num_nodes}], got {tuple(target_probs_BNV.shape)}, "
-                f"{tuple(tokens_BN.shape)}"
-            )
-        if tokens_BN[:, 1:].numel() and (int(tokens_BN[:, 1:].min()) < 0 or int(tokens_BN[:, 1:].max()) >= V):
-            raise ValueError(f"tokens_BN must lie in [0, V={V})")
+        check_tree_inputs(target_probs_BNV, tree, tokens_BN)
         validate_keyed_inputs(noise, positions_BN, target_probs_BNV)
     tokens_BN = tokens_BN.to(device=device, dtype=torch.long)
     if avoids_host(target_probs_BNV):
@@ -190,80 +179,34 @@ def _gumbel_tree_fixed(
     return tree_walk_fixed(draw, tree, tokens_BN, target_probs_BNV.shape[0], device)
 
 
-class GumbelVerify:
-    """The ``gumbel`` verification rule: drafter-invariant, lossless (:func:`gumbel_verify`).
+class GumbelVerify(Rule):
+    """The ``gumbel`` verification rule: drafter-invariant, lossless (:func:`gumbel_verify`,
+    :func:`gumbel_verify_tree`). Greedy runs are argmax matching (the keyed sample of a one-hot row is
+    its argmax). No options."""
 
-    Sampled runs need ``noise=`` and ``positions_BK=``; a greedy run (one-hot targets) is argmax
-    matching and needs neither. No options.
-    """
+    name = "gumbel"
+    drafter_invariant = True
 
-    lossless = True
-
-    def __init__(self, **options: Any) -> None:
-        if options:
-            raise ValueError(f"verification rule 'gumbel' takes no options, got {sorted(options)}")
-
-    def __call__(
+    def chain(
         self,
         target_probs_BKV: torch.Tensor,
         draft_tokens_BK: torch.Tensor,
         draft_probs_BKV: torch.Tensor | None,
         *,
-        target_logits_BKV: torch.Tensor,
-        sampling: SamplingParams,
-        generator: torch.Generator | None = None,
-        validate: bool = True,
         noise: PositionNoise | None = None,
         positions_BK: torch.Tensor | None = None,
+        **randomness: Any,
     ) -> VerifyResult:
-        if sampling.greedy and noise is None:
-            return greedy_verify(target_logits_BKV, draft_tokens_BK)
-        need_noise("gumbel", noise, positions_BK)
+        need_noise(self.name, noise, positions_BK)
         return gumbel_verify(
             target_probs_BKV,
             draft_tokens_BK,
             draft_probs_BKV,
             noise=noise,  # type: ignore[arg-type]
             positions_BK=positions_BK,  # type: ignore[arg-type]
-            validate=validate,
+            validate=False,
         )
 
-    def verify_greedy(
-        self,
-        target_logits_BKV: torch.Tensor,
-        draft_tokens_BK: torch.Tensor,
-        draft_probs_BKV: torch.Tensor | None,
-    ) -> VerifyResult:
-        """Greedy runs: argmax matching (the keyed sample of a one-hot row is its argmax)."""
-        return greedy_verify(target_logits_BKV, draft_tokens_BK)
-
-    def verify_tree(
-        self,
-        target_logits_BNV: torch.Tensor,
-        proposal: TreeProposal,
-        *,
-        sampling: SamplingParams,
-        generator: torch.Generator | None = None,
-        noise: PositionNoise | None = None,
-        positions_BK: torch.Tensor | None = None,
-    ) -> TreeVerifyResult:
-        """:func:`gumbel_verify_tree` (``positions_BK`` is ``[B, N]``, per node); greedy: argmax matching.
-        Inputs are checked on the host only (on an accelerator the engine's checks cover them)."""
-        if sampling.greedy:
-            return tree_greedy_verify(target_logits_BNV.argmax(dim=-1), proposal.tree, proposal.tokens_BN)
-        need_noise("gumbel", noise, positions_BK)
-        validate = not avoids_host(target_logits_BNV)
-        target_probs_BNV = logits_to_probs(
-            target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p, validate=validate
-        )
-        return gumbel_verify_tree(
-            target_probs_BNV,
-            proposal.tree,
-            proposal.tokens_BN,
-            noise=noise,  # type: ignore[arg-type]
-            positions_BN=positions_BK,  # type: ignore[arg-type]
-            validate=validate,
-        )
-
-    def __repr__(self) -> str:
-        return "GumbelVerify()"
+    def tree(self, target_probs_BNV: torch.Tensor, proposal: TreeProposal, **kwargs: Any) -> TreeVerifyResult:
+        need_noise(self.name, kwargs.get("noise"), kwargs.get("positions_BN"))
+        return gumbel_verify_tree(target_probs_BNV, proposal.tree, proposal.tokens_BN, **kwargs)

@@ -55,6 +55,7 @@ __all__ = [
     "TreeProposal",
     "TreeVerifyResult",
     "tree_walk_fixed",
+    "check_tree_inputs",
     "tree_rejection_sample",
     "tree_greedy_verify",
     "tree_greedy_walk",
@@ -274,6 +275,39 @@ def _normalise_rows(x_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(ok_B1, x_BV / torch.where(ok_B1, s_B1, torch.ones_like(s_B1)), x_BV), ok_B1.squeeze(-1)
 
 
+def check_tree_inputs(
+    target_BNV: torch.Tensor,
+    tree: TokenTree,
+    tokens_BN: torch.Tensor,
+    draft_probs_BNV: torch.Tensor | None = None,
+    *,
+    probabilities: bool = True,
+) -> None:
+    """``ValueError`` unless ``target_BNV`` is ``[B, N, V]`` for the tree's N nodes, ``tokens_BN``
+    ``[B, N]`` in ``[0, V)`` (node 0 aside) and ``draft_probs_BNV`` None or ``[B, N, V]``; with
+    ``probabilities`` (not logits), also unless both are non-negative and free of NaN."""
+    N = tree.num_nodes
+    if (
+        target_BNV.ndim != 3
+        or target_BNV.shape[1] != N
+        or tuple(tokens_BN.shape) != tuple(target_BNV.shape[:2])
+    ):
+        raise ValueError(
+            f"tree has {N} nodes: the target tensor must be [B, {N}, V] and tokens_BN [B, {N}], got "
+            f"{tuple(target_BNV.shape)}, {tuple(tokens_BN.shape)}"
+        )
+    if draft_probs_BNV is not None and draft_probs_BNV.shape != target_BNV.shape:
+        raise ValueError(
+            f"draft_probs_BNV must be [B, N, V]={tuple(target_BNV.shape)}, got {tuple(draft_probs_BNV.shape)}"
+        )
+    V = target_BNV.shape[-1]
+    if tokens_BN[:, 1:].numel() and (int(tokens_BN[:, 1:].min()) < 0 or int(tokens_BN[:, 1:].max()) >= V):
+        raise ValueError(f"tokens_BN must lie in [0, V={V})")
+    for name, probs in (("target_probs_BNV", target_BNV), ("draft_probs_BNV", draft_probs_BNV)):
+        if probabilities and probs is not None and (torch.isnan(probs).any() or (probs < 0).any()):
+            raise ValueError(f"{name} must be non-negative and free of NaN")
+
+
 _KEYS_PER_ROOT = 1 << 16
 """Keys of the ``"tree"`` stream per root position: a tree has fewer nodes."""
 
@@ -289,6 +323,7 @@ def tree_rejection_sample(
     validate: bool = True,
     noise: PositionNoise | None = None,
     positions_BN: torch.Tensor | None = None,
+    draft_scale: float = 1.0,
 ) -> TreeVerifyResult:
     """Multi-candidate recursive rejection sampling down a token tree (see the module docstring).
 
@@ -304,6 +339,9 @@ def tree_rejection_sample(
             keyed by the root's position and i (stream ``"tree"``; each step's root position is new),
             the recovered or bonus token by the position it fills (stream ``"residual"``), so a row's
             tokens depend on its own seed only.
+        draft_scale: the acceptance hook l: the draft measure is scaled by l, so that c_i is accepted
+            with probability min(1, r(c_i) / (l · draft_i(c_i))) and a rejection leaves
+            norm(max(r − l · draft_i, 0)); 1 is exact (``lenient``: :mod:`specdec.verify.lenient`).
 
     Rows advance in lock step, one tree depth at a time, trying their current node's candidates in
     order. With ``noise`` on an accelerator (:func:`specdec.host_sync.avoids_host`) the walk has a
@@ -317,22 +355,7 @@ def tree_rejection_sample(
     B, N, V = target_probs_BNV.shape
     device = target_probs_BNV.device
     if validate:
-        if N != tree.num_nodes or tuple(tokens_BN.shape) != (B, N):
-            raise ValueError(
-                f"tree has {tree.num_nodes} nodes: target_probs_BNV must be [B, {tree.num_nodes}, V] and "
-                f"tokens_BN [B, {tree.num_nodes}], got {tuple(target_probs_BNV.shape)}, "
-                f"{tuple(tokens_BN.shape)}"
-            )
-        if draft_probs_BNV is not None and draft_probs_BNV.shape != target_probs_BNV.shape:
-            raise ValueError(
-                f"draft_probs_BNV must be [B, N, V]={tuple(target_probs_BNV.shape)}, got "
-                f"{tuple(draft_probs_BNV.shape)}"
-            )
-        if tokens_BN[:, 1:].numel() and (tokens_BN[:, 1:].min() < 0 or tokens_BN[:, 1:].max() >= V):
-            raise ValueError(f"tokens_BN must lie in [0, V={V})")
-        for name, probs in (("target_probs_BNV", target_probs_BNV), ("draft_probs_BNV", draft_probs_BNV)):
-            if probs is not None and (torch.isnan(probs).any() or (probs < 0).any()):
-                raise ValueError(f"{name} must be non-negative and free of NaN")
+        check_tree_inputs(target_probs_BNV, tree, tokens_BN, draft_probs_BNV)
     work = torch.float64 if target_probs_BNV.dtype == torch.float64 else torch.float32
     tokens_BN = tokens_BN.to(device=device, dtype=torch.long)
     kids_NC = tree.children_table(device)  # [N, max children], −1 padded
@@ -366,14 +389,14 @@ def tree_rejection_sample(
             x_B1 = tokens_BN[rows_B, c_B].unsqueeze(1)
             p_x_B = target_BV.gather(1, x_B1).squeeze(1)
             q_x_B = torch.ones_like(p_x_B) if draft_BV is None else draft_BV.gather(1, x_B1).squeeze(1)
-            # u < p/q  <=>  u·q < p: accepted with probability min(1, p/q); q(x) = 0 is rejected.
-            accept_B = trying_B & (q_x_B > 0) & (u_BN[rows_B, c_B] * q_x_B < p_x_B)
+            # u < p/(l·q)  <=>  u·l·q < p: accepted with probability min(1, p/(l·q)); q(x) = 0 is rejected.
+            accept_B = trying_B & (q_x_B > 0) & (u_BN[rows_B, c_B] * (draft_scale * q_x_B) < p_x_B)
             chosen_B = torch.where(accept_B, c_B, chosen_B)
             reject_B1 = (trying_B & ~accept_B).unsqueeze(1)
-            if draft_BV is None:  # point mass: the residual is the target without x
+            if draft_BV is None:  # point mass: a rejected x had p(x) < l, so the residual is p without x
                 residual_BV = target_BV.scatter(1, x_B1, 0.0)
             else:
-                residual_BV = (target_BV - draft_BV).clamp_(min=0.0)
+                residual_BV = (target_BV - draft_scale * draft_BV).clamp_(min=0.0)
             residual_BV, ok_B = _normalise_rows(residual_BV)
             # Zero residual mass needs target ≤ draft everywhere (target == draft, accepted surely):
             # only rounding gets there; such rows keep their current target.

@@ -29,7 +29,7 @@ from specdec.testing import (
     total_variation,
 )
 from specdec.verify import VerifyResult
-from specdec.verify.chain import rejection_sample_keyed
+from specdec.verify.chain import rejection_sample as rejection_sample_keyed
 from specdec.verify.noise import sample_keyed
 
 pytestmark = pytest.mark.statistical
@@ -132,7 +132,7 @@ def test_generate_check_rejects_a_planted_verifier_bug(monkeypatch):
     """The loop check can fail: with the engine's verifier swapped for a mutant (test-local patch of
     the name the engine's default keyed ``exact`` rule calls, product code untouched) the same check
     at the same N rejects."""
-    monkeypatch.setattr(specdec.verify.exact, "rejection_sample_keyed", _recovered_from_target)
+    monkeypatch.setattr(specdec.verify.exact, "rejection_sample", _recovered_from_target)
     c = CASES["sampled-drafter"]
     expected = target_sequence_distribution(TARGET, num_tokens=3, context=(1, 2), eos_token_ids=(EOS,))
     counts = sample_output_distribution(

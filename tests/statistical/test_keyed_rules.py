@@ -45,7 +45,7 @@ from specdec.testing import (
     total_variation,
 )
 from specdec.verify import VerifyResult
-from specdec.verify.chain import rejection_sample_keyed
+from specdec.verify.chain import rejection_sample as rejection_sample_keyed
 from specdec.verify.gumbel import gumbel_verify
 from specdec.verify.noise import PositionNoise, draft_keyed, sample_keyed
 

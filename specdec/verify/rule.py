@@ -1,0 +1,132 @@
+"""The built-in rules' base class: the :class:`~specdec.verify.contract.VerifyRule` contract's
+plumbing (input checks, greedy shortcut, tree dispatch, randomness arguments) written once.
+
+Legend: B batch, K draft length (γ), N tree nodes, V vocabulary.
+
+A new rule is one file: a subclass that sets ``name`` (and ``lossless`` / ``drafter_invariant``
+where they differ from True / False), writes :meth:`Rule.chain` and, for trees, :meth:`Rule.tree`,
+and is listed in :data:`specdec.verify.registry.VERIFY_RULES` (docs/randomness.md shows one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specdec.host_sync import avoids_host
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.verify.chain import greedy_verify
+from specdec.verify.contract import VerifyResult, need_noise, validate_keyed_inputs, validate_verify_inputs
+from specdec.verify.noise import PositionNoise
+from specdec.verify.tree import TreeProposal, TreeVerifyResult, tree_greedy_verify
+
+__all__ = ["Rule"]
+
+
+class Rule:
+    """The built-in rules' base: the contract's plumbing written once, the rule's decisions as hooks.
+
+    ``__call__`` (chains) checks the inputs, answers greedy calls without randomness with the
+    rule's greedy shortcut :meth:`greedy`, and hands the probabilities and the randomness to
+    :meth:`chain`. :meth:`verify_tree` (trees) runs :meth:`tree_greedy` in greedy runs, else
+    :meth:`tree` on the processed probabilities. A rule sets ``name`` and writes :meth:`chain`
+    (and :meth:`tree` for trees); the others have defaults (argmax matching; no options).
+    """
+
+    name = "rule"
+    lossless = True
+    drafter_invariant = False
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise ValueError(f"verification rule {self.name!r} takes no options, got {sorted(options)}")
+
+    def __call__(
+        self,
+        target_probs_BKV: torch.Tensor,
+        draft_tokens_BK: torch.Tensor,
+        draft_probs_BKV: torch.Tensor | None,
+        *,
+        target_logits_BKV: torch.Tensor,
+        sampling: SamplingParams,
+        noise: PositionNoise | None = None,
+        positions_BK: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        validate: bool = True,
+    ) -> VerifyResult:
+        if validate:
+            validate_verify_inputs(target_probs_BKV, draft_tokens_BK, draft_probs_BKV)
+        if sampling.greedy and noise is None and positions_BK is None and generator is None:
+            return self.greedy(target_logits_BKV, draft_tokens_BK)
+        randomness = self._randomness(noise, positions_BK, generator)
+        if validate and noise is not None:
+            validate_keyed_inputs(noise, positions_BK, target_probs_BKV)  # type: ignore[arg-type]
+        return self.chain(target_probs_BKV, draft_tokens_BK, draft_probs_BKV, **randomness)
+
+    def chain(
+        self,
+        target_probs_BKV: torch.Tensor,
+        draft_tokens_BK: torch.Tensor,
+        draft_probs_BKV: torch.Tensor | None,
+        **randomness: Any,
+    ) -> VerifyResult:
+        """The rule on checked chain inputs; ``randomness``: ``noise`` and ``positions_BK``."""
+        raise NotImplementedError
+
+    def greedy(self, target_logits_BKV: torch.Tensor, draft_tokens_BK: torch.Tensor) -> VerifyResult:
+        """The greedy shortcut (one-hot targets, no randomness): argmax matching."""
+        return greedy_verify(target_logits_BKV, draft_tokens_BK)
+
+    def verify_greedy(
+        self,
+        target_logits_BKV: torch.Tensor,
+        draft_tokens_BK: torch.Tensor,
+        draft_probs_BKV: torch.Tensor | None,
+    ) -> VerifyResult | None:
+        """:meth:`greedy`, or None when a subclass overrides ``__call__`` (its own rule then runs)."""
+        if type(self).__call__ is not Rule.__call__:
+            return None
+        return self.greedy(target_logits_BKV, draft_tokens_BK)
+
+    def verify_tree(
+        self,
+        target_logits_BNV: torch.Tensor,
+        proposal: TreeProposal,
+        *,
+        sampling: SamplingParams,
+        noise: PositionNoise | None = None,
+        positions_BK: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> TreeVerifyResult:
+        """Greedy: :meth:`tree_greedy`; else :meth:`tree` on the processed probabilities. Inputs are
+        checked on the host only (on an accelerator the engine's checks cover them)."""
+        if sampling.greedy:
+            return self.tree_greedy(target_logits_BNV, proposal)
+        randomness = self._randomness(noise, positions_BK, generator)
+        if "positions_BK" in randomness:
+            randomness["positions_BN"] = randomness.pop("positions_BK")
+        validate = not avoids_host(target_logits_BNV)
+        target_probs_BNV = logits_to_probs(
+            target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p, validate=validate
+        )
+        return self.tree(target_probs_BNV, proposal, validate=validate, **randomness)
+
+    def tree(self, target_probs_BNV: torch.Tensor, proposal: TreeProposal, **kwargs: Any) -> TreeVerifyResult:
+        """The tree policy on processed probabilities; ``kwargs``: noise, positions_BN, validate."""
+        raise ValueError(f"verification rule {self!r} has no tree policy")
+
+    def tree_greedy(self, target_logits_BNV: torch.Tensor, proposal: TreeProposal) -> TreeVerifyResult:
+        """The greedy tree policy: the longest path of argmax matches (:func:`tree_greedy_verify`)."""
+        return tree_greedy_verify(target_logits_BNV.argmax(dim=-1), proposal.tree, proposal.tokens_BN)
+
+    def _randomness(
+        self, noise: PositionNoise | None, positions: torch.Tensor | None, generator: torch.Generator | None
+    ) -> dict[str, Any]:
+        if generator is not None and noise is None and positions is None:
+            return {"generator": generator}
+        need_noise(self.name, noise, positions)
+        return {"noise": noise, "positions_BK": positions}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
