@@ -14,7 +14,7 @@ import torch
 
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 from specdec.sampling import logits_to_probs
-from specdec.testing import MarkovModel, MarkovTarget
+from specdec.testing import MarkovModel, MarkovTarget, keyed_randomness
 from specdec.verify.noise import sample_keyed
 from specdec.verify.tree import TokenTree, TreeProposal
 
@@ -122,6 +122,13 @@ class TreeMarkovDrafter:
 
 _MAX_CHILDREN = 16
 _KEYS_PER_POSITION = 1024 * _MAX_CHILDREN  # nodes x children: keyed draws of one output position
+
+
+def tree_randomness(generator: torch.Generator | None, tree: TokenTree, B: int) -> dict:
+    """Keyed randomness for a tree verify call: each row's seed from ``generator``, node i at
+    position depth(i) (``tree_rejection_sample(..., **tree_randomness(g, tree, B))``)."""
+    keyed = keyed_randomness(generator, tree.depth_tensor().expand(B, -1))
+    return {"noise": keyed["noise"], "positions_BN": keyed["positions_BK"]}
 
 
 def draw_children(

@@ -18,6 +18,7 @@ import torch
 from specdec.engine import cost_model
 from specdec.host_sync import accelerator_paths
 from specdec.sampling import logits_to_probs
+from specdec.testing import with_generator
 from specdec.verify import rejection_sample
 from specdec.verify.chain import rejection_sample as rejection_sample_keyed
 from specdec.verify.gumbel import gumbel_verify, gumbel_verify_tree
@@ -182,11 +183,12 @@ def test_sampling_a_sparse_distribution_takes_the_dense_pass_with_the_same_token
 
 def test_a_cpu_generator_draws_the_same_numbers_for_the_rule_on_any_device():
     x = inputs(1)
-    ref = rejection_sample(x["target"], x["tokens"], x["draft"], generator=torch.Generator().manual_seed(5))
+    rule = with_generator(rejection_sample)  # each row's seed drawn from the (CPU) generator
+    ref = rule(x["target"], x["tokens"], x["draft"], generator=torch.Generator().manual_seed(5))
     for device in DEVICES:
         with paths(device):
             t, tok, d = to(device, x["target"], x["tokens"], x["draft"])
-            got = rejection_sample(t, tok, d, generator=torch.Generator().manual_seed(5), validate=False)
+            got = rule(t, tok, d, generator=torch.Generator().manual_seed(5), validate=False)
         assert torch.equal(got.tokens.cpu(), ref.tokens)
 
 

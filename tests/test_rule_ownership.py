@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 from _tiny import TableTarget, random_table
-from _tree_toys import TreeMarkovDrafter, TreeMarkovTarget
+from _tree_toys import TreeMarkovDrafter, TreeMarkovTarget, tree_randomness
 
 import specdec
 import specdec.verify.registry as verify_rules
@@ -171,8 +171,7 @@ def test_the_lossy_lenient_rule_runs_on_a_tree_drafter():
     lenient = _tree_run(LenientVerify(lenience=0.05), temperature=0.0, mode="top")
     assert lenient.metrics.acceptance_rate > exact.metrics.acceptance_rate
     assert all(len(row) == 20 for row in lenient.token_ids)
-    # Sampled: seeded, and l = 1 is the exact rule token for token (both drawing from the engine's
-    # per-row generators: ``ExactVerify()`` as an object, not the keyed ``"exact"``).
+    # Sampled: seeded, and l = 1 is the exact rule token for token (both draw the same keyed noise).
     runs = [_tree_run("lenient", temperature=1.0, verify_options={"lenience": 0.1}) for _ in range(2)]
     assert runs[0].token_ids == runs[1].token_ids
     assert runs[0].metrics.acceptance_rate > _tree_run(ExactVerify(), temperature=1.0).metrics.acceptance_rate
@@ -190,7 +189,12 @@ def test_the_lenient_tree_walk_at_l_1_is_the_exact_tree_rule(kind):
     tokens = torch.randint(0, V, (B, N), generator=g)
     replacement = kind == "with"
     exact = tree_rejection_sample(
-        target, tree, tokens, draft, replacement=replacement, generator=torch.Generator().manual_seed(3)
+        target,
+        tree,
+        tokens,
+        draft,
+        replacement=replacement,
+        **tree_randomness(torch.Generator().manual_seed(3), tree, B),
     )
     walk = lenient_tree_sample(
         target,
@@ -199,7 +203,7 @@ def test_the_lenient_tree_walk_at_l_1_is_the_exact_tree_rule(kind):
         draft,
         lenience=1.0,
         replacement=replacement,
-        generator=torch.Generator().manual_seed(3),
+        **tree_randomness(torch.Generator().manual_seed(3), tree, B),
     )
     for a, b in zip(exact, walk, strict=True):
         assert torch.equal(a, b)
@@ -281,7 +285,13 @@ def test_lenient_tree_node_law_and_the_target_over_l_bound(replacement):
     target_BNV = target.float().expand(B, k + 1, V)
     draft_BNV = draft.float().expand(B, k + 1, V)
     out = lenient_tree_sample(
-        target_BNV, tree, tokens, draft_BNV, lenience=lenience, replacement=replacement, generator=g
+        target_BNV,
+        tree,
+        tokens,
+        draft_BNV,
+        lenience=lenience,
+        replacement=replacement,
+        **tree_randomness(g, tree, B),
     )
     law = _node_law(target, draft, k, lenience, replacement)
     assert abs(float(law.sum()) - 1) < 1e-9

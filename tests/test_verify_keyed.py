@@ -10,7 +10,7 @@ import torch
 
 import specdec
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.testing import MarkovModel
+from specdec.testing import MarkovModel, keyed_randomness
 from specdec.verify import greedy_verify, rejection_sample
 from specdec.verify.chain import rejection_sample as rejection_sample_keyed
 from specdec.verify.contract import GreedyVerifyRule, TreeVerifyRule
@@ -227,8 +227,7 @@ def test_gumbel_tree_output_is_plain_keyed_decoding(coupled):
 
 def test_rules_are_plugins():
     """``gumbel`` is registered, lossless, a tree and greedy rule; without noise a sampled call is refused
-    with a message naming noise=; greedy needs none; KeyedExactVerify is exact without noise and keyed
-    with it."""
+    with a message naming noise=; greedy needs none; ExactVerify is keyed rejection sampling."""
     rule = make_verify_rule("gumbel")
     assert isinstance(rule, GumbelVerify) and rule.lossless
     assert isinstance(rule, TreeVerifyRule) and isinstance(rule, GreedyVerifyRule)
@@ -257,9 +256,11 @@ def test_rules_are_plugins():
         None,
         target_logits_BKV=logits,
         sampling=SAMPLING,
-        generator=torch.Generator().manual_seed(9),
+        **keyed_randomness(torch.Generator().manual_seed(9), positions),
     )
-    reference = rejection_sample(probs, drafts, None, generator=torch.Generator().manual_seed(9))
+    reference = rejection_sample(
+        probs, drafts, None, **keyed_randomness(torch.Generator().manual_seed(9), positions)
+    )
     assert torch.equal(plain.tokens, reference.tokens)
     keyed = exact(
         probs, drafts, None, target_logits_BKV=logits, sampling=SAMPLING, noise=noise, positions_BK=positions

@@ -179,7 +179,6 @@ class Engine(DecodeSteps):
         self.vocab_size = int(target.vocab_size)
         self.rule: VerifyRule = make_verify_rule(verify, verify_options)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
-        self.keyed = "noise" in inspect.signature(self.rule.__call__).parameters
         self.tree_ok = isinstance(target, TreeTarget)
         target.reset(self.max_num_seqs, self.max_model_len)
         self.cost: VerifyCostModel | None = None

@@ -7,14 +7,16 @@ Leviathan et al. 2023 (arXiv 2211.17192, Algorithm 1); Chen et al. 2023 (arXiv 2
 **Probing, not re-deriving.** :func:`verifier_step_law` does not restate the acceptance rule: it runs
 ``verify_fn`` (by default the real :func:`specdec.verify.rejection_sample`) on chosen randomness and
 reads off its exact law. A chain rejection sampler consumes two kinds of randomness: a uniform
-``u_k`` per draft position (drawn with ``torch.rand``) and one categorical draw for the recovered or
-bonus token (``specdec.sampling.sample_from_probs``). While probing, both names are replaced *in
-verify_fn's own module*:
+``u_k`` per draft position and one categorical draw for the recovered or bonus token. A keyed
+verifier (``noise=``, like the product's rules) draws the uniforms with ``noise.uniform_BK`` and the
+token with ``specdec.verify.noise.sample_with_keys``; one with the generator signature (a third
+party's) with ``torch.rand`` and ``specdec.sampling.sample_from_probs``. While probing, the noise is
+a probe and the token sampler's name is replaced *in verify_fn's own module*:
 
-- ``torch.rand`` returns uniforms we choose. Position k's acceptance probability t_k is the length of
+- the uniforms are ones we choose. Position k's acceptance probability t_k is the length of
   the set of u that accept; it is found by bisection on u (64 halvings: error < 1e-18), with earlier
   positions forced to accept (u = 0), and checked on random u to be a threshold (accept iff u < t_k).
-- ``sample_from_probs`` records the weights it is given (their normalisation is the law of the drawn
+- the token sampler records the weights it is given (their normalisation is the law of the drawn
   token) and returns a sentinel id; two sentinels locate where the drawn token lands in the output.
 
 A path "accept n drafts, then stop" has probability t_0 ⋯ t_{n−1} (1 − t_n) (no last factor when
@@ -36,8 +38,10 @@ from typing import Any
 import torch
 
 from specdec.sampling import SamplingParams
+from specdec.testing.keyed import is_keyed
 from specdec.testing.toy import NextTokenModel
 from specdec.verify import rejection_sample
+from specdec.verify.noise import PositionNoise
 
 __all__ = [
     "ProbeError",
@@ -107,21 +111,31 @@ class _TorchWithFixedRand:
         return getattr(torch, name)
 
 
+class _ProbeNoise(PositionNoise):
+    """Keyed noise whose acceptance uniforms are chosen ones (a keyed verifier's ``uniform_BK``)."""
+
+    def __init__(self, u_RK: torch.Tensor, log: dict) -> None:
+        super().__init__(torch.zeros(u_RK.shape[0], dtype=torch.int64))
+        self._fixed_rand = _TorchWithFixedRand(u_RK, log)
+
+    def uniform_BK(self, positions_BK: torch.Tensor, stream: str, **kwargs: Any) -> torch.Tensor:
+        return self._fixed_rand.rand(positions_BK.shape).to(kwargs.get("dtype", torch.float64))
+
+
 class _Probe:
     """Runs verify_fn with chosen uniforms and a recording, sentinel-returning token sampler."""
 
     def __init__(self, verify_fn: VerifyFn) -> None:
         fn = inspect.unwrap(verify_fn)
         module_globals = getattr(fn, "__globals__", None)
-        if (
-            module_globals is None
-            or "torch" not in module_globals
-            or "sample_from_probs" not in module_globals
-        ):
+        self.keyed = is_keyed(verify_fn)
+        self.sampler = "sample_with_keys" if self.keyed else "sample_from_probs"
+        if module_globals is None or self.sampler not in module_globals or "torch" not in module_globals:
             raise ProbeError(
                 f"{getattr(verify_fn, '__name__', verify_fn)!r} cannot be enumerated exactly: probing needs "
-                "a Python function whose module draws uniforms with torch.rand and the recovered/bonus token "
-                "with specdec.sampling.sample_from_probs; test it with sample_output_distribution instead"
+                "a Python function whose module draws the recovered/bonus token with "
+                "specdec.verify.noise.sample_with_keys (keyed) or specdec.sampling.sample_from_probs (and "
+                "uniforms with torch.rand); test it with sample_output_distribution instead"
             )
         self.verify_fn = verify_fn
         self.module_globals = module_globals
@@ -142,17 +156,26 @@ class _Probe:
             return torch.full(probs.shape[:-1], sentinel, dtype=torch.long, device=probs.device)
 
         g = self.module_globals
-        saved = g["torch"], g["sample_from_probs"]
-        g["torch"], g["sample_from_probs"] = _TorchWithFixedRand(u_RK, log), record
+        saved = g["torch"], g[self.sampler]
+        if self.keyed:
+            K1 = target_probs_RKV.shape[1]
+            randomness = {
+                "noise": _ProbeNoise(u_RK, log),
+                "positions_BK": torch.zeros((R, K1), dtype=torch.long),
+            }
+            g[self.sampler] = record
+        else:
+            randomness = {"generator": None}
+            g["torch"], g[self.sampler] = _TorchWithFixedRand(u_RK, log), record
         try:
             tokens, num_accepted = self.verify_fn(
-                target_probs_RKV, draft_tokens_RK, draft_probs_RKV, generator=None
+                target_probs_RKV, draft_tokens_RK, draft_probs_RKV, **randomness
             )
         finally:
-            g["torch"], g["sample_from_probs"] = saved
+            g["torch"], g[self.sampler] = saved
         if log["rand"] > 1 or len(log["weights"]) != 1 or log["weights"][0].shape[0] != R:
             raise ProbeError(
-                f"verify_fn called torch.rand {log['rand']} times and sample_from_probs "
+                f"verify_fn drew uniforms {log['rand']} times and called {self.sampler} "
                 f"{len(log['weights'])} times; probing expects at most one [B, K] uniform draw and exactly "
                 "one [B, V] token draw"
             )

@@ -74,7 +74,6 @@ class ChainBlock:
         rule: VerifyRule,
         logits_BTV: torch.Tensor,
         sampling: SamplingParams,
-        generator: torch.Generator | None,
         **rule_kwargs: Any,
     ) -> Verdict:
         result = verify_chain(
@@ -83,7 +82,6 @@ class ChainBlock:
             self.draft_tokens_BK.to(logits_BTV.device),
             _to(self.draft_probs_BKV, logits_BTV.device),
             sampling=sampling,
-            generator=generator,
             validate=False,  # the loop checked the proposal (specdec.checks) and the logits
             **rule_kwargs,
         )
@@ -141,14 +139,13 @@ class TreeBlock:
         rule: VerifyRule,
         logits_BTV: torch.Tensor,
         sampling: SamplingParams,
-        generator: torch.Generator | None,
         **rule_kwargs: Any,
     ) -> Verdict:
         device = logits_BTV.device
         p = self.proposal
         if p.tokens_BN.device != device:  # drafts from the host, verified where the logits are
             p = replace(p, tokens_BN=p.tokens_BN.to(device), draft_probs_BNV=_to(p.draft_probs_BNV, device))
-        result = verify_tree(rule, logits_BTV, p, sampling=sampling, generator=generator, **rule_kwargs)
+        result = verify_tree(rule, logits_BTV, p, sampling=sampling, **rule_kwargs)
         num_accepted_B = result.num_accepted.to(device)
         # The root and the accepted nodes, in path order; past a row's acceptance, repeat its last
         # accepted node (what lands there is beyond the row's new length: stale, never read).

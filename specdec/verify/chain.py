@@ -56,7 +56,6 @@ from __future__ import annotations
 import torch
 
 from specdec.host_sync import avoids_host
-from specdec.sampling import sample_from_probs
 from specdec.verify.contract import VerifyResult, validate_keyed_inputs, validate_verify_inputs
 from specdec.verify.noise import PositionNoise, sample_with_keys
 
@@ -68,9 +67,8 @@ def rejection_sample(
     draft_tokens_BK: torch.Tensor,
     draft_probs_BKV: torch.Tensor | None = None,
     *,
-    noise: PositionNoise | None = None,
-    positions_BK: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    noise: PositionNoise,
+    positions_BK: torch.Tensor,
     draft_scale: float = 1.0,
     validate: bool = True,
 ) -> VerifyResult:
@@ -82,9 +80,9 @@ def rejection_sample(
         draft_tokens_BK: ``[B, K]`` proposed token ids.
         draft_probs_BKV: ``[B, K, V]`` drafter probabilities the tokens were sampled from, processed
             by the same function; ``None`` for a deterministic (point-mass) proposal.
-        noise: the rows' public randomness (one seed per row); with ``positions_BK`` ``[B, K+1]``,
-            the sequence position of the token each target row decides (module doc).
-        generator: without ``noise``: a generator consumed in call order instead.
+        noise: the rows' public randomness (one seed per row).
+        positions_BK: ``[B, K+1]`` integer sequence positions of the tokens the K+1 target rows
+            decide (the engine's convention: index of the token in the request's output stream).
         draft_scale: the acceptance hook l (module doc); 1 is exact.
         validate: check shapes and values (on by default; switch off in a hot loop whose inputs
             are known to be valid).
@@ -98,8 +96,7 @@ def rejection_sample(
     """
     if validate:
         validate_verify_inputs(target_probs_BKV, draft_tokens_BK, draft_probs_BKV)
-        if noise is not None or positions_BK is not None:
-            validate_keyed_inputs(noise, positions_BK, target_probs_BKV)  # type: ignore[arg-type]
+        validate_keyed_inputs(noise, positions_BK, target_probs_BKV)
     B, K1, V = target_probs_BKV.shape
     K = K1 - 1
     device = target_probs_BKV.device
@@ -116,13 +113,8 @@ def rejection_sample(
     else:
         draft_probs_BKV = draft_probs_BKV.to(work_dtype)
         draft_at_draft_BK = draft_probs_BKV.gather(-1, draft_tokens_BK.unsqueeze(-1)).squeeze(-1)
-    if noise is not None:
-        positions_BK = positions_BK.to(dtype=torch.long)  # type: ignore[union-attr]
-        u_BK = noise.uniform_BK(positions_BK[:, :K], "accept", validate=validate)
-    else:
-        # drawn on the generator's device (a CPU generator gives the same numbers on any device)
-        drawn_on = generator.device if generator is not None else device
-        u_BK = torch.rand((B, K), generator=generator, device=drawn_on).to(device)
+    positions_BK = positions_BK.to(dtype=torch.long)
+    u_BK = noise.uniform_BK(positions_BK[:, :K], "accept", validate=validate)
     # u < target/(l·draft)  <=>  u·l·draft < target: no division, p == q accepts surely (u < 1),
     # draft == 0 is rejected explicitly.
     accepted_BK = (u_BK * (draft_scale * draft_at_draft_BK) < target_at_draft_BK) & (draft_at_draft_BK > 0)
@@ -148,17 +140,14 @@ def rejection_sample(
         residual_BV = torch.where(empty_B.unsqueeze(-1), target_at_stop_BV, residual_BV)
         # Bonus rows (all accepted) draw from the target itself.
         stop_dist_BV = torch.where(rejected_B.unsqueeze(-1), residual_BV, target_at_stop_BV)
-    if noise is not None:
-        # Every row in one race, each under its own stream's key: no host read of which rows were rejected.
-        stop_positions_B = positions_BK[rows_B, stop_B]  # type: ignore[index]
-        keys_B = torch.where(
-            rejected_B,
-            noise.keys(stop_positions_B, "residual", validate=False),
-            noise.keys(stop_positions_B, "sample", validate=False),
-        )
-        stop_token_B = sample_with_keys(stop_dist_BV, keys_B)
-    else:
-        stop_token_B = sample_from_probs(stop_dist_BV, generator, validate=not avoids_host(stop_dist_BV))
+    # Every row in one race, each under its own stream's key: no host read of which rows were rejected.
+    stop_positions_B = positions_BK[rows_B, stop_B]
+    keys_B = torch.where(
+        rejected_B,
+        noise.keys(stop_positions_B, "residual", validate=False),
+        noise.keys(stop_positions_B, "sample", validate=False),
+    )
+    stop_token_B = sample_with_keys(stop_dist_BV, keys_B)
 
     # --- assemble [accepted..., recovered/bonus, -1...] -------------------------------------------
     tokens_BK1 = torch.full((B, K + 1), -1, dtype=torch.long, device=device)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from specdec.host_sync import avoids_host
-from specdec.verify.contract import VerifyResult, need_noise, validate_keyed_inputs, validate_verify_inputs
+from specdec.verify.contract import VerifyResult, validate_keyed_inputs, validate_verify_inputs
 from specdec.verify.noise import PositionNoise, sample_keyed, sample_with_keys
 from specdec.verify.rule import Rule
 from specdec.verify.tree import TokenTree, TreeProposal, TreeVerifyResult, check_tree_inputs, tree_walk_fixed
@@ -192,21 +192,9 @@ class GumbelVerify(Rule):
         target_probs_BKV: torch.Tensor,
         draft_tokens_BK: torch.Tensor,
         draft_probs_BKV: torch.Tensor | None,
-        *,
-        noise: PositionNoise | None = None,
-        positions_BK: torch.Tensor | None = None,
         **randomness: Any,
     ) -> VerifyResult:
-        need_noise(self.name, noise, positions_BK)
-        return gumbel_verify(
-            target_probs_BKV,
-            draft_tokens_BK,
-            draft_probs_BKV,
-            noise=noise,  # type: ignore[arg-type]
-            positions_BK=positions_BK,  # type: ignore[arg-type]
-            validate=False,
-        )
+        return gumbel_verify(target_probs_BKV, draft_tokens_BK, draft_probs_BKV, validate=False, **randomness)
 
     def tree(self, target_probs_BNV: torch.Tensor, proposal: TreeProposal, **kwargs: Any) -> TreeVerifyResult:
-        need_noise(self.name, kwargs.get("noise"), kwargs.get("positions_BN"))
         return gumbel_verify_tree(target_probs_BNV, proposal.tree, proposal.tokens_BN, **kwargs)

@@ -90,13 +90,13 @@ def lenient_sample(
     greedy: bool = False,
     noise: PositionNoise | None = None,
     positions_BK: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
     validate: bool = True,
 ) -> VerifyResult:
     """Lenient verification of K draft tokens per row (module doc); same I/O as ``rejection_sample``.
 
     ``greedy=True`` uses the temperature-0 rule (:func:`lenient_greedy`) on ``target_logits_BKV``
-    (required then). Leviathan et al. 2023 (arXiv 2211.17192), Appendix A.5.
+    (required then, and no randomness); else ``noise`` and ``positions_BK`` are required.
+    Leviathan et al. 2023 (arXiv 2211.17192), Appendix A.5.
     """
     _check_lenience(lenience)
     if greedy:
@@ -113,9 +113,8 @@ def lenient_sample(
         target_probs_BKV,
         draft_tokens_BK,
         draft_probs_BKV,
-        noise=noise,
-        positions_BK=positions_BK,
-        generator=generator,
+        noise=noise,  # type: ignore[arg-type]
+        positions_BK=positions_BK,  # type: ignore[arg-type]
         draft_scale=float(lenience),
         validate=validate,
     )
@@ -205,7 +204,7 @@ def lenient_tree_sample(
 ) -> TreeVerifyResult:
     """Lenient multi-candidate recursive rejection sampling down a token tree (module doc, "Token
     trees"): :func:`specdec.verify.tree.tree_rejection_sample` with the draft measure scaled by l
-    (``randomness``: its ``noise``, ``positions_BN``, ``generator``, ``validate``).
+    (``randomness``: its ``noise``, ``positions_BN``, ``validate``).
 
     Lossy for l < 1: per node, no token is emitted with probability above target(x) / l.
     Leviathan et al. 2023 (arXiv 2211.17192), Appendix A.5, applied to SpecInfer's (arXiv

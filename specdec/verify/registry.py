@@ -69,7 +69,6 @@ def verify_chain(
     draft_probs_BKV: torch.Tensor | None,
     *,
     sampling: SamplingParams,
-    generator: torch.Generator | None = None,
     validate: bool = True,
     **rule_kwargs: Any,
 ) -> VerifyResult:
@@ -77,7 +76,7 @@ def verify_chain(
     it answers, else ``rule(target_probs_BKV, ...)`` on the logits processed by ``sampling``.
 
     ``target_logits_BKV`` ``[B, K+1, V]``: the target's raw logits at the root and each draft.
-    ``rule_kwargs`` (e.g. a keyed rule's ``noise=``) go to the rule's ``__call__`` only.
+    ``rule_kwargs`` (the rows' ``noise=`` and ``positions_BK=``) go to the rule's ``__call__`` only.
     """
     if sampling.greedy:
         fast = getattr(rule, "verify_greedy", None)
@@ -93,7 +92,6 @@ def verify_chain(
         draft_probs_BKV,
         target_logits_BKV=target_logits_BKV,
         sampling=sampling,
-        generator=generator,
         validate=validate,
         **rule_kwargs,
     )
@@ -105,7 +103,6 @@ def verify_tree(
     proposal: TreeProposal,
     *,
     sampling: SamplingParams,
-    generator: torch.Generator | None = None,
     **rule_kwargs: Any,
 ) -> TreeVerifyResult:
     """Verify a token tree with ``rule``'s tree policy (``verify_tree``, given ``rule_kwargs`` too);
@@ -115,6 +112,4 @@ def verify_tree(
             f"the drafter proposed a token tree, but the verification rule {rule!r} has no tree policy "
             "(no verify_tree method); use a chain drafter, or a rule that verifies trees (exact, lenient)"
         )
-    return rule.verify_tree(
-        target_logits_BNV, proposal, sampling=sampling, generator=generator, **rule_kwargs
-    )
+    return rule.verify_tree(target_logits_BNV, proposal, sampling=sampling, **rule_kwargs)

@@ -52,17 +52,18 @@ class Rule:
         sampling: SamplingParams,
         noise: PositionNoise | None = None,
         positions_BK: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
         validate: bool = True,
     ) -> VerifyResult:
         if validate:
             validate_verify_inputs(target_probs_BKV, draft_tokens_BK, draft_probs_BKV)
-        if sampling.greedy and noise is None and positions_BK is None and generator is None:
+        if sampling.greedy and noise is None and positions_BK is None:
             return self.greedy(target_logits_BKV, draft_tokens_BK)
-        randomness = self._randomness(noise, positions_BK, generator)
-        if validate and noise is not None:
+        need_noise(self.name, noise, positions_BK)
+        if validate:
             validate_keyed_inputs(noise, positions_BK, target_probs_BKV)  # type: ignore[arg-type]
-        return self.chain(target_probs_BKV, draft_tokens_BK, draft_probs_BKV, **randomness)
+        return self.chain(
+            target_probs_BKV, draft_tokens_BK, draft_probs_BKV, noise=noise, positions_BK=positions_BK
+        )
 
     def chain(
         self,
@@ -97,20 +98,19 @@ class Rule:
         sampling: SamplingParams,
         noise: PositionNoise | None = None,
         positions_BK: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
     ) -> TreeVerifyResult:
         """Greedy: :meth:`tree_greedy`; else :meth:`tree` on the processed probabilities. Inputs are
         checked on the host only (on an accelerator the engine's checks cover them)."""
         if sampling.greedy:
             return self.tree_greedy(target_logits_BNV, proposal)
-        randomness = self._randomness(noise, positions_BK, generator)
-        if "positions_BK" in randomness:
-            randomness["positions_BN"] = randomness.pop("positions_BK")
+        need_noise(self.name, noise, positions_BK)
         validate = not avoids_host(target_logits_BNV)
         target_probs_BNV = logits_to_probs(
             target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p, validate=validate
         )
-        return self.tree(target_probs_BNV, proposal, validate=validate, **randomness)
+        return self.tree(
+            target_probs_BNV, proposal, noise=noise, positions_BN=positions_BK, validate=validate
+        )
 
     def tree(self, target_probs_BNV: torch.Tensor, proposal: TreeProposal, **kwargs: Any) -> TreeVerifyResult:
         """The tree policy on processed probabilities; ``kwargs``: noise, positions_BN, validate."""
@@ -119,14 +119,6 @@ class Rule:
     def tree_greedy(self, target_logits_BNV: torch.Tensor, proposal: TreeProposal) -> TreeVerifyResult:
         """The greedy tree policy: the longest path of argmax matches (:func:`tree_greedy_verify`)."""
         return tree_greedy_verify(target_logits_BNV.argmax(dim=-1), proposal.tree, proposal.tokens_BN)
-
-    def _randomness(
-        self, noise: PositionNoise | None, positions: torch.Tensor | None, generator: torch.Generator | None
-    ) -> dict[str, Any]:
-        if generator is not None and noise is None and positions is None:
-            return {"generator": generator}
-        need_noise(self.name, noise, positions)
-        return {"noise": noise, "positions_BK": positions}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

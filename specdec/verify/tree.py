@@ -47,7 +47,6 @@ from typing import Any, NamedTuple
 import torch
 
 from specdec.host_sync import avoids_host
-from specdec.sampling import sample_from_probs
 from specdec.verify.noise import PositionNoise, sample_keyed, sample_with_keys
 
 __all__ = [
@@ -319,11 +318,10 @@ def tree_rejection_sample(
     draft_probs_BNV: torch.Tensor | None = None,
     *,
     replacement: bool = False,
-    generator: torch.Generator | None = None,
-    validate: bool = True,
     noise: PositionNoise | None = None,
     positions_BN: torch.Tensor | None = None,
     draft_scale: float = 1.0,
+    validate: bool = True,
 ) -> TreeVerifyResult:
     """Multi-candidate recursive rejection sampling down a token tree (see the module docstring).
 
@@ -333,9 +331,8 @@ def tree_rejection_sample(
         draft_probs_BNV: per node, the distribution its children were drawn from, or None
             (deterministic candidates).
         replacement: children drawn i.i.d. (SpecInfer) or without replacement (RSD).
-        generator: source of randomness (the same seed gives the same tokens).
-        noise, positions_BN: keyed randomness instead (:mod:`specdec.verify.noise`; the engine's): node i of
-            row b decides sequence position ``positions_BN[b, i]``. Node i's acceptance uniform is
+        noise, positions_BN: the rows' keyed randomness (:mod:`specdec.verify.noise`): node i of row b
+            decides sequence position ``positions_BN[b, i]``. Node i's acceptance uniform is
             keyed by the root's position and i (stream ``"tree"``; each step's root position is new),
             the recovered or bonus token by the position it fills (stream ``"residual"``), so a row's
             tokens depend on its own seed only.
@@ -344,7 +341,7 @@ def tree_rejection_sample(
             norm(max(r − l · draft_i, 0)); 1 is exact (``lenient``: :mod:`specdec.verify.lenient`).
 
     Rows advance in lock step, one tree depth at a time, trying their current node's candidates in
-    order. With ``noise`` on an accelerator (:func:`specdec.host_sync.avoids_host`) the walk has a
+    order. On an accelerator (:func:`specdec.host_sync.avoids_host`) the walk has a
     fixed shape: no early exit once every row has stopped, and the recovered or bonus token drawn
     for every row at every depth and kept where a row stops (the same tokens: a row's keyed draw
     reads only its own weights and key), so it never reads the host.
@@ -365,17 +362,14 @@ def tree_rejection_sample(
     out_nodes = torch.full((B, A), -1, dtype=torch.long, device=device)
     num_accepted = torch.zeros(B, dtype=torch.long, device=device)
     # One uniform per node (each node is a candidate of exactly one parent), drawn up front.
-    if noise is not None:
-        if positions_BN is None or tuple(positions_BN.shape) != (B, N):
-            raise ValueError(f"noise needs positions_BN of shape [{B}, {N}]")
-        positions_BN = positions_BN.to(device=device, dtype=torch.long)
-        keys_BN = positions_BN[:, :1] * _KEYS_PER_ROOT + torch.arange(N, device=device)
-        u_BN = noise.uniform_BK(keys_BN, "tree", dtype=work, validate=validate)
-    else:
-        u_BN = torch.rand((B, N), generator=generator, device=device, dtype=work)
+    if noise is None or not isinstance(positions_BN, torch.Tensor) or tuple(positions_BN.shape) != (B, N):
+        raise ValueError(f"tree rejection sampling needs noise= and positions_BN= of shape [{B}, {N}]")
+    positions_BN = positions_BN.to(device=device, dtype=torch.long)
+    keys_BN = positions_BN[:, :1] * _KEYS_PER_ROOT + torch.arange(N, device=device)
+    u_BN = noise.uniform_BK(keys_BN, "tree", dtype=work, validate=validate)
     node_B = torch.zeros(B, dtype=torch.long, device=device)
     live_B = torch.ones(B, dtype=torch.bool, device=device)
-    fixed = noise is not None and avoids_host(target_probs_BNV)  # no host read (docstring)
+    fixed = avoids_host(target_probs_BNV)  # no host read (docstring)
     for depth in range(A):
         target_BV = target_probs_BNV[rows_B, node_B].to(work)
         draft_BV = None if draft_probs_BNV is None else draft_probs_BNV[rows_B, node_B].to(work)
@@ -408,22 +402,19 @@ def tree_rejection_sample(
                 draft_BV = torch.where(reject_B1, removed_BV, draft_BV)
         finish_B = live_B & (chosen_B < 0)
         if fixed:
-            keys_B = noise.keys(positions_BN[rows_B, node_B], "residual", validate=False)  # type: ignore[union-attr,index]
+            keys_B = noise.keys(positions_BN[rows_B, node_B], "residual", validate=False)
             final_B = sample_with_keys(target_BV.float(), keys_B)
             out_tokens[:, depth] = torch.where(finish_B, final_B, out_tokens[:, depth])
             num_accepted = torch.where(finish_B, depth, num_accepted)
         elif bool(finish_B.any()):
             # Recovered token (all candidates rejected) or bonus token (a leaf).
-            if noise is None:
-                final_B = sample_from_probs(target_BV[finish_B].float(), generator)
-            else:
-                at_B = finish_B.nonzero().flatten()
-                final_B = sample_keyed(
-                    target_BV[finish_B].float(),
-                    noise.select(at_B),
-                    positions_BN[at_B, node_B[at_B]],  # type: ignore[index]
-                    stream="residual",
-                )
+            at_B = finish_B.nonzero().flatten()
+            final_B = sample_keyed(
+                target_BV[finish_B].float(),
+                noise.select(at_B),
+                positions_BN[at_B, node_B[at_B]],
+                stream="residual",
+            )
             out_tokens[finish_B, depth] = final_B
             num_accepted[finish_B] = depth
         go_B = live_B & (chosen_B >= 0)

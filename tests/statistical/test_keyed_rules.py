@@ -346,8 +346,8 @@ MARKOV_4 = dict(target=MarkovModel.random(4, seed=57), drafter=MarkovModel.rando
 )
 def test_one_exact_step_keeps_the_algorithm_1_law(rule, draft, models, exact):
     """Everything one keyed exact step emits (1..γ+1 tokens), against Algorithm 1's law enumerated
-    through the real generator-driven rejection_sample: same acceptance, residual and bonus, whether
-    the drafts are drawn independently or coupled with the target's "sample" stream."""
+    through the real rejection_sample (probed with chosen uniforms): same acceptance, residual and
+    bonus, whether the drafts are drawn independently or coupled with the target's "sample" stream."""
     expected = expected_output_distribution(**models, gamma=2, context=(0,))
     counts = keyed_run(
         **models,
