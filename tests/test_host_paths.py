@@ -20,7 +20,6 @@ from specdec.host_sync import accelerator_paths
 from specdec.sampling import logits_to_probs
 from specdec.testing import with_generator
 from specdec.verify import rejection_sample
-from specdec.verify.chain import rejection_sample as rejection_sample_keyed
 from specdec.verify.gumbel import gumbel_verify, gumbel_verify_tree
 from specdec.verify.noise import PositionNoise, sample_keyed
 from specdec.verify.tree import TokenTree, tree_greedy_verify, tree_greedy_walk, tree_rejection_sample
@@ -71,12 +70,12 @@ def test_keyed_exact_decides_as_on_the_cpu(device, point_mass):
     for seed in range(6):
         x = inputs(seed)
         draft = None if point_mass else x["draft"]
-        ref = rejection_sample_keyed(
+        ref = rejection_sample(
             x["target"], x["tokens"], draft, noise=PositionNoise(SEEDS), positions_BK=x["positions"]
         )
         with paths(device):
             t, tok, d, pos = to(device, x["target"], x["tokens"], draft, x["positions"])
-            got = rejection_sample_keyed(
+            got = rejection_sample(
                 t, tok, d, noise=PositionNoise(SEEDS, device=device), positions_BK=pos, validate=False
             )
         assert torch.equal(got.tokens.cpu(), ref.tokens) and torch.equal(

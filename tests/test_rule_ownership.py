@@ -26,6 +26,7 @@ from specdec.verify.lenient import (
     lenient_tree_sample,
 )
 from specdec.verify.registry import verify_chain, verify_tree
+from specdec.verify.rule import Rule
 from specdec.verify.tree import TokenTree, TreeProposal, tree_rejection_sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -177,6 +178,27 @@ def test_the_lossy_lenient_rule_runs_on_a_tree_drafter():
     assert runs[0].metrics.acceptance_rate > _tree_run(ExactVerify(), temperature=1.0).metrics.acceptance_rate
     same = _tree_run("lenient", temperature=1.0, verify_options={"lenience": 1.0})
     assert same.token_ids == _tree_run(ExactVerify(), temperature=1.0).token_ids
+
+
+def test_a_new_rule_is_one_class_on_the_shared_walks():
+    """A rule that only sets the acceptance hook (``draft_scale``) verifies chains and trees through the
+    shared walks: at 0.1 it is the lenient rule's sampled policy token for token."""
+
+    class Scaled(Rule):
+        name = "scaled"
+        lossless = False
+        draft_scale = 0.1
+
+    tree_runs = [_tree_run(rule, temperature=1.0) for rule in (Scaled(), LenientVerify(lenience=0.1))]
+    assert tree_runs[0].token_ids == tree_runs[1].token_ids
+    chain = dict(drafter="ngram", gamma=3, max_new_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
+    target = TableTarget(random_table(13, seed=4))
+    chain_runs = [
+        specdec.generate(target, [[1, 2, 3, 1, 2, 3, 1, 2]], verify=rule, **chain)
+        for rule in (Scaled(), LenientVerify(lenience=0.1))
+    ]
+    assert chain_runs[0].token_ids == chain_runs[1].token_ids
+    assert chain_runs[0].metrics.num_accepted > 0
 
 
 @pytest.mark.parametrize("kind", ["with", "without", "point"])

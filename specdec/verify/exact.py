@@ -12,34 +12,19 @@ not on its batch neighbours or step boundaries.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from specdec.verify.chain import rejection_sample
 from specdec.verify.contract import VerifyResult
 from specdec.verify.rule import Rule
-from specdec.verify.tree import TreeProposal, TreeVerifyResult, tree_rejection_sample
 
 __all__ = ["ExactVerify"]
 
 
 class ExactVerify(Rule):
-    """Exact speculative sampling: rejection sampling for chains (the default rule), SpecInfer's
-    multi-candidate rejection sampling for trees (module doc)."""
+    """Exact speculative sampling: the shared walks at ``draft_scale`` 1, rejection sampling for
+    chains (the default rule), SpecInfer's multi-candidate rejection sampling for trees (module doc)."""
 
     name = "exact"
-
-    def chain(
-        self,
-        target_probs_BKV: torch.Tensor,
-        draft_tokens_BK: torch.Tensor,
-        draft_probs_BKV: torch.Tensor | None,
-        **randomness: Any,
-    ) -> VerifyResult:
-        return rejection_sample(
-            target_probs_BKV, draft_tokens_BK, draft_probs_BKV, validate=False, **randomness
-        )
 
     def verify_greedy(
         self,
@@ -53,13 +38,3 @@ class ExactVerify(Rule):
         if draft_probs_BKV is not None:
             return None
         return super().verify_greedy(target_logits_BKV, draft_tokens_BK, draft_probs_BKV)
-
-    def tree(self, target_probs_BNV: torch.Tensor, proposal: TreeProposal, **kwargs: Any) -> TreeVerifyResult:
-        return tree_rejection_sample(
-            target_probs_BNV,
-            proposal.tree,
-            proposal.tokens_BN,
-            proposal.draft_probs_BNV,
-            replacement=proposal.replacement,
-            **kwargs,
-        )

@@ -150,38 +150,11 @@ class LenientVerify(Rule):
 
     def __init__(self, *, lenience: float = 0.5) -> None:
         _check_lenience(lenience)
-        self.lenience = float(lenience)
+        self.lenience = self.draft_scale = float(lenience)
         self.lossless = self.lenience == 1.0
-
-    def chain(
-        self,
-        target_probs_BKV: torch.Tensor,
-        draft_tokens_BK: torch.Tensor,
-        draft_probs_BKV: torch.Tensor | None,
-        **randomness: Any,
-    ) -> VerifyResult:
-        return rejection_sample(
-            target_probs_BKV,
-            draft_tokens_BK,
-            draft_probs_BKV,
-            draft_scale=self.lenience,
-            validate=False,
-            **randomness,
-        )
 
     def greedy(self, target_logits_BKV: torch.Tensor, draft_tokens_BK: torch.Tensor) -> VerifyResult:
         return lenient_greedy(target_logits_BKV, draft_tokens_BK, lenience=self.lenience)
-
-    def tree(self, target_probs_BNV: torch.Tensor, proposal: TreeProposal, **kwargs: Any) -> TreeVerifyResult:
-        return tree_rejection_sample(
-            target_probs_BNV,
-            proposal.tree,
-            proposal.tokens_BN,
-            proposal.draft_probs_BNV,
-            replacement=proposal.replacement,
-            draft_scale=self.lenience,
-            **kwargs,
-        )
 
     def tree_greedy(self, target_logits_BNV: torch.Tensor, proposal: TreeProposal) -> TreeVerifyResult:
         return lenient_tree_greedy(

@@ -4,8 +4,9 @@ plumbing (input checks, greedy shortcut, tree dispatch, randomness arguments) wr
 Legend: B batch, K draft length (γ), N tree nodes, V vocabulary.
 
 A new rule is one file: a subclass that sets ``name`` (and ``lossless`` / ``drafter_invariant``
-where they differ from True / False), writes :meth:`Rule.chain` and, for trees, :meth:`Rule.tree`,
-and is listed in :data:`specdec.verify.registry.VERIFY_RULES` (docs/randomness.md shows one).
+where they differ from True / False), either sets ``draft_scale`` or writes :meth:`Rule.chain` and
+:meth:`Rule.tree`, and is listed in :data:`specdec.verify.registry.VERIFY_RULES`
+(docs/randomness.md shows one).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import torch
 
 from specdec.host_sync import avoids_host
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.verify.chain import greedy_verify
+from specdec.verify.chain import greedy_verify, rejection_sample
 from specdec.verify.contract import VerifyResult, need_noise, validate_keyed_inputs, validate_verify_inputs
 from specdec.verify.noise import PositionNoise
-from specdec.verify.tree import TreeProposal, TreeVerifyResult, tree_greedy_verify
+from specdec.verify.tree import TreeProposal, TreeVerifyResult, tree_greedy_verify, tree_rejection_sample
 
 __all__ = ["Rule"]
 
@@ -30,13 +31,17 @@ class Rule:
     ``__call__`` (chains) checks the inputs, answers greedy calls without randomness with the
     rule's greedy shortcut :meth:`greedy`, and hands the probabilities and the randomness to
     :meth:`chain`. :meth:`verify_tree` (trees) runs :meth:`tree_greedy` in greedy runs, else
-    :meth:`tree` on the processed probabilities. A rule sets ``name`` and writes :meth:`chain`
-    (and :meth:`tree` for trees); the others have defaults (argmax matching; no options).
+    :meth:`tree` on the processed probabilities. By default :meth:`chain` and :meth:`tree` are the
+    shared walks (:func:`~specdec.verify.chain.rejection_sample`,
+    :func:`~specdec.verify.tree.tree_rejection_sample`) with the acceptance hook ``draft_scale``, and
+    the greedy shortcuts are argmax matching; a rule with its own acceptance overrides them.
     """
 
     name = "rule"
     lossless = True
     drafter_invariant = False
+    draft_scale = 1.0
+    """The acceptance hook of the shared walks: the draft measure's scale (1 is exact)."""
 
     def __init__(self, **options: Any) -> None:
         if options:
@@ -72,8 +77,16 @@ class Rule:
         draft_probs_BKV: torch.Tensor | None,
         **randomness: Any,
     ) -> VerifyResult:
-        """The rule on checked chain inputs; ``randomness``: ``noise`` and ``positions_BK``."""
-        raise NotImplementedError
+        """The chain policy on checked inputs (``randomness``: ``noise``, ``positions_BK``): the shared
+        rejection-sampling walk with this rule's ``draft_scale``."""
+        return rejection_sample(
+            target_probs_BKV,
+            draft_tokens_BK,
+            draft_probs_BKV,
+            draft_scale=self.draft_scale,
+            validate=False,
+            **randomness,
+        )
 
     def greedy(self, target_logits_BKV: torch.Tensor, draft_tokens_BK: torch.Tensor) -> VerifyResult:
         """The greedy shortcut (one-hot targets, no randomness): argmax matching."""
@@ -113,8 +126,17 @@ class Rule:
         )
 
     def tree(self, target_probs_BNV: torch.Tensor, proposal: TreeProposal, **kwargs: Any) -> TreeVerifyResult:
-        """The tree policy on processed probabilities; ``kwargs``: noise, positions_BN, validate."""
-        raise ValueError(f"verification rule {self!r} has no tree policy")
+        """The tree policy on processed probabilities (``kwargs``: noise, positions_BN, validate): the
+        shared multi-candidate walk with this rule's ``draft_scale``."""
+        return tree_rejection_sample(
+            target_probs_BNV,
+            proposal.tree,
+            proposal.tokens_BN,
+            proposal.draft_probs_BNV,
+            replacement=proposal.replacement,
+            draft_scale=self.draft_scale,
+            **kwargs,
+        )
 
     def tree_greedy(self, target_logits_BNV: torch.Tensor, proposal: TreeProposal) -> TreeVerifyResult:
         """The greedy tree policy: the longest path of argmax matches (:func:`tree_greedy_verify`)."""

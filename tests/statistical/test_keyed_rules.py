@@ -44,8 +44,7 @@ from specdec.testing import (
     target_sequence_distribution,
     total_variation,
 )
-from specdec.verify import VerifyResult
-from specdec.verify.chain import rejection_sample as rejection_sample_keyed
+from specdec.verify import VerifyResult, rejection_sample
 from specdec.verify.gumbel import gumbel_verify
 from specdec.verify.noise import PositionNoise, draft_keyed, sample_keyed
 
@@ -202,7 +201,7 @@ def exact_ratio_inverted(target_probs_BKV, draft_tokens_BK, draft_probs_BKV, *, 
             target_probs_BKV, draft_tokens_BK, draft_probs_BKV, noise=noise, positions_BK=positions_BK
         )
     swapped_BKV = torch.cat([draft_probs_BKV, target_probs_BKV[:, K:]], dim=1)
-    _, n_B = rejection_sample_keyed(
+    _, n_B = rejection_sample(
         swapped_BKV, draft_tokens_BK, target_probs_BKV[:, :K], noise=noise, positions_BK=positions_BK
     )
     return _commit_with_real_stop_token(
@@ -215,7 +214,7 @@ def exact_residual_on_sample_stream(
 ):
     """Bug: the recovered token is drawn with the "sample" stream, the one a coupled drafter
     (:func:`draft_keyed`) drew the rejected draft with."""
-    tokens_BK1, n_B = rejection_sample_keyed(
+    tokens_BK1, n_B = rejection_sample(
         target_probs_BKV, draft_tokens_BK, draft_probs_BKV, noise=noise, positions_BK=positions_BK
     )
     K = draft_tokens_BK.shape[1]
@@ -230,7 +229,7 @@ def exact_residual_on_sample_stream(
 
 def exact_bonus_dropped(target_probs_BKV, draft_tokens_BK, draft_probs_BKV, *, noise, positions_BK):
     """Bug: when every draft is accepted, the bonus token is not emitted."""
-    tokens_BK1, n_B = rejection_sample_keyed(
+    tokens_BK1, n_B = rejection_sample(
         target_probs_BKV, draft_tokens_BK, draft_probs_BKV, noise=noise, positions_BK=positions_BK
     )
     K = draft_tokens_BK.shape[1]
@@ -259,7 +258,7 @@ def _commit_with_real_stop_token(
 
 
 def _exact(target_probs_BKV, draft_tokens_BK, draft_probs_BKV, *, noise, positions_BK):
-    return rejection_sample_keyed(
+    return rejection_sample(
         target_probs_BKV, draft_tokens_BK, draft_probs_BKV, noise=noise, positions_BK=positions_BK
     )
 
