@@ -65,6 +65,7 @@ from specdec.verify.tree import (
     check_tree_inputs,
     tree_greedy_verify,
     tree_rejection_sample,
+    tree_walk_fixed,
 )
 
 __all__ = ["LenientVerify", "lenient_sample", "lenient_greedy", "lenient_tree_sample", "lenient_tree_greedy"]
@@ -200,37 +201,27 @@ def lenient_tree_greedy(
 ) -> TreeVerifyResult:
     """Greedy lenient verification of a token tree (module doc, "Token trees"): at each node the
     child most likely under the raw softmax of the target's logits, if its probability is at least
-    l times the largest; then the argmax. l = 1 calls :func:`specdec.verify.tree.tree_greedy_verify`."""
+    l times the largest; then the argmax. l = 1 calls :func:`specdec.verify.tree.tree_greedy_verify`.
+
+    The walk is :func:`specdec.verify.tree.tree_walk_fixed`, choosing at each node the best passing
+    child's token (siblings with one token share its probability: the first is followed), or the
+    argmax where no child passes (no child holds it then: the argmax always passes).
+    """
     _check_lenience(lenience)
     check_tree_inputs(target_logits_BNV, tree, tokens_BN, probabilities=False)
-    argmax_BN = target_logits_BNV.argmax(dim=-1).cpu()
+    argmax_BN = target_logits_BNV.argmax(dim=-1)
     if lenience == 1.0:
-        return tree_greedy_verify(argmax_BN, tree, tokens_BN.cpu())
+        return tree_greedy_verify(argmax_BN, tree, tokens_BN)
     B, N, _ = target_logits_BNV.shape
+    device = target_logits_BNV.device
     work = torch.float64 if target_logits_BNV.dtype == torch.float64 else torch.float32
     raw_BNV = torch.softmax(target_logits_BNV.to(work), dim=-1)
-    device = raw_BNV.device
-    parents_N1 = torch.tensor(tree.parents[1:], dtype=torch.long, device=device)
-    rows_B1 = torch.arange(B, device=device).unsqueeze(1)
-    # For every non-root node: its token's probability under its parent, and whether it passes.
-    p_BN1 = raw_BNV[rows_B1, parents_N1.unsqueeze(0), tokens_BN[:, 1:].to(device=device, dtype=torch.long)]
-    ok_BN1 = p_BN1 >= lenience * raw_BNV.amax(dim=-1)[:, parents_N1]
-    p, ok, argmax = p_BN1.tolist(), ok_BN1.tolist(), argmax_BN.tolist()
-    tokens = tokens_BN.tolist()
-    A = tree.max_depth + 1
-    out_tokens = torch.full((B, A), -1, dtype=torch.long)
-    out_nodes = torch.full((B, A), -1, dtype=torch.long)
-    num_accepted = torch.zeros(B, dtype=torch.long)
-    for b in range(B):
-        node, depth = 0, 0
-        while True:
-            passing = [c for c in tree.children[node] if ok[b][c - 1]]
-            if not passing:
-                out_tokens[b, depth] = argmax[b][node]
-                num_accepted[b] = depth
-                break
-            nxt = max(passing, key=lambda c: p[b][c - 1])  # max keeps the first of equal ones
-            out_tokens[b, depth] = tokens[b][nxt]
-            out_nodes[b, depth] = nxt
-            node, depth = nxt, depth + 1
-    return TreeVerifyResult(out_tokens, num_accepted, out_nodes)
+    tokens_BN = tokens_BN.to(device=device, dtype=torch.long)
+    kids_BNC = tree.children_table(device).clamp(min=0).expand(B, -1, -1)  # padding -> the root, masked
+    kid_tokens_BNC = tokens_BN.gather(1, kids_BNC.flatten(1)).view_as(kids_BNC)
+    # Each child's token's probability under its node, and whether it passes.
+    p_BNC = raw_BNV.gather(2, kid_tokens_BNC)
+    passes_BNC = (tree.children_table(device) >= 0) & (p_BNC >= lenience * raw_BNV.amax(dim=-1, keepdim=True))
+    best_BN1 = torch.where(passes_BNC, p_BNC, -1.0).argmax(dim=-1, keepdim=True)  # the first of equal ones
+    want_BN = torch.where(passes_BNC.any(dim=-1), kid_tokens_BNC.gather(2, best_BN1).squeeze(-1), argmax_BN)
+    return tree_walk_fixed(lambda rows_B, node_B: want_BN[rows_B, node_B], tree, tokens_BN, B, device)
