@@ -3,7 +3,7 @@
 Legend: B batch, K draft length, N tree nodes (node 0 is the root), T block length, A committed
 path length (accepted tokens + 1), V vocabulary, D hidden size.
 
-Every step of the loop (``specdec.loop``) goes the same way through a block:
+Every engine step (:mod:`specdec.engine.decode`) goes the same way through a block:
 
 1. ``tokens_BT(root_B)`` and ``forward_kwargs``: the block the target runs at slots
    ``lengths_B - 1 ...`` (a chain ``[root, d_1..d_K]``, or a tree's nodes with its ancestor mask
@@ -82,7 +82,7 @@ class ChainBlock:
             self.draft_tokens_BK.to(logits_BTV.device),
             _to(self.draft_probs_BKV, logits_BTV.device),
             sampling=sampling,
-            validate=False,  # the loop checked the proposal (specdec.checks) and the logits
+            validate=False,  # the engine checked the proposal (specdec.checks) and the logits
             **rule_kwargs,
         )
         return Verdict(result.tokens, result.num_accepted)

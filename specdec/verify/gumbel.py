@@ -51,7 +51,7 @@ def gumbel_verify(
 ) -> VerifyResult:
     """Drafter-invariant verification of K draft tokens per row (arXiv 2408.07978; module doc).
 
-    Same inputs and output as :func:`specdec.verify.chain.rejection_sample_keyed`; ``draft_probs_BKV``
+    Same inputs and output as :func:`specdec.verify.chain.rejection_sample`; ``draft_probs_BKV``
     is not used (only whether a draft equals the target's keyed sample matters). The target's sample
     is computed only at positions a row reaches: up to its first mismatch; on an accelerator
     (:func:`specdec.host_sync.avoids_host`) at every position at once, in one race

@@ -1,24 +1,27 @@
-"""Verification rules: how the loop decides which draft tokens to keep.
+"""Verification rules by name, and how the engine calls them.
 
-Legend: B batch, K draft length (γ), V vocabulary.
+Legend: B batch, K draft length (γ), N tree nodes, V vocabulary.
 
-The default rule, ``exact``, is :func:`specdec.verify.rejection_sample` (Leviathan et al. 2023,
-arXiv 2211.17192, Algorithm 1): the output follows the target's distribution exactly. Other rules
-trade that guarantee for speed (``lenient``, :mod:`specdec.verify.lenient`). A rule is looked up by
-name in :data:`VERIFY_RULES` (third-party rules register there or through the
-``specdec.verify.registry`` entry-point group) and passed to the loop as
-``specdec.generate(..., verify=NAME, verify_options={...})`` or ``specdec generate --verify NAME``.
+The default rule, ``exact`` (:mod:`specdec.verify.exact`), is rejection sampling (Leviathan et al.
+2023, arXiv 2211.17192, Algorithm 1): the output follows the target's distribution exactly.
+``gumbel`` (:mod:`specdec.verify.gumbel`) is exact and drafter-invariant; ``lenient``
+(:mod:`specdec.verify.lenient`) trades exactness for speed. A rule is looked up by name in
+:data:`VERIFY_RULES` (third-party rules register there or through the ``specdec.verify_rules``
+entry-point group) and passed to the engine as ``specdec.generate(..., verify=NAME,
+verify_options={...})`` or ``specdec generate --verify NAME``.
 
-A rule owns every decision about its proposals; the loop (through :mod:`specdec.verify.blocks`) only calls it:
+A rule owns every decision about its proposals; the engine (through :mod:`specdec.verify.blocks`)
+only calls it, with the rows' keyed ``noise`` and ``positions_BK``:
 
-- chains: :func:`verify_chain` calls the rule's ``__call__`` (the signature of ``rejection_sample``)
-  with the processed target probabilities; in a greedy run it first asks the rule for a fast path
-  (:class:`GreedyVerifyRule`, ``verify_greedy``: the rule's result from the raw logits, or None to
-  be called with probabilities). ``exact`` answers with :func:`specdec.verify.greedy_verify` (no
-  ``[B, K+1, V]`` one-hots, no random draws); a subclass that overrides ``__call__`` gets None, so
-  its own rule runs in greedy runs too.
-- trees: :func:`verify_tree` calls the rule's ``verify_tree`` (:class:`TreeVerifyRule`), its tree
-  policy, lossless or not; a rule without one is refused with a ``ValueError`` naming it.
+- chains: :func:`verify_chain` calls the rule's ``__call__`` with the processed target
+  probabilities; in a greedy run it first asks the rule for a fast path
+  (:class:`~specdec.verify.contract.GreedyVerifyRule`, ``verify_greedy``: the rule's result from the
+  raw logits, or None to be called with probabilities). ``exact`` answers with
+  :func:`specdec.verify.greedy_verify` (no ``[B, K+1, V]`` one-hots, no random draws); a subclass
+  that overrides ``__call__`` gets None, so its own rule runs in greedy runs too.
+- trees: :func:`verify_tree` calls the rule's ``verify_tree``
+  (:class:`~specdec.verify.contract.TreeVerifyRule`), its tree policy, lossless or not; a rule
+  without one is refused with a ``ValueError`` naming it.
 """
 
 from __future__ import annotations
