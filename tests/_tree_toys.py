@@ -16,7 +16,7 @@ from specdec.protocols import DecodeState, Proposal, TargetOutput
 from specdec.sampling import logits_to_probs
 from specdec.testing import MarkovModel, MarkovTarget, keyed_randomness
 from specdec.verify.noise import sample_keyed
-from specdec.verify.tree import TokenTree, TreeProposal
+from specdec.verify.token_tree import TokenTree, TreeProposal
 
 
 class TreeMarkovTarget(MarkovTarget):

@@ -16,7 +16,7 @@ from _tree_toys import TreeMarkovDrafter, TreeMarkovTarget
 import specdec
 from specdec.drafters.model import ModelDrafter
 from specdec.testing import MarkovModel
-from specdec.verify.tree import TokenTree
+from specdec.verify.token_tree import TokenTree
 
 TARGET = MarkovModel.random(6, order=2, seed=61, eos_token_ids=(5,))
 DRAFT = MarkovModel.random(6, order=1, seed=62)

@@ -22,7 +22,8 @@ from specdec.testing import with_generator
 from specdec.verify import rejection_sample
 from specdec.verify.gumbel import gumbel_verify, gumbel_verify_tree
 from specdec.verify.noise import PositionNoise, sample_keyed
-from specdec.verify.tree import TokenTree, tree_greedy_verify, tree_greedy_walk, tree_rejection_sample
+from specdec.verify.token_tree import TokenTree
+from specdec.verify.tree import tree_greedy_verify, tree_greedy_walk, tree_rejection_sample
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 B, K, V = 7, 4, 50

@@ -27,7 +27,8 @@ from specdec.verify.lenient import (
 )
 from specdec.verify.registry import verify_chain, verify_tree
 from specdec.verify.rule import Rule
-from specdec.verify.tree import TokenTree, TreeProposal, tree_rejection_sample
+from specdec.verify.token_tree import TokenTree, TreeProposal
+from specdec.verify.tree import tree_rejection_sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,8 @@ from _tree_toys import TreeMarkovDrafter, TreeMarkovTarget, tree_randomness
 
 import specdec
 from specdec.testing import MarkovModel
-from specdec.verify.tree import PRESET_TREES, TokenTree, tree_greedy_verify, tree_rejection_sample
+from specdec.verify.token_tree import PRESET_TREES, TokenTree
+from specdec.verify.tree import tree_greedy_verify, tree_rejection_sample
 
 PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 

@@ -17,7 +17,7 @@ from specdec.verify.exact import ExactVerify
 from specdec.verify.gumbel import GumbelVerify, gumbel_verify, gumbel_verify_tree
 from specdec.verify.noise import PositionNoise, draft_keyed, sample_keyed
 from specdec.verify.registry import make_verify_rule, verify_chain
-from specdec.verify.tree import TokenTree, TreeProposal
+from specdec.verify.token_tree import TokenTree, TreeProposal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

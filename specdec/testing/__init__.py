@@ -20,17 +20,15 @@ See docs/testing.md for a walk-through with your own verifier.
 
 from specdec.testing.distributions import marginalize, total_variation
 from specdec.testing.enumeration import (
-    ProbeError,
-    StepOutcome,
     expected_num_accepted_distribution,
     expected_output_distribution,
     target_sequence_distribution,
-    verifier_step_law,
 )
 from specdec.testing.goodness_of_fit import Cell, GoodnessOfFit, assert_same_distribution, goodness_of_fit
 from specdec.testing.keyed import keyed_randomness, with_generator
 from specdec.testing.monte_carlo import sample_output_distribution
 from specdec.testing.power import detection_power, required_sample_size
+from specdec.testing.probe import ProbeError, StepOutcome, verifier_step_law
 from specdec.testing.toy import MarkovDrafter, MarkovModel, MarkovTarget, NextTokenModel, PositionalModel
 
 __all__ = [

@@ -23,8 +23,9 @@ import torch
 
 from specdec.protocols import Drafter, Target
 from specdec.sampling import SamplingParams, sample_from_probs
-from specdec.testing.enumeration import _DRAFT_MODES, VerifyFn, _emitted_length
+from specdec.testing.enumeration import _DRAFT_MODES
 from specdec.testing.keyed import with_generator
+from specdec.testing.probe import VerifyFn, _emitted_length
 from specdec.testing.toy import NextTokenModel
 from specdec.verify import rejection_sample
 

@@ -32,7 +32,7 @@ from specdec.protocols import Proposal, TargetOutput, TreeTarget
 from specdec.sampling import SamplingParams
 from specdec.verify.contract import VerifyRule
 from specdec.verify.registry import verify_chain, verify_tree
-from specdec.verify.tree import TreeProposal
+from specdec.verify.token_tree import TreeProposal
 
 __all__ = ["Verdict", "ChainBlock", "TreeBlock", "make_block"]
 

@@ -17,7 +17,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 
 from specdec.verify.noise import PositionNoise
-from specdec.verify.tree import TreeProposal, TreeVerifyResult
+from specdec.verify.token_tree import TreeProposal
+from specdec.verify.tree import TreeVerifyResult
 
 __all__ = [
     "VerifyResult",

@@ -35,7 +35,8 @@ from specdec.host_sync import avoids_host
 from specdec.verify.contract import VerifyResult, validate_keyed_inputs, validate_verify_inputs
 from specdec.verify.noise import PositionNoise, sample_keyed, sample_with_keys
 from specdec.verify.rule import Rule
-from specdec.verify.tree import TokenTree, TreeProposal, TreeVerifyResult, check_tree_inputs, tree_walk_fixed
+from specdec.verify.token_tree import TokenTree, TreeProposal
+from specdec.verify.tree import TreeVerifyResult, check_tree_inputs, tree_walk_fixed
 
 __all__ = ["gumbel_verify", "gumbel_verify_tree", "GumbelVerify"]
 

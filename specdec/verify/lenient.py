@@ -58,9 +58,8 @@ from specdec.verify.chain import rejection_sample
 from specdec.verify.contract import VerifyResult, validate_verify_inputs
 from specdec.verify.noise import PositionNoise
 from specdec.verify.rule import Rule
+from specdec.verify.token_tree import TokenTree, TreeProposal
 from specdec.verify.tree import (
-    TokenTree,
-    TreeProposal,
     TreeVerifyResult,
     check_tree_inputs,
     tree_greedy_verify,

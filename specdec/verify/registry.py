@@ -34,7 +34,8 @@ import torch
 from specdec.registry import Registry
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify.contract import TreeVerifyRule, VerifyResult, VerifyRule
-from specdec.verify.tree import TreeProposal, TreeVerifyResult
+from specdec.verify.token_tree import TreeProposal
+from specdec.verify.tree import TreeVerifyResult
 
 __all__ = ["VERIFY_RULES", "make_verify_rule", "verify_chain", "verify_tree"]
 

@@ -20,7 +20,8 @@ from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify.chain import greedy_verify, rejection_sample
 from specdec.verify.contract import VerifyResult, need_noise, validate_keyed_inputs, validate_verify_inputs
 from specdec.verify.noise import PositionNoise
-from specdec.verify.tree import TreeProposal, TreeVerifyResult, tree_greedy_verify, tree_rejection_sample
+from specdec.verify.token_tree import TreeProposal
+from specdec.verify.tree import TreeVerifyResult, tree_greedy_verify, tree_rejection_sample
 
 __all__ = ["Rule"]
 

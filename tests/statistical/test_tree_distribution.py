@@ -29,7 +29,7 @@ from specdec.testing import (
     target_sequence_distribution,
     total_variation,
 )
-from specdec.verify.tree import TokenTree
+from specdec.verify.token_tree import TokenTree
 
 pytestmark = pytest.mark.statistical
 
