@@ -175,7 +175,7 @@ def check_proposal(
 
     - ``tokens_BK``: an integer ``[B, K]`` tensor, ``K <= gamma``, ids in ``[0, V)``;
     - ``probs_BKV``: None or a float ``[B, K, V]`` tensor, finite, non-negative, rows summing to 1;
-    - ``tree`` (a :class:`specdec.tree.TreeProposal`): depth ``<= gamma``, ``tokens_BN`` integer
+    - ``tree`` (a :class:`specdec.verify.token_tree.TreeProposal`): depth ``<= gamma``, ``tokens_BN`` integer
       ``[B, N]`` with ids in ``[0, V)`` below the root, ``draft_probs_BNV`` None or float
       ``[B, N, V]``, finite and non-negative, normalised at every node that has children.
 
@@ -202,11 +202,12 @@ def check_proposal(
 def _check_tree(
     tree_proposal, batch_size: int, gamma: int, vocab_size: int, where: str, values: bool = True
 ) -> None:
-    from specdec.tree import TreeProposal
+    from specdec.verify.token_tree import TreeProposal
 
     if not isinstance(tree_proposal, TreeProposal):
         raise ValueError(
-            f"{where}: Proposal.tree must be a specdec.tree.TreeProposal, got {type(tree_proposal)}"
+            f"{where}: Proposal.tree must be a specdec.verify.token_tree.TreeProposal, "
+            f"got {type(tree_proposal)}"
         )
     tree = tree_proposal.tree
     if tree.max_depth > gamma:

@@ -37,7 +37,7 @@ from specdec.locks import exclusive
 from specdec.metrics import MetricsRecorder, SpecMetrics
 from specdec.protocols import Drafter, Target
 from specdec.seeds import check_seed
-from specdec.verify_rules import VerifyRule
+from specdec.verify.contract import VerifyRule
 
 __all__ = ["GenerationOutput", "generate"]
 
@@ -164,10 +164,10 @@ def generate(
         stop_strings: stop a row once its generated text contains one of them (needs a tokenizer:
             ``tokenizer`` or ``target.tokenizer``).
         on_commit: streaming callback ``(row, newly committed ids)``, called after each engine step.
-        verify: the verification rule, a name in :data:`specdec.verify_rules.VERIFY_RULES` built with
-            ``verify_options``, or a :class:`specdec.verify_rules.VerifyRule`. Default ``"exact"``
+        verify: the verification rule, a name in :data:`specdec.verify.registry.VERIFY_RULES` built with
+            ``verify_options``, or a :class:`specdec.verify.contract.VerifyRule`. Default ``"exact"``
             (rejection sampling, position-keyed); ``"gumbel"`` is drafter-invariant; ``"lenient"``
-            (:mod:`specdec.verify_lossy`) is lossy.
+            (:mod:`specdec.verify.lenient`) is lossy.
 
     Returns:
         :class:`GenerationOutput` with per-row generated ids, finish reasons, :class:`SpecMetrics`

@@ -179,9 +179,9 @@ class Proposal:
     processed by ``logits_to_probs`` with the run's sampling params) or None for a deterministic
     proposal. K may be smaller than the γ asked for, and may be 0.
 
-    ``tree`` (optional): a :class:`specdec.tree.TreeProposal`; the engine then verifies the whole
-    tree in one target call (the target must be a :class:`TreeTarget`), and ``tokens_BK`` /
-    ``probs_BKV`` are its first-candidate path (a valid chain proposal where a tree does not
+    ``tree`` (optional): a :class:`specdec.verify.token_tree.TreeProposal`; the engine then verifies
+    the whole tree in one target call (the target must be a :class:`TreeTarget`), and ``tokens_BK``
+    / ``probs_BKV`` are its first-candidate path (a valid chain proposal where a tree does not
     pay). The engine checks every proposal (shapes, dtypes, id range, finite normalised
     probabilities) before the target sees it."""
 

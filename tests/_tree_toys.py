@@ -1,5 +1,5 @@
 """Toy models for token-tree tests: a tree-attention Markov target, a Markov tree drafter, and the
-exact law of one tree verification step computed independently of ``specdec.tree``.
+exact law of one tree verification step computed independently of ``specdec.verify.tree``.
 
 Legend: B batch, T block length, N tree nodes, O Markov order, V vocabulary.
 """
@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specdec.noise import sample_keyed
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 from specdec.sampling import logits_to_probs
-from specdec.testing import MarkovModel, MarkovTarget
-from specdec.tree import TokenTree, TreeProposal
+from specdec.testing import MarkovModel, MarkovTarget, keyed_randomness
+from specdec.verify.noise import sample_keyed
+from specdec.verify.token_tree import TokenTree, TreeProposal
 
 
 class TreeMarkovTarget(MarkovTarget):
@@ -124,6 +124,13 @@ _MAX_CHILDREN = 16
 _KEYS_PER_POSITION = 1024 * _MAX_CHILDREN  # nodes x children: keyed draws of one output position
 
 
+def tree_randomness(generator: torch.Generator | None, tree: TokenTree, B: int) -> dict:
+    """Keyed randomness for a tree verify call: each row's seed from ``generator``, node i at
+    position depth(i) (``tree_rejection_sample(..., **tree_randomness(g, tree, B))``)."""
+    keyed = keyed_randomness(generator, tree.depth_tensor().expand(B, -1))
+    return {"noise": keyed["noise"], "positions_BN": keyed["positions_BK"]}
+
+
 def draw_children(
     q_BV: torch.Tensor, k: int, mode: str, generator=None, *, noise=None, keys_B=None
 ) -> torch.Tensor:
@@ -148,7 +155,7 @@ def draw_children(
     return (q_BV.log() - (-u.log()).log()).topk(k, dim=-1).indices
 
 
-# --- exact law of one tree step (independent of specdec.tree) -----------------------------------------
+# --- exact law of one tree step (independent of specdec.verify.tree) ----------------------------------
 def _draws(q: list[float], k: int, mode: str):
     """Ordered candidate tuples with their probabilities (None = an exhausted, always-rejected slot)."""
     V = len(q)

@@ -31,7 +31,7 @@ from specdec.host_sync import accelerator_paths, avoids_host, count_host_syncs
 from specdec.protocols import Proposal
 from specdec.sampling import sample_from_probs
 from specdec.targets.llama import LlamaTarget
-from specdec.tree import TokenTree, TreeProposal
+from specdec.verify.token_tree import TokenTree, TreeProposal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,7 +16,7 @@ from _tree_toys import TreeMarkovDrafter, TreeMarkovTarget
 import specdec
 from specdec.drafters.model import ModelDrafter
 from specdec.testing import MarkovModel
-from specdec.tree import TokenTree
+from specdec.verify.token_tree import TokenTree
 
 TARGET = MarkovModel.random(6, order=2, seed=61, eos_token_ids=(5,))
 DRAFT = MarkovModel.random(6, order=1, seed=62)
@@ -63,9 +63,9 @@ def test_a_batched_drafter_is_one_instance_and_draws_keyed():
     """The pool serves every row with the batched drafter object itself (no copies), and its draws
     for a row depend on that row's seed and position only."""
     from specdec.engine.drafting import DrafterPool
-    from specdec.noise import PositionNoise
     from specdec.protocols import DecodeState
     from specdec.sampling import SamplingParams
+    from specdec.verify.noise import PositionNoise
 
     drafter = DRAFT.as_drafter()
     pool = DrafterPool(TARGET.as_target(), drafter, None, num_slots=4)

@@ -17,12 +17,13 @@ import torch
 
 from specdec.engine import cost_model
 from specdec.host_sync import accelerator_paths
-from specdec.noise import PositionNoise, sample_keyed
 from specdec.sampling import logits_to_probs
-from specdec.tree import TokenTree, tree_greedy_verify, tree_greedy_walk, tree_rejection_sample
+from specdec.testing import with_generator
 from specdec.verify import rejection_sample
-from specdec.verify_gumbel import gumbel_verify, gumbel_verify_tree
-from specdec.verify_keyed import rejection_sample_keyed
+from specdec.verify.gumbel import gumbel_verify, gumbel_verify_tree
+from specdec.verify.noise import PositionNoise, sample_keyed
+from specdec.verify.token_tree import TokenTree
+from specdec.verify.tree import tree_greedy_verify, tree_greedy_walk, tree_rejection_sample
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 B, K, V = 7, 4, 50
@@ -70,12 +71,12 @@ def test_keyed_exact_decides_as_on_the_cpu(device, point_mass):
     for seed in range(6):
         x = inputs(seed)
         draft = None if point_mass else x["draft"]
-        ref = rejection_sample_keyed(
+        ref = rejection_sample(
             x["target"], x["tokens"], draft, noise=PositionNoise(SEEDS), positions_BK=x["positions"]
         )
         with paths(device):
             t, tok, d, pos = to(device, x["target"], x["tokens"], draft, x["positions"])
-            got = rejection_sample_keyed(
+            got = rejection_sample(
                 t, tok, d, noise=PositionNoise(SEEDS, device=device), positions_BK=pos, validate=False
             )
         assert torch.equal(got.tokens.cpu(), ref.tokens) and torch.equal(
@@ -182,11 +183,12 @@ def test_sampling_a_sparse_distribution_takes_the_dense_pass_with_the_same_token
 
 def test_a_cpu_generator_draws_the_same_numbers_for_the_rule_on_any_device():
     x = inputs(1)
-    ref = rejection_sample(x["target"], x["tokens"], x["draft"], generator=torch.Generator().manual_seed(5))
+    rule = with_generator(rejection_sample)  # each row's seed drawn from the (CPU) generator
+    ref = rule(x["target"], x["tokens"], x["draft"], generator=torch.Generator().manual_seed(5))
     for device in DEVICES:
         with paths(device):
             t, tok, d = to(device, x["target"], x["tokens"], x["draft"])
-            got = rejection_sample(t, tok, d, generator=torch.Generator().manual_seed(5), validate=False)
+            got = rule(t, tok, d, generator=torch.Generator().manual_seed(5), validate=False)
         assert torch.equal(got.tokens.cpu(), ref.tokens)
 
 

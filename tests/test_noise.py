@@ -1,4 +1,4 @@
-"""Public randomness keyed by (seed, position, stream): specdec.noise.
+"""Public randomness keyed by (seed, position, stream): specdec.verify.noise.
 
 Legend: B rows (seeds), K positions per row, V vocabulary.
 """
@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-import specdec.noise as noise_module
-from specdec.noise import STREAMS, PositionNoise, draft_keyed, sample_keyed
+import specdec.verify.noise as noise_module
 from specdec.sampling import logits_to_probs
 from specdec.testing import goodness_of_fit
+from specdec.verify.noise import STREAMS, PositionNoise, draft_keyed, sample_keyed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,22 +10,25 @@ import itertools
 import pytest
 import torch
 from _tiny import TableTarget, random_table
-from _tree_toys import TreeMarkovDrafter, TreeMarkovTarget
+from _tree_toys import TreeMarkovDrafter, TreeMarkovTarget, tree_randomness
 
 import specdec
-import specdec.verify_rules as verify_rules
+import specdec.verify.registry as verify_rules
 from specdec.sampling import SamplingParams
 from specdec.testing import MarkovModel, assert_same_distribution
-from specdec.tree import TokenTree, TreeProposal, tree_rejection_sample
 from specdec.verify import VerifyResult, greedy_verify
-from specdec.verify_lossy import (
+from specdec.verify.contract import GreedyVerifyRule, TreeVerifyRule
+from specdec.verify.exact import ExactVerify
+from specdec.verify.lenient import (
     LenientVerify,
-    _lenient_tree_walk,
     lenient_sample,
     lenient_tree_greedy,
     lenient_tree_sample,
 )
-from specdec.verify_rules import ExactVerify, GreedyVerifyRule, TreeVerifyRule, verify_chain, verify_tree
+from specdec.verify.registry import verify_chain, verify_tree
+from specdec.verify.rule import Rule
+from specdec.verify.token_tree import TokenTree, TreeProposal
+from specdec.verify.tree import tree_rejection_sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -170,13 +173,33 @@ def test_the_lossy_lenient_rule_runs_on_a_tree_drafter():
     lenient = _tree_run(LenientVerify(lenience=0.05), temperature=0.0, mode="top")
     assert lenient.metrics.acceptance_rate > exact.metrics.acceptance_rate
     assert all(len(row) == 20 for row in lenient.token_ids)
-    # Sampled: seeded, and l = 1 is the exact rule token for token (both drawing from the engine's
-    # per-row generators: ``ExactVerify()`` as an object, not the keyed ``"exact"``).
+    # Sampled: seeded, and l = 1 is the exact rule token for token (both draw the same keyed noise).
     runs = [_tree_run("lenient", temperature=1.0, verify_options={"lenience": 0.1}) for _ in range(2)]
     assert runs[0].token_ids == runs[1].token_ids
     assert runs[0].metrics.acceptance_rate > _tree_run(ExactVerify(), temperature=1.0).metrics.acceptance_rate
     same = _tree_run("lenient", temperature=1.0, verify_options={"lenience": 1.0})
     assert same.token_ids == _tree_run(ExactVerify(), temperature=1.0).token_ids
+
+
+def test_a_new_rule_is_one_class_on_the_shared_walks():
+    """A rule that only sets the acceptance hook (``draft_scale``) verifies chains and trees through the
+    shared walks: at 0.1 it is the lenient rule's sampled policy token for token."""
+
+    class Scaled(Rule):
+        name = "scaled"
+        lossless = False
+        draft_scale = 0.1
+
+    tree_runs = [_tree_run(rule, temperature=1.0) for rule in (Scaled(), LenientVerify(lenience=0.1))]
+    assert tree_runs[0].token_ids == tree_runs[1].token_ids
+    chain = dict(drafter="ngram", gamma=3, max_new_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
+    target = TableTarget(random_table(13, seed=4))
+    chain_runs = [
+        specdec.generate(target, [[1, 2, 3, 1, 2, 3, 1, 2]], verify=rule, **chain)
+        for rule in (Scaled(), LenientVerify(lenience=0.1))
+    ]
+    assert chain_runs[0].token_ids == chain_runs[1].token_ids
+    assert chain_runs[0].metrics.num_accepted > 0
 
 
 @pytest.mark.parametrize("kind", ["with", "without", "point"])
@@ -189,16 +212,21 @@ def test_the_lenient_tree_walk_at_l_1_is_the_exact_tree_rule(kind):
     tokens = torch.randint(0, V, (B, N), generator=g)
     replacement = kind == "with"
     exact = tree_rejection_sample(
-        target, tree, tokens, draft, replacement=replacement, generator=torch.Generator().manual_seed(3)
+        target,
+        tree,
+        tokens,
+        draft,
+        replacement=replacement,
+        **tree_randomness(torch.Generator().manual_seed(3), tree, B),
     )
-    walk = _lenient_tree_walk(
+    walk = lenient_tree_sample(
         target,
         tree,
         tokens,
         draft,
         lenience=1.0,
         replacement=replacement,
-        generator=torch.Generator().manual_seed(3),
+        **tree_randomness(torch.Generator().manual_seed(3), tree, B),
     )
     for a, b in zip(exact, walk, strict=True):
         assert torch.equal(a, b)
@@ -280,7 +308,13 @@ def test_lenient_tree_node_law_and_the_target_over_l_bound(replacement):
     target_BNV = target.float().expand(B, k + 1, V)
     draft_BNV = draft.float().expand(B, k + 1, V)
     out = lenient_tree_sample(
-        target_BNV, tree, tokens, draft_BNV, lenience=lenience, replacement=replacement, generator=g
+        target_BNV,
+        tree,
+        tokens,
+        draft_BNV,
+        lenience=lenience,
+        replacement=replacement,
+        **tree_randomness(g, tree, B),
     )
     law = _node_law(target, draft, k, lenience, replacement)
     assert abs(float(law.sum()) - 1) < 1e-9

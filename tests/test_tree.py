@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tree_toys import TreeMarkovDrafter, TreeMarkovTarget
+from _tree_toys import TreeMarkovDrafter, TreeMarkovTarget, tree_randomness
 
 import specdec
 from specdec.testing import MarkovModel
-from specdec.tree import PRESET_TREES, TokenTree, tree_greedy_verify, tree_rejection_sample
+from specdec.verify.token_tree import PRESET_TREES, TokenTree
+from specdec.verify.tree import tree_greedy_verify, tree_rejection_sample
 
 PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 
@@ -80,7 +81,7 @@ def test_greedy_fast_path_equals_rejection_sampling_with_one_hot_targets():
                 if j > 0:
                     tokens[:, c] = (tokens[:, kids[0]] + j) % 6
         fast = tree_greedy_verify(argmax, tree, tokens)
-        slow = tree_rejection_sample(one_hot, tree, tokens, None, generator=g)
+        slow = tree_rejection_sample(one_hot, tree, tokens, None, **tree_randomness(g, tree, tokens.shape[0]))
         assert torch.equal(fast.tokens, slow.tokens) and torch.equal(fast.num_accepted, slow.num_accepted)
         assert torch.equal(fast.path_nodes, slow.path_nodes)
         # Every accepted token is the target's argmax after its parent.
@@ -95,7 +96,13 @@ def test_greedy_fast_path_equals_rejection_sampling_with_one_hot_targets():
 
 def test_output_layout_and_path_consistency():
     tree, target, draft, tokens = _random_case(3, B=64)
-    r = tree_rejection_sample(target, tree, tokens, draft, generator=torch.Generator().manual_seed(0))
+    r = tree_rejection_sample(
+        target,
+        tree,
+        tokens,
+        draft,
+        **tree_randomness(torch.Generator().manual_seed(0), tree, tokens.shape[0]),
+    )
     A = tree.max_depth + 1
     assert r.tokens.shape == (64, A) and r.path_nodes.shape == (64, A)
     for b in range(64):
@@ -112,7 +119,11 @@ def test_output_layout_and_path_consistency():
 def test_equal_target_and_draft_accept_the_first_candidate():
     tree, target, _, tokens = _random_case(4)
     r = tree_rejection_sample(
-        target, tree, tokens, target.clone(), generator=torch.Generator().manual_seed(1)
+        target,
+        tree,
+        tokens,
+        target.clone(),
+        **tree_randomness(torch.Generator().manual_seed(1), tree, tokens.shape[0]),
     )
     assert (r.path_nodes[:, : tree.max_depth] == torch.tensor(tree.main_path)).all()
     assert (r.num_accepted == tree.max_depth).all()
@@ -125,13 +136,13 @@ def test_zero_draft_probability_is_rejected_and_residual_skips_rejected_point_ma
     tokens = torch.tensor([[0, 0, 2]])  # candidate 0 has draft prob 0, candidate 2 too (exhausted draft)
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
-        r = tree_rejection_sample(target, tree, tokens, draft, generator=g)
+        r = tree_rejection_sample(target, tree, tokens, draft, **tree_randomness(g, tree, tokens.shape[0]))
         assert int(r.num_accepted[0]) == 0  # both candidates have draft probability 0
     # Point-mass candidates 0 and 1: a recovered token is never a rejected candidate.
     tokens = torch.tensor([[0, 0, 1]])
     seen = set()
     for _ in range(300):
-        r = tree_rejection_sample(target, tree, tokens, None, generator=g)
+        r = tree_rejection_sample(target, tree, tokens, None, **tree_randomness(g, tree, tokens.shape[0]))
         if int(r.num_accepted[0]) == 0:
             seen.add(int(r.tokens[0, 0]))
     assert seen == {2}

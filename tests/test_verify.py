@@ -21,8 +21,13 @@ from specdec.testing import (
     expected_output_distribution,
     target_sequence_distribution,
     verifier_step_law,
+    with_generator,
 )
-from specdec.verify import VerifyResult, greedy_verify, rejection_sample
+from specdec.verify import VerifyResult, greedy_verify
+from specdec.verify import rejection_sample as keyed_rejection_sample
+
+# The rule with each row's seed drawn from the generator a test passes (specdec.testing.with_generator).
+rejection_sample = with_generator(keyed_rejection_sample)
 
 EXACT = 1e-12
 

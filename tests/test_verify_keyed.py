@@ -1,4 +1,4 @@
-"""The keyed rules: rejection_sample_keyed (exact) and gumbel (drafter-invariant), and their plugins.
+"""The keyed rules: rejection_sample (exact) and gumbel (drafter-invariant), and their plugins.
 
 Legend: B batch (requests), K draft length, N tree nodes, V vocabulary, L tokens per request.
 """
@@ -9,14 +9,15 @@ import pytest
 import torch
 
 import specdec
-from specdec.noise import PositionNoise, draft_keyed, sample_keyed
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.testing import MarkovModel
-from specdec.tree import TokenTree, TreeProposal
+from specdec.testing import MarkovModel, keyed_randomness
 from specdec.verify import greedy_verify, rejection_sample
-from specdec.verify_gumbel import GumbelVerify, KeyedExactVerify, gumbel_verify, gumbel_verify_tree
-from specdec.verify_keyed import rejection_sample_keyed
-from specdec.verify_rules import GreedyVerifyRule, TreeVerifyRule, make_verify_rule, verify_chain
+from specdec.verify.contract import GreedyVerifyRule, TreeVerifyRule
+from specdec.verify.exact import ExactVerify
+from specdec.verify.gumbel import GumbelVerify, gumbel_verify, gumbel_verify_tree
+from specdec.verify.noise import PositionNoise, draft_keyed, sample_keyed
+from specdec.verify.registry import make_verify_rule, verify_chain
+from specdec.verify.token_tree import TokenTree, TreeProposal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,7 +121,7 @@ def test_exact_keyed_output_depends_on_seed_and_proposals_only():
     target_probs, draft_probs = _block(last_B, drafts_BK)
     noise = PositionNoise(list(range(100, 100 + B)))
     positions_BK = torch.randint(0, 1000, (B, 1), generator=g) + torch.arange(K + 1)
-    for rule in (rejection_sample_keyed, gumbel_verify):
+    for rule in (rejection_sample, gumbel_verify):
         tokens, n = rule(target_probs, drafts_BK, draft_probs, noise=noise, positions_BK=positions_BK)
         again = rule(target_probs, drafts_BK, draft_probs, noise=noise, positions_BK=positions_BK)
         assert torch.equal(again.tokens, tokens) and torch.equal(again.num_accepted, n)
@@ -147,9 +148,7 @@ def test_exact_keyed_output_depends_on_seed_and_proposals_only():
     first = torch.randint(0, V, (400, 1), generator=g)
     t1, d1 = _block(torch.zeros(400, dtype=torch.long), first)
     u = noise1.uniform_BK(torch.zeros(400, 1, dtype=torch.long), "accept")
-    _, n1 = rejection_sample_keyed(
-        t1, first, d1, noise=noise1, positions_BK=torch.zeros(400, 2, dtype=torch.long)
-    )
+    _, n1 = rejection_sample(t1, first, d1, noise=noise1, positions_BK=torch.zeros(400, 2, dtype=torch.long))
     target_at, draft_at = (probs[:, 0].gather(1, first).squeeze(1) for probs in (t1, d1))
     assert torch.equal(n1 == 1, (u[:, 0] * draft_at < target_at) & (draft_at > 0))
 
@@ -164,20 +163,20 @@ def test_exact_keyed_follows_rejection_samplings_rules_on_edge_cases():
     logits = torch.randn(B, K + 1, V, generator=torch.Generator().manual_seed(1))
     one_hot = logits_to_probs(logits, 0.0)
     argmax = logits.argmax(-1)
-    res = rejection_sample_keyed(one_hot, argmax[:, :K], None, noise=noise, positions_BK=positions_BK)
+    res = rejection_sample(one_hot, argmax[:, :K], None, noise=noise, positions_BK=positions_BK)
     assert bool((res.num_accepted == K).all()) and torch.equal(res.tokens, argmax)
     drafts = torch.randint(0, V, (B, K), generator=torch.Generator().manual_seed(2))
     greedy = greedy_verify(logits, drafts)
-    for rule in (rejection_sample_keyed, gumbel_verify):
+    for rule in (rejection_sample, gumbel_verify):
         res = rule(one_hot, drafts, None, noise=noise, positions_BK=positions_BK)
         assert torch.equal(res.tokens, greedy.tokens) and torch.equal(res.num_accepted, greedy.num_accepted)
     probs = logits_to_probs(logits, 1.0)
-    same = rejection_sample_keyed(probs, drafts, probs[:, :K], noise=noise, positions_BK=positions_BK)
+    same = rejection_sample(probs, drafts, probs[:, :K], noise=noise, positions_BK=positions_BK)
     assert bool((same.num_accepted == K).all())
     no_mass = probs[:, :K].clone()
     no_mass[torch.arange(B), 0, drafts[:, 0]] = 0.0
     no_mass = no_mass / no_mass.sum(-1, keepdim=True)
-    rejected = rejection_sample_keyed(probs, drafts, no_mass, noise=noise, positions_BK=positions_BK)
+    rejected = rejection_sample(probs, drafts, no_mass, noise=noise, positions_BK=positions_BK)
     assert bool((rejected.num_accepted == 0).all())
 
 
@@ -225,8 +224,7 @@ def test_gumbel_tree_output_is_plain_keyed_decoding(coupled):
 
 def test_rules_are_plugins():
     """``gumbel`` is registered, lossless, a tree and greedy rule; without noise a sampled call is refused
-    with a message naming noise=; greedy needs none; KeyedExactVerify is exact without noise and keyed
-    with it."""
+    with a message naming noise=; greedy needs none; ExactVerify is keyed rejection sampling."""
     rule = make_verify_rule("gumbel")
     assert isinstance(rule, GumbelVerify) and rule.lossless
     assert isinstance(rule, TreeVerifyRule) and isinstance(rule, GreedyVerifyRule)
@@ -248,22 +246,24 @@ def test_rules_are_plugins():
     )
     assert torch.equal(keyed.tokens, gumbel_verify(probs, drafts, noise=noise, positions_BK=positions).tokens)
 
-    exact = KeyedExactVerify()
+    exact = ExactVerify()
     plain = exact(
         probs,
         drafts,
         None,
         target_logits_BKV=logits,
         sampling=SAMPLING,
-        generator=torch.Generator().manual_seed(9),
+        **keyed_randomness(torch.Generator().manual_seed(9), positions),
     )
-    reference = rejection_sample(probs, drafts, None, generator=torch.Generator().manual_seed(9))
+    reference = rejection_sample(
+        probs, drafts, None, **keyed_randomness(torch.Generator().manual_seed(9), positions)
+    )
     assert torch.equal(plain.tokens, reference.tokens)
     keyed = exact(
         probs, drafts, None, target_logits_BKV=logits, sampling=SAMPLING, noise=noise, positions_BK=positions
     )
     assert torch.equal(
-        keyed.tokens, rejection_sample_keyed(probs, drafts, noise=noise, positions_BK=positions).tokens
+        keyed.tokens, rejection_sample(probs, drafts, noise=noise, positions_BK=positions).tokens
     )
     with pytest.raises(ValueError, match="noise="):
         exact(probs, drafts, None, target_logits_BKV=logits, sampling=SAMPLING, noise=noise)
@@ -318,6 +318,6 @@ def test_bad_keyed_input_raises_value_error_naming_it(kwargs, match):
     probs = torch.full((2, 3, V), 1 / V)
     drafts = torch.zeros(2, 2, dtype=torch.long)
     args = dict(noise=PositionNoise([1, 2]), positions_BK=torch.zeros(2, 3, dtype=torch.long)) | kwargs
-    for rule in (rejection_sample_keyed, gumbel_verify):
+    for rule in (rejection_sample, gumbel_verify):
         with pytest.raises(ValueError, match=match):
             rule(probs, drafts, None, **args)

@@ -11,10 +11,11 @@ from _tiny import TableTarget, random_table, save_tiny_checkpoint
 import specdec
 from specdec.cli import main
 from specdec.sampling import SamplingParams
-from specdec.testing import assert_same_distribution
+from specdec.testing import assert_same_distribution, keyed_randomness
 from specdec.verify import rejection_sample
-from specdec.verify_lossy import LenientVerify, lenient_sample
-from specdec.verify_rules import VERIFY_RULES, ExactVerify, make_verify_rule
+from specdec.verify.exact import ExactVerify
+from specdec.verify.lenient import LenientVerify, lenient_sample
+from specdec.verify.registry import VERIFY_RULES, make_verify_rule
 
 
 def _probs(V: int, seed: int, sharp: float = 1.5) -> torch.Tensor:
@@ -60,7 +61,10 @@ def test_lenience_one_is_exact_rejection_sampling():
     tokens = torch.multinomial(draft.reshape(-1, V), 1, generator=torch.Generator().manual_seed(0)).reshape(
         B, K
     )
-    exact = rejection_sample(target, tokens, draft, generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(K + 1).expand(B, -1)
+    exact = rejection_sample(
+        target, tokens, draft, **keyed_randomness(torch.Generator().manual_seed(5), positions)
+    )
     rule = make_verify_rule("lenient", {"lenience": 1.0})
     lenient = rule(
         target,
@@ -68,7 +72,7 @@ def test_lenience_one_is_exact_rejection_sampling():
         draft,
         target_logits_BKV=target.log(),
         sampling=SamplingParams(),
-        generator=torch.Generator().manual_seed(5),
+        **keyed_randomness(torch.Generator().manual_seed(5), positions),
     )
     assert torch.equal(exact.tokens, lenient.tokens) and torch.equal(exact.num_accepted, lenient.num_accepted)
 
@@ -87,7 +91,7 @@ def test_lenient_one_step_law_matches_appendix_a5(lenience):
         tokens_N1,
         draft.float().expand(N, 1, V),
         lenience=lenience,
-        generator=g,
+        **keyed_randomness(g, torch.arange(2).expand(N, -1)),
     )
     law = _one_step_law(target, draft, lenience)
     assert torch.all(law <= target / lenience + 1e-12)  # rare tokens stay rare
@@ -109,12 +113,22 @@ def test_point_mass_drafts_are_accepted_with_probability_target_over_l():
     target = torch.tensor([0.05, 0.3, 0.5, 0.1, 0.05])
     tokens = torch.full((N, 1), 1)  # target(1) = 0.3 < l: accepted with probability 0.75
     out = lenient_sample(
-        target.expand(N, 2, V), tokens, None, lenience=lenience, generator=torch.Generator().manual_seed(0)
+        target.expand(N, 2, V),
+        tokens,
+        None,
+        lenience=lenience,
+        **keyed_randomness(torch.Generator().manual_seed(0), torch.arange(2).expand(N, -1)),
     )
     assert abs(out.num_accepted.float().mean().item() - 0.75) < 0.01
     rejected = out.tokens[out.num_accepted == 0, 0]
     assert not (rejected == 1).any()  # residual target − l·δ_x has no mass at x = 1 (0.3 − 0.4 < 0)
-    sure = lenient_sample(target.expand(8, 2, V), torch.full((8, 1), 2), None, lenience=lenience)
+    sure = lenient_sample(
+        target.expand(8, 2, V),
+        torch.full((8, 1), 2),
+        None,
+        lenience=lenience,
+        **keyed_randomness(None, torch.arange(2).expand(8, -1)),
+    )
     assert sure.num_accepted.tolist() == [1] * 8  # target(2) = 0.5 ≥ l
 
 
@@ -143,8 +157,7 @@ def _toy_target() -> TableTarget:
 def test_loop_takes_verify_by_name():
     target, prompt = _toy_target(), [[1, 2, 3]]
     kw = dict(drafter="ngram", gamma=3, max_new_tokens=24, temperature=0.8, seed=11)
-    # l = 1 is the exact rule token for token, both drawing from per-row generators (the unkeyed
-    # ``ExactVerify()`` object; the name ``"exact"`` is the engine's keyed rule)
+    # l = 1 is the exact rule token for token (both draw the same keyed noise)
     exact = specdec.generate(target, prompt, verify=ExactVerify(), **kw)
     same = specdec.generate(target, prompt, verify="lenient", verify_options={"lenience": 1.0}, **kw)
     assert same.token_ids == exact.token_ids

@@ -1,7 +1,7 @@
 """``lossy-quality``: what a lossy acceptance rule buys in speed and costs in quality.
 
 Exact speculative decoding changes nothing but speed. The ``lenient`` verification rule
-(:mod:`specdec.verify_lossy`, Leviathan et al. 2023, arXiv 2211.17192, Appendix A.5) accepts more
+(:mod:`specdec.verify.lenient`, Leviathan et al. 2023, arXiv 2211.17192, Appendix A.5) accepts more
 drafts by scaling the draft probability by a lenience l ≤ 1, and changes the output. This
 experiment sweeps l ∈ {1, 0.5, 0.3, 0.1} (their Table 5's values; l = 1 is exact) on HumanEval
 problems and reports, against plain decoding in the same run:

@@ -7,17 +7,15 @@ block, T_max the step's longest block, V vocabulary.
 :class:`DecodeSteps` is the part of :class:`specdec.engine.Engine` that runs decoding rows (the engine
 holds the scheduling, the prefill and the public API). Randomness: a per-request drafter draws from a
 generator keyed by (request seed, output position) (:func:`mix_seed`); a batched drafter gets the
-rows' :class:`~specdec.noise.PositionNoise`; the keyed rules get the rows' noise and positions, a rule
-drawing from a generator one generator per row, keyed the same way. So what a row emits never depends
-on the rows beside it.
+rows' :class:`~specdec.verify.noise.PositionNoise`; the rule gets the rows' noise and positions. So
+what a row emits never depends on the rows beside it.
 
 The host: logits, proposals, keyed noise, probabilities and the rule's arithmetic stay on the
 target's device; a verify forward's rows come to the host once, as one copy of their committed
 tokens, accepted counts (a tree's path) and the faults of the step's checks
 (:class:`~specdec.engine.transfer.HostTransfer`). On the CPU the same code runs, with the host's
 fast paths (numpy argmax and checks, early exits) where :func:`specdec.host_sync.avoids_host` is
-False. A rule that draws from a generator (not keyed) verifies on the host: its unit's logits come
-to the CPU (a read of its own), so its numbers do not depend on the device.
+False.
 """
 
 from __future__ import annotations
@@ -27,24 +25,21 @@ from typing import Any
 
 import torch
 
-from specdec.blocks import ChainBlock, TreeBlock, Verdict, make_block
 from specdec.checks import check_logits, check_proposal, logits_faults, proposal_faults
 from specdec.engine.request import Request, RequestStatus
 from specdec.engine.transfer import HostTransfer
 from specdec.engine.units import (
     Unit,
-    block_on_host,
     group_state,
-    join_verdicts,
     merge_chains,
-    row_block,
     row_output,
     slice_output,
 )
 from specdec.host_sync import avoids_host
 from specdec.metrics import StepStats
-from specdec.noise import PositionNoise
 from specdec.protocols import Proposal, TargetOutput
+from specdec.verify.blocks import ChainBlock, TreeBlock, Verdict, make_block
+from specdec.verify.noise import PositionNoise
 
 __all__ = ["DecodeSteps", "mix_seed", "raise_faults"]
 
@@ -286,7 +281,7 @@ class DecodeSteps:
     def _rule_kwargs(
         self, rows: list[Request], start_G: torch.Tensor, block: Any, T: int, device: Any
     ) -> dict[str, Any]:
-        """The keyed rule's noise and positions on ``device``: the output-stream index of the token each
+        """The rule's noise and positions on ``device``: the output-stream index of the token each
         block position decides (docs/randomness.md)."""
         prompt_G = torch.tensor([len(r.prompt_ids) for r in rows], dtype=torch.long)
         offsets_T = block.forward_kwargs("cpu").get("depth_T", torch.arange(T))
@@ -295,8 +290,7 @@ class DecodeSteps:
         return {"noise": noise, "positions_BK": positions_GT.to(device)}
 
     def _verdict(self, unit: Unit, out: TargetOutput, start_G: torch.Tensor) -> Verdict:
-        """One unit's verdict by the rule, where the logits are (a rule drawing from a generator: on
-        the host, row by row, each row's generator keyed by its seed and position)."""
+        """One unit's verdict by the rule, where the logits are, with the rows' keyed noise."""
         rows, block = unit.rows, unit.block
         sampling = rows[0].params.sampling
         T = block.num_drafted + 1
@@ -306,22 +300,10 @@ class DecodeSteps:
             if sampling.greedy and isinstance(block, ChainBlock)
             else None
         )
-        if fast is not None:  # argmax matching: no noise, no generator (a keyed rule's too)
+        if fast is not None:  # argmax matching: no noise
             return fast
-        if self.keyed:
-            kwargs = self._rule_kwargs(rows, start_G, block, T, logits_BTV.device)
-            return block.verify(self.rule, logits_BTV, sampling, None, **kwargs)
-        if avoids_host(logits_BTV):  # a rule drawing from a generator verifies on the host
-            logits_BTV, block = logits_BTV.cpu(), block_on_host(block)
-        if sampling.greedy:
-            return block.verify(self.rule, logits_BTV, sampling, None)
-        verdicts = []
-        for i, r in enumerate(rows):
-            position = int(start_G[i]) + 1 - len(r.prompt_ids)
-            generator = torch.Generator().manual_seed(mix_seed(r.params.seed, position, 2))
-            one = row_block(block, i)
-            verdicts.append(one.verify(self.rule, logits_BTV[i : i + 1], sampling, generator))
-        return join_verdicts(verdicts)
+        kwargs = self._rule_kwargs(rows, start_G, block, T, logits_BTV.device)
+        return block.verify(self.rule, logits_BTV, sampling, **kwargs)
 
     def _settle(
         self,

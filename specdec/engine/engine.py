@@ -15,7 +15,7 @@ Each :meth:`Engine.step`:
    own cache row and position, padded to T_max (the padding lands past the row's length and is
    never attended); a token tree goes through a forward of its own (its mask is per tree); each
    row is verified by the rule with its own sampling settings and public randomness keyed by its
-   seed and sequence positions (:mod:`specdec.noise`), committed, cut at its stops, its cache row
+   seed and sequence positions (:mod:`specdec.verify.noise`), committed, cut at its stops, its cache row
    rolled back, and its drafter observes (:mod:`specdec.engine.decode`). Rows travel in units
    (:mod:`specdec.engine.units`): a batched drafter drafts many rows in one call, and rows sharing
    depth and sampling settings are verified by one rule call and rolled back by one call, so
@@ -58,12 +58,12 @@ from specdec.engine.transfer import HostTransfer
 from specdec.engine.units import group_state, row_output
 from specdec.host_sync import avoids_host
 from specdec.metrics import MetricsRecorder
-from specdec.noise import PositionNoise, sample_keyed
 from specdec.protocols import Drafter, Target, TargetOutput, TreeTarget
 from specdec.sampling import logits_to_probs
 from specdec.stop_strings import StopStrings
-from specdec.verify_gumbel import GumbelVerify, KeyedExactVerify
-from specdec.verify_rules import VerifyRule, make_verify_rule
+from specdec.verify.contract import VerifyRule
+from specdec.verify.noise import PositionNoise, sample_keyed
+from specdec.verify.registry import make_verify_rule
 
 __all__ = ["Engine", "mix_seed", "scheduler_seconds"]
 
@@ -111,9 +111,9 @@ class Engine(DecodeSteps):
         max_num_seqs: requests decoding at once (cache rows).
         max_num_batched_tokens: the token budget of a step (decode blocks plus prefill chunks).
         verify: ``exact`` (rejection sampling, position-keyed), ``gumbel`` (drafter-invariant), or
-            another rule of :data:`specdec.verify_rules.VERIFY_RULES` built with ``verify_options``, or
-            a :class:`specdec.verify_rules.VerifyRule` object (a rule whose ``__call__`` takes no
-            ``noise`` draws from a generator seeded by the request's seed and position).
+            another rule of :data:`specdec.verify.registry.VERIFY_RULES` built with ``verify_options``, or
+            a :class:`specdec.verify.contract.VerifyRule` object. A rule that declares
+            ``drafter_invariant`` lets sampled rows take their depths from load and timings.
         max_model_len: cache slots per request (prompt + new tokens + γ + 1 must fit); default
             ``min(target.max_context_length, 2048)``.
         prefill_chunk: tokens per prefill forward (fixed chunk boundaries).
@@ -177,14 +177,8 @@ class Engine(DecodeSteps):
             )
         self.target = target
         self.vocab_size = int(target.vocab_size)
-        if isinstance(verify, str) and verify == "exact":
-            if verify_options:
-                raise ValueError(f"verify 'exact' takes no options, got {dict(verify_options)}")
-            self.rule: VerifyRule = KeyedExactVerify()
-        else:
-            self.rule = make_verify_rule(verify, verify_options)
+        self.rule: VerifyRule = make_verify_rule(verify, verify_options)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
-        self.keyed = "noise" in inspect.signature(self.rule.__call__).parameters
         self.tree_ok = isinstance(target, TreeTarget)
         target.reset(self.max_num_seqs, self.max_model_len)
         self.cost: VerifyCostModel | None = None
@@ -372,7 +366,7 @@ class Engine(DecodeSteps):
 
     def _free(self, request: Request) -> bool:
         """May this row's depth follow load and timings without changing its output?"""
-        return request.params.sampling.greedy or isinstance(self.rule, GumbelVerify)
+        return request.params.sampling.greedy or getattr(self.rule, "drafter_invariant", False)
 
     def _depths(self, rows: list[Request]) -> list[int]:
         views = []

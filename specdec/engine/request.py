@@ -4,7 +4,7 @@ Legend: K draft length of one step.
 
 A :class:`Request` owns everything that belongs to one generation: the
 engine's scheduler only decides *when* it runs and *where* (its cache slot). Its random stream is
-public randomness keyed by (seed, sequence position) (:mod:`specdec.noise`), so what it emits never
+public randomness keyed by (seed, sequence position) (:mod:`specdec.verify.noise`), so what it emits never
 depends on which other requests share its steps.
 """
 

@@ -10,7 +10,7 @@ back by one call. Rows are grouped only where that cannot change what any row em
 
 - a **cohort** of a batched drafter (``batched_rows = True``: one instance serves any set of rows at
   once, keeps no per-row state, and draws its randomness from the keyed ``noise`` it is given,
-  :mod:`specdec.noise`, stream ``"draft"``): the rows that share a depth and sampling settings are
+  :mod:`specdec.verify.noise`, stream ``"draft"``): the rows that share a depth and sampling settings are
   drafted by one ``propose`` over a G-row :class:`~specdec.protocols.DecodeState`;
 - rows drafted one by one (a drafter instance per request) whose chains share depth, sampling
   settings and the kind of proposal (probabilities or a point mass) are **merged** into one unit
@@ -22,15 +22,14 @@ positions), so grouping never changes a row's tokens.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from specdec.blocks import ChainBlock, TreeBlock, Verdict
 from specdec.protocols import DecodeState, TargetOutput
+from specdec.verify.blocks import ChainBlock, TreeBlock
 
 __all__ = [
     "Unit",
@@ -38,9 +37,6 @@ __all__ = [
     "merge_chains",
     "row_output",
     "slice_output",
-    "row_block",
-    "join_verdicts",
-    "block_on_host",
 ]
 
 
@@ -115,37 +111,3 @@ def slice_output(out: TargetOutput, r0: int, r1: int, T: int | None = None) -> T
 def row_output(out: TargetOutput, i: int, T: int | None = None) -> TargetOutput:
     """Row i of an output, its first T positions (all of them: None)."""
     return slice_output(out, i, i + 1, T)
-
-
-def row_block(block: Any, i: int) -> Any:
-    """Row i of a block (a rule that draws from a generator verifies row by row)."""
-    if isinstance(block, ChainBlock):
-        probs = None if block.draft_probs_BKV is None else block.draft_probs_BKV[i : i + 1]
-        return ChainBlock(block.draft_tokens_BK[i : i + 1], probs)
-    p = block.proposal
-    probs = None if p.draft_probs_BNV is None else p.draft_probs_BNV[i : i + 1]
-    return TreeBlock(dataclasses.replace(p, tokens_BN=p.tokens_BN[i : i + 1], draft_probs_BNV=probs))
-
-
-def join_verdicts(verdicts: list[Verdict]) -> Verdict:
-    """Per-row verdicts as one (tokens padded with −1 to the longest)."""
-    A = max(v.tokens_BA.shape[1] for v in verdicts)
-    tokens = torch.full((len(verdicts), A), -1, dtype=torch.long)
-    for i, v in enumerate(verdicts):
-        tokens[i, : v.tokens_BA.shape[1]] = v.tokens_BA[0]
-    accepted = torch.cat([v.num_accepted_B for v in verdicts])
-    path = None
-    if verdicts[0].path_BA is not None:
-        path = torch.cat([v.path_BA for v in verdicts])
-    return Verdict(tokens, accepted, path)
-
-
-def block_on_host(block: Any) -> Any:
-    """A block with its drafts on the CPU (a rule that runs on the host: one that draws from a
-    generator, whose numbers must not depend on the device)."""
-    if isinstance(block, ChainBlock):
-        probs = None if block.draft_probs_BKV is None else block.draft_probs_BKV.cpu()
-        return ChainBlock(block.draft_tokens_BK.cpu(), probs)
-    p = block.proposal
-    probs = None if p.draft_probs_BNV is None else p.draft_probs_BNV.cpu()
-    return TreeBlock(dataclasses.replace(p, tokens_BN=p.tokens_BN.cpu(), draft_probs_BNV=probs))

@@ -23,7 +23,9 @@ import torch
 
 from specdec.protocols import Drafter, Target
 from specdec.sampling import SamplingParams, sample_from_probs
-from specdec.testing.enumeration import _DRAFT_MODES, VerifyFn, _emitted_length
+from specdec.testing.enumeration import _DRAFT_MODES
+from specdec.testing.keyed import with_generator
+from specdec.testing.probe import VerifyFn, _emitted_length
 from specdec.testing.toy import NextTokenModel
 from specdec.verify import rejection_sample
 
@@ -217,7 +219,8 @@ def sample_output_distribution(
 
     Args:
         verify_fn: the verifier under test (``via="verify"`` only), called as
-            ``verify_fn(target_probs_BKV, draft_tokens_BK, draft_probs_BKV_or_None, generator=g)`` and
+            ``verify_fn(target_probs_BKV, draft_tokens_BK, draft_probs_BKV_or_None, generator=g)`` (a
+            keyed one, with ``noise=``, through :func:`specdec.testing.keyed.with_generator`) and
             returning ``(tokens [B, K+1], num_accepted [B])``; a row emits its tokens before the first -1.
         via: ``"verify"`` (a minimal loop around ``verify_fn``) or ``"generate"`` (the real
             :func:`specdec.generate`; needs ``num_tokens``, and toy models with ``as_target`` /
@@ -286,7 +289,7 @@ def sample_output_distribution(
                 draft,
                 sampling,
                 eos,
-                verify_fn,
+                with_generator(verify_fn),
                 generator,
                 dtype,
             )

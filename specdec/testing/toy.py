@@ -25,9 +25,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from specdec.noise import PositionNoise, sample_keyed
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from specdec.verify.noise import PositionNoise, sample_keyed
 
 __all__ = ["NextTokenModel", "MarkovModel", "PositionalModel", "MarkovTarget", "MarkovDrafter"]
 
@@ -243,7 +243,7 @@ class MarkovDrafter:
     own processed rows (``state.sampling``), or proposes its argmax chain as a point mass.
 
     Stateless, so the engine drafts any set of rows with one instance (``batched_rows``); given
-    ``noise`` (:class:`specdec.noise.PositionNoise`, one seed per row) it draws each token keyed by
+    ``noise`` (:class:`specdec.verify.noise.PositionNoise`, one seed per row) it draws each token keyed by
     its row's seed and output position (stream ``"draft"``), so a row's drafts never depend on the
     rows beside it; else from ``generator``."""
 

@@ -17,9 +17,8 @@ verify call, so these checks are sized for DESIGN_TV = 0.03.
 
 import pytest
 
-import specdec.verify_gumbel
+import specdec.verify.rule
 from specdec import generate
-from specdec.noise import sample_keyed
 from specdec.testing import (
     GoodnessOfFit,
     MarkovModel,
@@ -29,8 +28,8 @@ from specdec.testing import (
     target_sequence_distribution,
     total_variation,
 )
-from specdec.verify import VerifyResult
-from specdec.verify_keyed import rejection_sample_keyed
+from specdec.verify import VerifyResult, rejection_sample
+from specdec.verify.noise import sample_keyed
 
 pytestmark = pytest.mark.statistical
 
@@ -115,11 +114,23 @@ def test_generate_with_ragged_prompts_in_one_batch():
 
 
 def _recovered_from_target(
-    target_probs_BKV, draft_tokens_BK, draft_probs_BKV=None, *, noise, positions_BK, validate=True
+    target_probs_BKV,
+    draft_tokens_BK,
+    draft_probs_BKV=None,
+    *,
+    noise,
+    positions_BK,
+    draft_scale=1.0,
+    validate=True,
 ):
     """Planted bug: the recovered token is drawn from the target row instead of the residual."""
-    tokens, n = rejection_sample_keyed(
-        target_probs_BKV, draft_tokens_BK, draft_probs_BKV, noise=noise, positions_BK=positions_BK
+    tokens, n = rejection_sample(
+        target_probs_BKV,
+        draft_tokens_BK,
+        draft_probs_BKV,
+        noise=noise,
+        positions_BK=positions_BK,
+        draft_scale=draft_scale,
     )
     rows = (n < draft_tokens_BK.shape[1]).nonzero().flatten()
     tokens[rows, n[rows]] = sample_keyed(
@@ -132,7 +143,7 @@ def test_generate_check_rejects_a_planted_verifier_bug(monkeypatch):
     """The loop check can fail: with the engine's verifier swapped for a mutant (test-local patch of
     the name the engine's default keyed ``exact`` rule calls, product code untouched) the same check
     at the same N rejects."""
-    monkeypatch.setattr(specdec.verify_gumbel, "rejection_sample_keyed", _recovered_from_target)
+    monkeypatch.setattr(specdec.verify.rule, "rejection_sample", _recovered_from_target)
     c = CASES["sampled-drafter"]
     expected = target_sequence_distribution(TARGET, num_tokens=3, context=(1, 2), eos_token_ids=(EOS,))
     counts = sample_output_distribution(

@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from specdec.noise import PositionNoise, draft_keyed, sample_keyed
 from specdec.sampling import SamplingParams
 from specdec.testing import (
     GoodnessOfFit,
@@ -45,9 +44,9 @@ from specdec.testing import (
     target_sequence_distribution,
     total_variation,
 )
-from specdec.verify import VerifyResult
-from specdec.verify_gumbel import gumbel_verify
-from specdec.verify_keyed import rejection_sample_keyed
+from specdec.verify import VerifyResult, rejection_sample
+from specdec.verify.gumbel import gumbel_verify
+from specdec.verify.noise import PositionNoise, draft_keyed, sample_keyed
 
 pytestmark = pytest.mark.statistical
 
@@ -202,7 +201,7 @@ def exact_ratio_inverted(target_probs_BKV, draft_tokens_BK, draft_probs_BKV, *, 
             target_probs_BKV, draft_tokens_BK, draft_probs_BKV, noise=noise, positions_BK=positions_BK
         )
     swapped_BKV = torch.cat([draft_probs_BKV, target_probs_BKV[:, K:]], dim=1)
-    _, n_B = rejection_sample_keyed(
+    _, n_B = rejection_sample(
         swapped_BKV, draft_tokens_BK, target_probs_BKV[:, :K], noise=noise, positions_BK=positions_BK
     )
     return _commit_with_real_stop_token(
@@ -215,7 +214,7 @@ def exact_residual_on_sample_stream(
 ):
     """Bug: the recovered token is drawn with the "sample" stream, the one a coupled drafter
     (:func:`draft_keyed`) drew the rejected draft with."""
-    tokens_BK1, n_B = rejection_sample_keyed(
+    tokens_BK1, n_B = rejection_sample(
         target_probs_BKV, draft_tokens_BK, draft_probs_BKV, noise=noise, positions_BK=positions_BK
     )
     K = draft_tokens_BK.shape[1]
@@ -230,7 +229,7 @@ def exact_residual_on_sample_stream(
 
 def exact_bonus_dropped(target_probs_BKV, draft_tokens_BK, draft_probs_BKV, *, noise, positions_BK):
     """Bug: when every draft is accepted, the bonus token is not emitted."""
-    tokens_BK1, n_B = rejection_sample_keyed(
+    tokens_BK1, n_B = rejection_sample(
         target_probs_BKV, draft_tokens_BK, draft_probs_BKV, noise=noise, positions_BK=positions_BK
     )
     K = draft_tokens_BK.shape[1]
@@ -259,7 +258,7 @@ def _commit_with_real_stop_token(
 
 
 def _exact(target_probs_BKV, draft_tokens_BK, draft_probs_BKV, *, noise, positions_BK):
-    return rejection_sample_keyed(
+    return rejection_sample(
         target_probs_BKV, draft_tokens_BK, draft_probs_BKV, noise=noise, positions_BK=positions_BK
     )
 
@@ -346,8 +345,8 @@ MARKOV_4 = dict(target=MarkovModel.random(4, seed=57), drafter=MarkovModel.rando
 )
 def test_one_exact_step_keeps_the_algorithm_1_law(rule, draft, models, exact):
     """Everything one keyed exact step emits (1..γ+1 tokens), against Algorithm 1's law enumerated
-    through the real generator-driven rejection_sample: same acceptance, residual and bonus, whether
-    the drafts are drawn independently or coupled with the target's "sample" stream."""
+    through the real rejection_sample (probed with chosen uniforms): same acceptance, residual and
+    bonus, whether the drafts are drawn independently or coupled with the target's "sample" stream."""
     expected = expected_output_distribution(**models, gamma=2, context=(0,))
     counts = keyed_run(
         **models,

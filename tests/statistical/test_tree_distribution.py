@@ -5,11 +5,11 @@ Two independent checks on a tiny vocabulary (V = 4, an order-2 Markov target and
 peaked Markov drafter, a 6-node tree of depth 2 with 3 candidates at the root):
 
 1. Exact enumeration (``tests/_tree_toys.exact_step_law``, written independently of
-   ``specdec.tree``): the law of one tree step, completed with the target's own continuation,
+   ``specdec.verify.tree``): the law of one tree step, completed with the target's own continuation,
    equals the target's joint to 1e-12, for each way of drawing children with its residual rule;
    a mismatched rule is far off (the enumeration can tell).
 2. Monte-Carlo through the real engine: ``specdec.generate`` with a tree-attention toy target and a
-   toy tree drafter, so the real loop, ``specdec.blocks.TreeBlock``, ``tree_rejection_sample`` and the
+   toy tree drafter, so the real loop, ``specdec.verify.blocks.TreeBlock``, ``tree_rejection_sample`` and the
    KV compaction all run. G-test at false-alarm rate 1e-6 per test. A planted bug (children drawn
    without replacement, verified with the i.i.d. residual) is caught at the same sample size.
 """
@@ -29,7 +29,7 @@ from specdec.testing import (
     target_sequence_distribution,
     total_variation,
 )
-from specdec.tree import TokenTree
+from specdec.verify.token_tree import TokenTree
 
 pytestmark = pytest.mark.statistical
 

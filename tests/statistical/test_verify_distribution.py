@@ -47,8 +47,14 @@ from specdec.testing import (
     sample_output_distribution,
     target_sequence_distribution,
     total_variation,
+    with_generator,
 )
-from specdec.verify import VerifyResult, rejection_sample
+from specdec.verify import VerifyResult
+from specdec.verify import rejection_sample as keyed_rejection_sample
+
+# The rule with each row's seed drawn from the generator it is handed (specdec.testing.with_generator),
+# so the mutants below keep the generator signature of a third party's verifier.
+rejection_sample = with_generator(keyed_rejection_sample)
 
 pytestmark = pytest.mark.statistical
 

@@ -8,7 +8,7 @@ The draft head (:mod:`specdec.drafters.eagle.model`) expands a fixed-shape token
 distribution from its predicted feature, picks its children, and all new nodes that have children
 of their own run through the head in one call with *tree attention* in the head's cache (a node
 sees the committed prefix and its ancestors). The target then verifies the whole tree in one call
-(SpecInfer, arXiv 2305.09781; ``specdec.tree``).
+(SpecInfer, arXiv 2305.09781; ``specdec.verify.tree``).
 
 How children are picked:
 
@@ -38,13 +38,13 @@ from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, EagleDrafter
 from specdec.drafters.eagle.packed import PackedEagleHead
 from specdec.protocols import DecodeState, Proposal, TreeTarget
 from specdec.sampling import logits_to_probs
-from specdec.tree import PRESET_TREES, TokenTree, TreeProposal
+from specdec.verify.token_tree import PRESET_TREES, TokenTree, TreeProposal
 
 __all__ = ["EagleTreeDrafter", "resolve_tree"]
 
 
 def resolve_tree(tree: str | TokenTree | Sequence[Sequence[int]]) -> TokenTree:
-    """A preset name (see ``specdec.tree.PRESET_TREES``), a :class:`TokenTree` or rank paths."""
+    """A preset name (see ``specdec.verify.token_tree.PRESET_TREES``), a :class:`TokenTree` or rank paths."""
     if isinstance(tree, TokenTree):
         return tree
     if isinstance(tree, str):
@@ -61,8 +61,8 @@ class EagleTreeDrafter(EagleDrafter):
         target: a :class:`~specdec.protocols.TreeTarget` that is also a
             :class:`~specdec.protocols.FeatureTarget` (the native Llama target).
         tree: ``"dynamic"`` (default: EAGLE-2's dynamic tree for greedy single-row runs, the static
-            ``"small"`` preset otherwise), a preset name (``specdec.tree.PRESET_TREES``), a
-            :class:`specdec.tree.TokenTree` or rank paths.
+            ``"small"`` preset otherwise), a preset name (``specdec.verify.token_tree.PRESET_TREES``), a
+            :class:`specdec.verify.token_tree.TokenTree` or rank paths.
         tree_nodes, tree_width: the dynamic tree's draft nodes (at most) and its beam width per depth.
         tree_min_prob: the dynamic tree keeps only nodes whose cumulative draft probability (the
             head's estimate that the target accepts the node) is at least this, and stops expanding

@@ -16,7 +16,7 @@ Streams (independent families of numbers at the same position):
 - ``"residual"``: sampling the recovered token from the residual at a position;
 - ``"draft"``: a drafter's own sampling, independent of the target's;
 - ``"tree"``: the acceptance uniforms of a token tree's nodes (keyed by the block's root position
-  and the node, :func:`specdec.tree.tree_rejection_sample`).
+  and the node, :func:`specdec.verify.tree.tree_rejection_sample`).
 
 **Generator.** A counter-based hash, SplitMix64's output function (Steele, Lea and Flood 2014,
 "Fast splittable pseudorandom number generators"; the finaliser of Stafford's "Mix13") in int64

@@ -3,14 +3,14 @@
 Legend: B batch, K draft length, N tree nodes (node 0 is the root), T block length, A committed
 path length (accepted tokens + 1), V vocabulary, D hidden size.
 
-Every step of the loop (``specdec.loop``) goes the same way through a block:
+Every engine step (:mod:`specdec.engine.decode`) goes the same way through a block:
 
 1. ``tokens_BT(root_B)`` and ``forward_kwargs``: the block the target runs at slots
    ``lengths_B - 1 ...`` (a chain ``[root, d_1..d_K]``, or a tree's nodes with its ancestor mask
    and depths);
 2. ``verify(rule, logits_BTV, ...)``: the verification rule's :class:`Verdict`, the committed
-   tokens per row (the block only calls the rule: :func:`specdec.verify_rules.verify_chain` /
-   :func:`~specdec.verify_rules.verify_tree`; greedy shortcuts and tree policies are the rule's);
+   tokens per row (the block only calls the rule: :func:`specdec.verify.registry.verify_chain` /
+   :func:`~specdec.verify.registry.verify_tree`; greedy shortcuts and tree policies are the rule's);
 3. ``settle(target, out, verdict, start_B, lengths_B)``: the cache made to read like the committed
    text (a chain needs nothing; a tree's accepted path is compacted into chain order) and rolled
    back to ``lengths_B - 1``; returns the verify output along the committed path, which the
@@ -30,8 +30,9 @@ import torch
 
 from specdec.protocols import Proposal, TargetOutput, TreeTarget
 from specdec.sampling import SamplingParams
-from specdec.tree import TreeProposal
-from specdec.verify_rules import VerifyRule, verify_chain, verify_tree
+from specdec.verify.contract import VerifyRule
+from specdec.verify.registry import verify_chain, verify_tree
+from specdec.verify.token_tree import TreeProposal
 
 __all__ = ["Verdict", "ChainBlock", "TreeBlock", "make_block"]
 
@@ -73,7 +74,6 @@ class ChainBlock:
         rule: VerifyRule,
         logits_BTV: torch.Tensor,
         sampling: SamplingParams,
-        generator: torch.Generator | None,
         **rule_kwargs: Any,
     ) -> Verdict:
         result = verify_chain(
@@ -82,8 +82,7 @@ class ChainBlock:
             self.draft_tokens_BK.to(logits_BTV.device),
             _to(self.draft_probs_BKV, logits_BTV.device),
             sampling=sampling,
-            generator=generator,
-            validate=False,  # the loop checked the proposal (specdec.checks) and the logits
+            validate=False,  # the engine checked the proposal (specdec.checks) and the logits
             **rule_kwargs,
         )
         return Verdict(result.tokens, result.num_accepted)
@@ -140,14 +139,13 @@ class TreeBlock:
         rule: VerifyRule,
         logits_BTV: torch.Tensor,
         sampling: SamplingParams,
-        generator: torch.Generator | None,
         **rule_kwargs: Any,
     ) -> Verdict:
         device = logits_BTV.device
         p = self.proposal
         if p.tokens_BN.device != device:  # drafts from the host, verified where the logits are
             p = replace(p, tokens_BN=p.tokens_BN.to(device), draft_probs_BNV=_to(p.draft_probs_BNV, device))
-        result = verify_tree(rule, logits_BTV, p, sampling=sampling, generator=generator, **rule_kwargs)
+        result = verify_tree(rule, logits_BTV, p, sampling=sampling, **rule_kwargs)
         num_accepted_B = result.num_accepted.to(device)
         # The root and the accepted nodes, in path order; past a row's acceptance, repeat its last
         # accepted node (what lands there is beyond the row's new length: stale, never read).

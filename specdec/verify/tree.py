@@ -1,4 +1,4 @@
-"""Token trees: their structure, tree attention, and exact multi-candidate verification.
+"""Verification of token trees (:mod:`specdec.verify.token_tree`): exact multi-candidate rejection sampling.
 
 Legend: B batch, N tree nodes (node 0 is the root: the last committed token), V vocabulary,
 D hidden size, A accepted path length + 1.
@@ -39,223 +39,23 @@ depend on the drawn tokens of the node being verified): otherwise "c_i ~ draft_p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import cached_property, lru_cache
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from specdec.host_sync import avoids_host
-from specdec.noise import PositionNoise, sample_keyed, sample_with_keys
-from specdec.sampling import sample_from_probs
+from specdec.verify.noise import PositionNoise, sample_keyed, sample_with_keys
+from specdec.verify.token_tree import TokenTree
 
 __all__ = [
-    "TokenTree",
-    "TreeProposal",
     "TreeVerifyResult",
     "tree_walk_fixed",
+    "check_tree_inputs",
     "tree_rejection_sample",
     "tree_greedy_verify",
     "tree_greedy_walk",
-    "PRESET_TREES",
 ]
-
-
-@dataclass(frozen=True)
-class TokenTree:
-    """A rooted tree of draft positions in topological order.
-
-    ``parents[i]`` is node i's parent (``parents[0] == -1``; ``parents[i] < i``). A node's children
-    are its candidates in drawing order (``children[i]``, sorted by node index). Build one with
-    :meth:`from_paths` (Medusa/EAGLE-style rank paths), :meth:`chain` or :meth:`from_branching`.
-    """
-
-    parents: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        p = self.parents
-        if not p or p[0] != -1:
-            raise ValueError(f"parents must start with -1 (the root), got {list(p[:3])}")
-        for i, q in enumerate(p[1:], start=1):
-            if not 0 <= q < i:
-                raise ValueError(f"parents[{i}] = {q}: every node's parent must be an earlier node")
-
-    # --- constructors -------------------------------------------------------------------------
-    @classmethod
-    def chain(cls, k: int) -> TokenTree:
-        """A chain of ``k`` draft tokens (the chain drafter's shape)."""
-        if k < 0:
-            raise ValueError(f"k must be >= 0, got {k}")
-        return cls(tuple(range(-1, k)))
-
-    @classmethod
-    def from_paths(cls, paths: Sequence[Sequence[int]]) -> TokenTree:
-        """From rank paths: ``(0, 1)`` is the 2nd candidate of the root's 1st candidate.
-
-        Every prefix of a path must be a path too, and a node's candidate ranks must be 0..k−1.
-        Nodes are ordered by depth, then lexicographically (so siblings come in rank order).
-        """
-        norm = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
-        if any(len(p) == 0 or min(p) < 0 for p in norm):
-            raise ValueError("paths must be non-empty sequences of ranks >= 0")
-        index = {(): 0}
-        parents = [-1]
-        for p in norm:
-            if p[:-1] not in index:
-                raise ValueError(f"path {list(p)} has no parent path {list(p[:-1])}")
-            if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in index:
-                raise ValueError(f"path {list(p)}: rank {p[-1]} needs rank {p[-1] - 1} beside it")
-            index[p] = len(parents)
-            parents.append(index[p[:-1]])
-        return cls(tuple(parents))
-
-    @classmethod
-    def from_branching(cls, branching: Sequence[int]) -> TokenTree:
-        """A tree whose best (rank-0) path has ``branching[d]`` candidates at depth d, and whose other
-        candidates are leaves: e.g. ``[4, 2, 2, 1]`` (EAGLE-like "expand the top path")."""
-        paths, best = [], ()
-        for k in branching:
-            if k < 1:
-                raise ValueError(f"branching entries must be >= 1, got {list(branching)}")
-            paths += [best + (r,) for r in range(k)]
-            best = best + (0,)
-        return cls.from_paths(paths)
-
-    # --- derived ---------------------------------------------------------------------------------
-    @property
-    def num_nodes(self) -> int:
-        return len(self.parents)
-
-    @cached_property
-    def depth(self) -> tuple[int, ...]:
-        d = [0] * self.num_nodes
-        for i in range(1, self.num_nodes):
-            d[i] = d[self.parents[i]] + 1
-        return tuple(d)
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.depth)
-
-    @cached_property
-    def children(self) -> tuple[tuple[int, ...], ...]:
-        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
-        for i in range(1, self.num_nodes):
-            kids[self.parents[i]].append(i)
-        return tuple(tuple(k) for k in kids)
-
-    @cached_property
-    def main_path(self) -> tuple[int, ...]:
-        """Nodes of the first-candidate path below the root (a valid chain proposal)."""
-        path, node = [], 0
-        while self.children[node]:
-            node = self.children[node][0]
-            path.append(node)
-        return tuple(path)
-
-    @cached_property
-    def _children_table(self) -> torch.Tensor:
-        width = max(1, max(len(k) for k in self.children))
-        table = torch.full((self.num_nodes, width), -1, dtype=torch.long)
-        for i, kids in enumerate(self.children):
-            if kids:
-                table[i, : len(kids)] = torch.tensor(kids, dtype=torch.long)
-        return table
-
-    def children_table(self, device: Any = None) -> torch.Tensor:
-        """``[N, C]`` long: node i's children in candidate order, −1 padded."""
-        return self._children_table.to(device)
-
-    @cached_property
-    def _ancestor_mask(self) -> torch.Tensor:
-        n = self.num_nodes
-        m = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            j = i
-            while j >= 0:
-                m[i, j] = True
-                j = self.parents[j]
-        return m
-
-    def truncate(self, max_depth: int, max_nodes: int | None = None) -> TokenTree:
-        """The nodes of depth ≤ ``max_depth``, then the first ``max_nodes`` of them (a prefix of a
-        topological order is still a tree, and siblings keep their first ranks)."""
-        return _truncate(self, max_depth, self.num_nodes if max_nodes is None else max(1, max_nodes))
-
-    def ancestor_mask(self, device: Any = None) -> torch.Tensor:
-        """``[N, N]`` bool: node i may attend node j iff j is i or an ancestor of i."""
-        return self._ancestor_mask.to(device)
-
-    def depth_tensor(self, device: Any = None) -> torch.Tensor:
-        return torch.tensor(self.depth, dtype=torch.long, device=device)
-
-    def nodes_at_depth(self, d: int) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_nodes) if self.depth[i] == d)
-
-
-@lru_cache(maxsize=256)
-def _truncate(tree: TokenTree, max_depth: int, max_nodes: int) -> TokenTree:
-    keep = [i for i in range(tree.num_nodes) if tree.depth[i] <= max_depth][:max_nodes]
-    if len(keep) == tree.num_nodes:
-        return tree
-    index = {old: new for new, old in enumerate(keep)}
-    return TokenTree(tuple(-1 if i == 0 else index[tree.parents[i]] for i in keep))
-
-
-PRESET_TREES: dict[str, list[tuple[int, ...]]] = {
-    # 11 draft nodes, depth 6: a block of 12 tokens, which costs the target about as much as 8 on
-    # a CPU (the packed matmul reads the weights once for up to 12 rows). Wide near the root.
-    "small": [
-        (0,),
-        (1,),
-        (2,),
-        (0, 0),
-        (0, 1),
-        (1, 0),
-        (0, 0, 0),
-        (0, 0, 1),
-        (0, 0, 0, 0),
-        (0, 0, 0, 0, 0),
-        (0, 0, 0, 0, 0, 0),
-    ],
-    # 16 draft nodes, depth 7.
-    "medium": [
-        (0,),
-        (1,),
-        (2,),
-        (0, 0),
-        (0, 1),
-        (1, 0),
-        (0, 0, 0),
-        (0, 0, 1),
-        (0, 1, 0),
-        (0, 0, 0, 0),
-        (0, 0, 0, 1),
-        (0, 0, 0, 0, 0),
-        (0, 0, 0, 0, 1),
-        (0, 0, 0, 0, 0, 0),
-        (0, 0, 0, 0, 0, 1),
-        (0, 0, 0, 0, 0, 0, 0),
-    ],
-}
-"""Named tree shapes as rank paths (see :meth:`TokenTree.from_paths`)."""
-
-
-@dataclass
-class TreeProposal:
-    """A drafter's tree for every row (same shape, per-row tokens).
-
-    ``tokens_BN``: node tokens (node 0 is the root: the last committed token, filled by the
-    verifier). ``draft_probs_BNV``: per node, the full-vocabulary distribution its children were
-    drawn from (float32, processed by ``logits_to_probs``), or None for deterministic candidates.
-    ``replacement``: children drawn i.i.d. (True) or without replacement (False).
-    """
-
-    tree: TokenTree
-    tokens_BN: torch.Tensor
-    draft_probs_BNV: torch.Tensor | None = None
-    replacement: bool = False
 
 
 class TreeVerifyResult(NamedTuple):
@@ -274,6 +74,39 @@ def _normalise_rows(x_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(ok_B1, x_BV / torch.where(ok_B1, s_B1, torch.ones_like(s_B1)), x_BV), ok_B1.squeeze(-1)
 
 
+def check_tree_inputs(
+    target_BNV: torch.Tensor,
+    tree: TokenTree,
+    tokens_BN: torch.Tensor,
+    draft_probs_BNV: torch.Tensor | None = None,
+    *,
+    probabilities: bool = True,
+) -> None:
+    """``ValueError`` unless ``target_BNV`` is ``[B, N, V]`` for the tree's N nodes, ``tokens_BN``
+    ``[B, N]`` in ``[0, V)`` (node 0 aside) and ``draft_probs_BNV`` None or ``[B, N, V]``; with
+    ``probabilities`` (not logits), also unless both are non-negative and free of NaN."""
+    N = tree.num_nodes
+    if (
+        target_BNV.ndim != 3
+        or target_BNV.shape[1] != N
+        or tuple(tokens_BN.shape) != tuple(target_BNV.shape[:2])
+    ):
+        raise ValueError(
+            f"tree has {N} nodes: the target tensor must be [B, {N}, V] and tokens_BN [B, {N}], got "
+            f"{tuple(target_BNV.shape)}, {tuple(tokens_BN.shape)}"
+        )
+    if draft_probs_BNV is not None and draft_probs_BNV.shape != target_BNV.shape:
+        raise ValueError(
+            f"draft_probs_BNV must be [B, N, V]={tuple(target_BNV.shape)}, got {tuple(draft_probs_BNV.shape)}"
+        )
+    V = target_BNV.shape[-1]
+    if tokens_BN[:, 1:].numel() and (int(tokens_BN[:, 1:].min()) < 0 or int(tokens_BN[:, 1:].max()) >= V):
+        raise ValueError(f"tokens_BN must lie in [0, V={V})")
+    for name, probs in (("target_probs_BNV", target_BNV), ("draft_probs_BNV", draft_probs_BNV)):
+        if probabilities and probs is not None and (torch.isnan(probs).any() or (probs < 0).any()):
+            raise ValueError(f"{name} must be non-negative and free of NaN")
+
+
 _KEYS_PER_ROOT = 1 << 16
 """Keys of the ``"tree"`` stream per root position: a tree has fewer nodes."""
 
@@ -285,10 +118,10 @@ def tree_rejection_sample(
     draft_probs_BNV: torch.Tensor | None = None,
     *,
     replacement: bool = False,
-    generator: torch.Generator | None = None,
-    validate: bool = True,
     noise: PositionNoise | None = None,
     positions_BN: torch.Tensor | None = None,
+    draft_scale: float = 1.0,
+    validate: bool = True,
 ) -> TreeVerifyResult:
     """Multi-candidate recursive rejection sampling down a token tree (see the module docstring).
 
@@ -298,15 +131,17 @@ def tree_rejection_sample(
         draft_probs_BNV: per node, the distribution its children were drawn from, or None
             (deterministic candidates).
         replacement: children drawn i.i.d. (SpecInfer) or without replacement (RSD).
-        generator: source of randomness (the same seed gives the same tokens).
-        noise, positions_BN: keyed randomness instead (:mod:`specdec.noise`; the engine's): node i of
-            row b decides sequence position ``positions_BN[b, i]``. Node i's acceptance uniform is
+        noise, positions_BN: the rows' keyed randomness (:mod:`specdec.verify.noise`): node i of row b
+            decides sequence position ``positions_BN[b, i]``. Node i's acceptance uniform is
             keyed by the root's position and i (stream ``"tree"``; each step's root position is new),
             the recovered or bonus token by the position it fills (stream ``"residual"``), so a row's
             tokens depend on its own seed only.
+        draft_scale: the acceptance hook l: the draft measure is scaled by l, so that c_i is accepted
+            with probability min(1, r(c_i) / (l · draft_i(c_i))) and a rejection leaves
+            norm(max(r − l · draft_i, 0)); 1 is exact (``lenient``: :mod:`specdec.verify.lenient`).
 
     Rows advance in lock step, one tree depth at a time, trying their current node's candidates in
-    order. With ``noise`` on an accelerator (:func:`specdec.host_sync.avoids_host`) the walk has a
+    order. On an accelerator (:func:`specdec.host_sync.avoids_host`) the walk has a
     fixed shape: no early exit once every row has stopped, and the recovered or bonus token drawn
     for every row at every depth and kept where a row stops (the same tokens: a row's keyed draw
     reads only its own weights and key), so it never reads the host.
@@ -317,22 +152,7 @@ def tree_rejection_sample(
     B, N, V = target_probs_BNV.shape
     device = target_probs_BNV.device
     if validate:
-        if N != tree.num_nodes or tuple(tokens_BN.shape) != (B, N):
-            raise ValueError(
-                f"tree has {tree.num_nodes} nodes: target_probs_BNV must be [B, {tree.num_nodes}, V] and "
-                f"tokens_BN [B, {tree.num_nodes}], got {tuple(target_probs_BNV.shape)}, "
-                f"{tuple(tokens_BN.shape)}"
-            )
-        if draft_probs_BNV is not None and draft_probs_BNV.shape != target_probs_BNV.shape:
-            raise ValueError(
-                f"draft_probs_BNV must be [B, N, V]={tuple(target_probs_BNV.shape)}, got "
-                f"{tuple(draft_probs_BNV.shape)}"
-            )
-        if tokens_BN[:, 1:].numel() and (tokens_BN[:, 1:].min() < 0 or tokens_BN[:, 1:].max() >= V):
-            raise ValueError(f"tokens_BN must lie in [0, V={V})")
-        for name, probs in (("target_probs_BNV", target_probs_BNV), ("draft_probs_BNV", draft_probs_BNV)):
-            if probs is not None and (torch.isnan(probs).any() or (probs < 0).any()):
-                raise ValueError(f"{name} must be non-negative and free of NaN")
+        check_tree_inputs(target_probs_BNV, tree, tokens_BN, draft_probs_BNV)
     work = torch.float64 if target_probs_BNV.dtype == torch.float64 else torch.float32
     tokens_BN = tokens_BN.to(device=device, dtype=torch.long)
     kids_NC = tree.children_table(device)  # [N, max children], −1 padded
@@ -342,17 +162,14 @@ def tree_rejection_sample(
     out_nodes = torch.full((B, A), -1, dtype=torch.long, device=device)
     num_accepted = torch.zeros(B, dtype=torch.long, device=device)
     # One uniform per node (each node is a candidate of exactly one parent), drawn up front.
-    if noise is not None:
-        if positions_BN is None or tuple(positions_BN.shape) != (B, N):
-            raise ValueError(f"noise needs positions_BN of shape [{B}, {N}]")
-        positions_BN = positions_BN.to(device=device, dtype=torch.long)
-        keys_BN = positions_BN[:, :1] * _KEYS_PER_ROOT + torch.arange(N, device=device)
-        u_BN = noise.uniform_BK(keys_BN, "tree", dtype=work, validate=validate)
-    else:
-        u_BN = torch.rand((B, N), generator=generator, device=device, dtype=work)
+    if noise is None or not isinstance(positions_BN, torch.Tensor) or tuple(positions_BN.shape) != (B, N):
+        raise ValueError(f"tree rejection sampling needs noise= and positions_BN= of shape [{B}, {N}]")
+    positions_BN = positions_BN.to(device=device, dtype=torch.long)
+    keys_BN = positions_BN[:, :1] * _KEYS_PER_ROOT + torch.arange(N, device=device)
+    u_BN = noise.uniform_BK(keys_BN, "tree", dtype=work, validate=validate)
     node_B = torch.zeros(B, dtype=torch.long, device=device)
     live_B = torch.ones(B, dtype=torch.bool, device=device)
-    fixed = noise is not None and avoids_host(target_probs_BNV)  # no host read (docstring)
+    fixed = avoids_host(target_probs_BNV)  # no host read (docstring)
     for depth in range(A):
         target_BV = target_probs_BNV[rows_B, node_B].to(work)
         draft_BV = None if draft_probs_BNV is None else draft_probs_BNV[rows_B, node_B].to(work)
@@ -366,14 +183,14 @@ def tree_rejection_sample(
             x_B1 = tokens_BN[rows_B, c_B].unsqueeze(1)
             p_x_B = target_BV.gather(1, x_B1).squeeze(1)
             q_x_B = torch.ones_like(p_x_B) if draft_BV is None else draft_BV.gather(1, x_B1).squeeze(1)
-            # u < p/q  <=>  u·q < p: accepted with probability min(1, p/q); q(x) = 0 is rejected.
-            accept_B = trying_B & (q_x_B > 0) & (u_BN[rows_B, c_B] * q_x_B < p_x_B)
+            # u < p/(l·q)  <=>  u·l·q < p: accepted with probability min(1, p/(l·q)); q(x) = 0 is rejected.
+            accept_B = trying_B & (q_x_B > 0) & (u_BN[rows_B, c_B] * (draft_scale * q_x_B) < p_x_B)
             chosen_B = torch.where(accept_B, c_B, chosen_B)
             reject_B1 = (trying_B & ~accept_B).unsqueeze(1)
-            if draft_BV is None:  # point mass: the residual is the target without x
+            if draft_BV is None:  # point mass: a rejected x had p(x) < l, so the residual is p without x
                 residual_BV = target_BV.scatter(1, x_B1, 0.0)
             else:
-                residual_BV = (target_BV - draft_BV).clamp_(min=0.0)
+                residual_BV = (target_BV - draft_scale * draft_BV).clamp_(min=0.0)
             residual_BV, ok_B = _normalise_rows(residual_BV)
             # Zero residual mass needs target ≤ draft everywhere (target == draft, accepted surely):
             # only rounding gets there; such rows keep their current target.
@@ -385,22 +202,19 @@ def tree_rejection_sample(
                 draft_BV = torch.where(reject_B1, removed_BV, draft_BV)
         finish_B = live_B & (chosen_B < 0)
         if fixed:
-            keys_B = noise.keys(positions_BN[rows_B, node_B], "residual", validate=False)  # type: ignore[union-attr,index]
+            keys_B = noise.keys(positions_BN[rows_B, node_B], "residual", validate=False)
             final_B = sample_with_keys(target_BV.float(), keys_B)
             out_tokens[:, depth] = torch.where(finish_B, final_B, out_tokens[:, depth])
             num_accepted = torch.where(finish_B, depth, num_accepted)
         elif bool(finish_B.any()):
             # Recovered token (all candidates rejected) or bonus token (a leaf).
-            if noise is None:
-                final_B = sample_from_probs(target_BV[finish_B].float(), generator)
-            else:
-                at_B = finish_B.nonzero().flatten()
-                final_B = sample_keyed(
-                    target_BV[finish_B].float(),
-                    noise.select(at_B),
-                    positions_BN[at_B, node_B[at_B]],  # type: ignore[index]
-                    stream="residual",
-                )
+            at_B = finish_B.nonzero().flatten()
+            final_B = sample_keyed(
+                target_BV[finish_B].float(),
+                noise.select(at_B),
+                positions_BN[at_B, node_B[at_B]],
+                stream="residual",
+            )
             out_tokens[finish_B, depth] = final_B
             num_accepted[finish_B] = depth
         go_B = live_B & (chosen_B >= 0)
