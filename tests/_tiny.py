@@ -1,12 +1,15 @@
-"""Tiny offline models for tests: a byte-level tokenizer and random-init Llama checkpoints.
+"""Tiny offline models for tests: a byte-level tokenizer and random-init Llama checkpoints (safetensors or
+GGUF).
 
 Nothing here downloads anything; a checkpoint is a few hundred KB and builds in well under a second.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 CHAT_TEMPLATE = (
@@ -89,6 +92,84 @@ def save_tiny_checkpoint(path: Path, *, tokenizer=None, **model_options) -> Path
     path = Path(path)
     tiny_llama(**model_options).save_pretrained(path, safe_serialization=True)
     (tokenizer if tokenizer is not None else byte_tokenizer()).save_pretrained(path)
+    return path
+
+
+# transformers' Llama state-dict names -> llama.cpp's GGUF tensor names (per layer, and the rest).
+GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+
+
+def llama_cpp_rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's row order of a q or k projection (transformers' GGUF loader undoes it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(
+    path: Path,
+    model,
+    *,
+    vocab: Callable,
+    context_length: int,
+    tied: bool = False,
+    drop: tuple[str, ...] = (),
+    replace: dict | None = None,
+    kind: Callable | None = None,
+) -> Path:
+    """``model`` (a ``transformers`` Llama) as a GGUF file at ``path``, in llama.cpp's layout: its tensor
+    names and its rotary row order for q and k. ``vocab(writer)`` writes the tokenizer metadata;
+    ``tied`` leaves out the LM head; tensors named in ``drop`` are left out and those in ``replace``
+    (GGUF name -> float array) written instead of the model's; ``kind(name, array)`` is a tensor's
+    GGML type (default F32)."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    replace = replace or {}
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(context_length)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    vocab(w)
+    names = dict(GGUF_TOP_NAMES) if tied else {**GGUF_TOP_NAMES, "lm_head.weight": "output.weight"}
+    for key, value in model.state_dict().items():
+        if key.startswith("model.layers."):
+            layer, rest = key.removeprefix("model.layers.").split(".", 1)
+            name = f"blk.{layer}.{GGUF_LAYER_NAMES[rest]}"
+        elif key in names:
+            name = names[key]
+        else:
+            continue
+        if name in drop:
+            continue
+        a = replace.get(name, value.float().numpy())
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            a = llama_cpp_rotary_rows(a, c.num_attention_heads if "attn_q" in name else c.num_key_value_heads)
+        qtype = Q.F32 if kind is None else kind(name, a)
+        if qtype == Q.F32:
+            w.add_tensor(name, a.astype(np.float32))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a.astype(np.float32), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return path
 
 
