@@ -93,6 +93,17 @@ def test_the_product_is_the_dequantised_weight_times_the_dequantised_activations
         _close(pg.packed_linear(x, rows.pack(isa, act8=True)), want.float())
 
 
+def _fused_options(fused: str, O: int, I: int, gen: torch.Generator) -> tuple[dict, torch.Tensor | None]:
+    """The keyword arguments of the transform ``fused`` names (RMSNorm weights, SwiGLU), and a bias
+    for ``bias+residual``."""
+    kw = {}
+    if fused == "norm":
+        kw = {"norm_weight_I": torch.rand(I, generator=gen) + 0.5, "norm_eps": 1e-5}
+    elif fused == "swiglu":
+        kw = {"swiglu": True}
+    return kw, torch.randn(O, generator=gen) if fused == "bias+residual" else None
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["int8", "Q4_1"])
 @pytest.mark.parametrize("fused", ["plain", "bias+residual", "norm", "swiglu"])
@@ -102,12 +113,7 @@ def test_a_rows_output_does_not_depend_on_the_other_rows(isa, fmt, fused):
     O, I = 200, 128
     packed = _rows(fmt, O, I, gen).pack(isa, act8=True)
     width = 2 * I if fused == "swiglu" else I
-    kw = {}
-    if fused == "norm":
-        kw = {"norm_weight_I": torch.rand(I, generator=gen) + 0.5, "norm_eps": 1e-5}
-    elif fused == "swiglu":
-        kw = {"swiglu": True}
-    bias = torch.randn(O, generator=gen) if fused == "bias+residual" else None
+    kw, bias = _fused_options(fused, O, I, gen)
     x_1I = torch.randn(1, width, generator=gen)
     res_1O = torch.randn(1, O, generator=gen)
 
@@ -137,12 +143,7 @@ def test_fused_transforms_equal_the_pytorch_backend(isa, fused, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     O, I = 70, 96
     rows = quantize_int4(torch.randn(O, I, generator=gen), 32)
-    kw = {}
-    if fused == "norm":
-        kw = {"norm_weight_I": torch.rand(I, generator=gen) + 0.5, "norm_eps": 1e-5}
-    elif fused == "swiglu":
-        kw = {"swiglu": True}
-    bias = torch.randn(O, generator=gen) if fused == "bias+residual" else None
+    kw, bias = _fused_options(fused, O, I, gen)
     fast = pack_linear(rows, bias, backend="packed", act8=True, **kw)
     slow = pack_linear(rows, bias, backend="reference", act8=True, **kw)
     assert fast.packed_weight.isa == isa and fast.format == "q4a8"
