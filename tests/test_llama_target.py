@@ -17,7 +17,7 @@ import torch
 from _reference import SMOLLM2_NEW_TOKENS as N
 
 from specdec.protocols import Target
-from specdec.targets.linear import LINEAR_BACKENDS, pack_linear
+from specdec.targets.linear import LINEAR_BACKENDS, PackedLinear
 from specdec.targets.llama import LlamaTarget
 
 ATOL = 1e-4
@@ -203,9 +203,9 @@ def test_linear_backends_match_reference_on_odd_shapes(dtype, fused):
     if fused == "swiglu":
         kw = {"swiglu": True}
     width = 2 * I if fused == "swiglu" else I
-    ref = pack_linear(w, bias, backend="reference", dtype=dtype, **kw)
+    ref = PackedLinear(w, bias, backend="reference", dtype=dtype, **kw)
     for backend in sorted(LINEAR_BACKENDS):
-        lin = pack_linear(w, bias, backend=backend, dtype=dtype, **kw)
+        lin = PackedLinear(w, bias, backend=backend, dtype=dtype, **kw)
         for M in (1, 2, 5, 12, 13, 30):
             x = torch.randn(M, width, generator=g)
             residual = torch.randn(M, O, generator=g) if fused == "bias+residual" else None

@@ -137,15 +137,15 @@ def test_fused_transforms_equal_the_pytorch_backend(isa, fused, monkeypatch):
     """``PackedLinear`` with act8: the packed kernel against the ``reference`` backend (the oracle with
     PyTorch's RMSNorm and SiLU). SiLU differs in the last bits (the kernel's own exp), which can move
     an activation across a rounding boundary: the tolerance allows one quantisation step there."""
-    from specdec.targets.linear import pack_linear
+    from specdec.targets.linear import PackedLinear
 
     monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
     gen = torch.Generator().manual_seed(5)
     O, I = 70, 96
     rows = quantize_int4(torch.randn(O, I, generator=gen), 32)
     kw, bias = _fused_options(fused, O, I, gen)
-    fast = pack_linear(rows, bias, backend="packed", act8=True, **kw)
-    slow = pack_linear(rows, bias, backend="reference", act8=True, **kw)
+    fast = PackedLinear(rows, bias, backend="packed", act8=True, **kw)
+    slow = PackedLinear(rows, bias, backend="reference", act8=True, **kw)
     assert fast.packed_weight.isa == isa and fast.format == "q4a8"
     for M in (1, 6, 30):
         x = torch.randn(M, 2 * I if fused == "swiglu" else I, generator=gen) * 3
@@ -172,10 +172,10 @@ def test_bad_input_raises_valueerror():
         quantize_activations(torch.randn(2, 64), 48)
     with pytest.raises(ValueError, match="x_MI"):
         pg.quantize_a8(torch.randn(2, 64).double(), 32)
-    from specdec.targets.linear import pack_linear
+    from specdec.targets.linear import PackedLinear
 
     with pytest.raises(ValueError, match="act8"):
-        pack_linear(torch.randn(8, 64), act8=True)
+        PackedLinear(torch.randn(8, 64), act8=True)
 
 
 @pytest.mark.slow  # compiles the source for every ISA path: ~50 s on 2 busy cores
