@@ -126,6 +126,15 @@ def _options(tiny, drafter: str) -> dict:
     return {"weights": str(tiny["weights"]), **stops.get(drafter, {})}
 
 
+def _generate(tiny, rows: list[list[int]], drafter: str, options: dict | None = None, **sampling):
+    """``specdec.generate`` on the tiny target with ``drafter`` over the tiny head (:func:`_options`,
+    then ``options``), EOS ignored."""
+    options = {**_options(tiny, drafter), **(options or {})}
+    return specdec.generate(
+        tiny["target"], rows, drafter=drafter, drafter_options=options, ignore_eos=True, **sampling
+    )
+
+
 def test_training_learns_the_targets_next_tokens(tiny):
     accuracy = tiny["accuracy"]
     assert accuracy[0] < 0.1 and min(accuracy[-10:]) > 0.3
@@ -281,11 +290,9 @@ def test_prev_token_unrolled_training_equals_inference_drafting(tiny_prev, step)
 @pytest.mark.parametrize("drafter", ["eagle", "eagle-tree", "ngram-eagle"])
 def test_prev_token_head_greedy_equals_plain_decoding_ragged_batch(tiny_prev, drafter):
     target, prompts = tiny_prev["target"], _prompts()
-    kw = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
-    ref = specdec.generate(target, prompts, drafter="none", **kw)
-    out = specdec.generate(
-        target, prompts, drafter=drafter, drafter_options=_options(tiny_prev, drafter), gamma=4, **kw
-    )
+    kw = {"max_new_tokens": 24, "temperature": 0.0}
+    ref = specdec.generate(target, prompts, drafter="none", ignore_eos=True, **kw)
+    out = _generate(tiny_prev, prompts, drafter, gamma=4, **kw)
     assert out.token_ids == ref.token_ids
     assert out.metrics.num_accepted > 0
 
@@ -483,29 +490,11 @@ def test_greedy_equals_plain_decoding_ragged_batch(tiny, drafter):
     ref = specdec.generate(
         target, prompts, drafter="none", max_new_tokens=30, temperature=0.0, ignore_eos=True
     )
-    out = specdec.generate(
-        target,
-        prompts,
-        drafter=drafter,
-        drafter_options=_options(tiny, drafter),
-        max_new_tokens=30,
-        temperature=0.0,
-        gamma=4,
-        ignore_eos=True,
-    )
+    out = _generate(tiny, prompts, drafter, max_new_tokens=30, temperature=0.0, gamma=4)
     assert out.token_ids == ref.token_ids
     assert out.metrics.num_accepted > 0  # the trained tiny head is right some of the time
     for b, p in enumerate(prompts):  # each row alone: same tokens
-        single = specdec.generate(
-            target,
-            [p],
-            drafter=drafter,
-            drafter_options=_options(tiny, drafter),
-            max_new_tokens=30,
-            temperature=0.0,
-            gamma=4,
-            ignore_eos=True,
-        )
+        single = _generate(tiny, [p], drafter, max_new_tokens=30, temperature=0.0, gamma=4)
         assert single.token_ids[0] == ref.token_ids[b]
 
 
@@ -520,19 +509,10 @@ def test_greedy_equals_plain_decoding_ragged_batch(tiny, drafter):
 def test_confidence_stop_keeps_greedy_output_and_drafts_less(tiny, drafter, options):
     """The confidence stop (chain) and the tree's probability floor change only what is drafted.
     (The tiny head is unsure, its top probabilities ~1/200, hence the low thresholds.)"""
-    target, prompts = tiny["target"], _prompts()
+    prompts = _prompts()
 
     def run(rows, opts):
-        return specdec.generate(
-            target,
-            rows,
-            drafter=drafter,
-            drafter_options={**_options(tiny, drafter), **opts},
-            max_new_tokens=30,
-            temperature=0.0,
-            gamma=4,
-            ignore_eos=True,
-        )
+        return _generate(tiny, rows, drafter, opts, max_new_tokens=30, temperature=0.0, gamma=4)
 
     # Batched (the chain stops when every row is unsure) and one row (the dynamic tree's only case).
     for rows in (prompts, prompts[:1]) if drafter != "eagle-tree" else (prompts[:1],):
@@ -583,19 +563,9 @@ def test_batched_proposals_equal_single_row_proposals(tiny):
 
 
 def test_sampling_is_seeded_and_valid(tiny):
-    target, prompts = tiny["target"], _prompts()
+    prompts = _prompts()
     runs = [
-        specdec.generate(
-            target,
-            prompts,
-            drafter=name,
-            drafter_options=_options(tiny, name),
-            max_new_tokens=20,
-            temperature=0.9,
-            top_k=50,
-            seed=4,
-            ignore_eos=True,
-        )
+        _generate(tiny, prompts, name, max_new_tokens=20, temperature=0.9, top_k=50, seed=4)
         for name in ("eagle", "eagle", "eagle-tree", "ngram-eagle", "ngram-eagle")
     ]
     assert runs[0].token_ids == runs[1].token_ids
