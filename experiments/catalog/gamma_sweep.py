@@ -26,9 +26,7 @@ from experiments.catalog.specdec_runs import (
     available_drafters,
     drafter_method,
     method_rows,
-    open_run_target,
-    prompt_runs,
-    run_methods,
+    run_on_prompts,
 )
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
@@ -104,12 +102,10 @@ def run_gamma_sweep(config: GammaSweepConfig, ctx: RunContext) -> dict:
     """Plain decoding and the drafter at each γ; bench-style rows per γ, and the theory curve."""
     from specdec.metrics import merge_metrics
 
-    target = open_run_target(config, ctx)
-    prompts = prompt_runs(target, config.prompt_sets, config.num_prompts, chat=config.chat)
     methods = [PLAIN] + [
         drafter_method(config, config.drafter, g, label=f"ours/{config.drafter}@{g}") for g in config.gammas
     ]
-    results, threads = run_methods(config, target, prompts, methods, ctx)
+    results, threads = run_on_prompts(config, ctx, config.prompt_sets, methods)
     rows = [
         r for r in method_rows(results, config.temperature, config.prompt_sets) if r["prompt_set"] == "all"
     ]

@@ -26,9 +26,7 @@ from experiments.catalog.specdec_runs import (
     available_drafters,
     drafter_method,
     method_rows,
-    open_run_target,
-    prompt_runs,
-    run_methods,
+    run_on_prompts,
 )
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
@@ -112,10 +110,8 @@ def run_acceptance(config: AcceptanceConfig, ctx: RunContext) -> dict:
     """Decode every prompt with the drafter at γ; α pooled over prompts (and per prompt set)."""
     from specdec.metrics import merge_metrics
 
-    target = open_run_target(config, ctx)
-    prompts = prompt_runs(target, config.prompt_sets, config.num_prompts, chat=config.chat)
     method = drafter_method(config, config.drafter, config.gamma)
-    results, threads = run_methods(config, target, prompts, [method], ctx)
+    results, threads = run_on_prompts(config, ctx, config.prompt_sets, [method])
     m = merge_metrics([r.metrics for r in results[method.label]])
     rows = method_rows(results, config.temperature, config.prompt_sets)
     n = m.num_accepted + m.num_rejections

@@ -52,6 +52,7 @@ __all__ = [
     "PromptRun",
     "run_interleaved",
     "run_methods",
+    "run_on_prompts",
     "method_rows",
     "sequence_log_likelihood",
     "torch_threads",
@@ -381,6 +382,16 @@ def run_methods(
             **generate_options,
         )
     return results, threads
+
+
+def run_on_prompts(
+    config: Any, ctx: Any, prompt_sets: Sequence[str], methods: Sequence[Method]
+) -> tuple[dict[str, list], int]:
+    """:func:`run_methods` on the config's target (:func:`open_run_target`) over ``config.num_prompts``
+    prompts of each of ``prompt_sets`` (``config.chat``: in the chat template)."""
+    target = open_run_target(config, ctx)
+    prompts = prompt_runs(target, prompt_sets, config.num_prompts, chat=config.chat)
+    return run_methods(config, target, prompts, methods, ctx)
 
 
 def method_rows(results: Mapping[str, list], temperature: float, prompt_sets: Sequence[str]) -> list[dict]:

@@ -23,9 +23,7 @@ from experiments.catalog.specdec_runs import (
     available_drafters,
     drafter_method,
     method_rows,
-    open_run_target,
-    prompt_runs,
-    run_methods,
+    run_on_prompts,
 )
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
@@ -70,10 +68,8 @@ def plan(*, smoke: bool = False) -> Sweep:
 
 def run_speedup(config: SpeedupConfig, ctx: RunContext) -> dict:
     """Plain decoding and each drafter on the category's prompts; bench-style rows per method."""
-    target = open_run_target(config, ctx)
-    prompts = prompt_runs(target, [config.category], config.num_prompts, chat=config.chat)
     methods = [PLAIN] + [drafter_method(config, d, config.gamma) for d in config.drafters]
-    results, threads = run_methods(config, target, prompts, methods, ctx)
+    results, threads = run_on_prompts(config, ctx, [config.category], methods)
     rows = [
         r for r in method_rows(results, config.temperature, [config.category]) if r["prompt_set"] == "all"
     ]
