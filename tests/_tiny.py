@@ -34,6 +34,24 @@ def byte_tokenizer():
     return hf
 
 
+def tiny_config_fields(**changes) -> dict:
+    """Fields of a tiny ``transformers`` decoder config (V = 96, D = 64, F = 96, 2 layers, 4 query and 2
+    key/value heads; init std 0.1, larger than the default, so the logits are far from uniform), with
+    ``changes``."""
+    return {
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.1,
+        **changes,
+    }
+
+
 def tiny_llama(
     *,
     vocab_size: int = 259,

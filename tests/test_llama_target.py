@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 from _reference import SMOLLM2_NEW_TOKENS as N
+from _tiny import tiny_config_fields
 
 from specdec.protocols import Target
 from specdec.targets.linear import LINEAR_BACKENDS, PackedLinear
@@ -27,18 +28,7 @@ VOCAB = 96
 def _tiny_config(family: str):
     import transformers
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        eos_token_id=3,
-        initializer_range=0.1,  # larger than default so the logits are far from uniform
-    )
+    common = tiny_config_fields(vocab_size=VOCAB, num_hidden_layers=3, eos_token_id=3)
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=100000.0),
         "llama_bias": lambda: transformers.LlamaConfig(

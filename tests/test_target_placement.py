@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny import tiny_config_fields
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.quant import quantize_int4, quantize_int8
@@ -30,17 +31,7 @@ def tiny():
     """A tiny Llama (untied head) and a Qwen3 (q/k norms, tied): configs and float32 states."""
     import transformers
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        initializer_range=0.1,
-    )
+    common = tiny_config_fields(vocab_size=VOCAB)
     out = {}
     for name, hf_config in {
         "llama": transformers.LlamaConfig(**common, tie_word_embeddings=False, attention_bias=True),
