@@ -9,33 +9,24 @@ gate/up projection, F=1536 -> D=576 for the down projection; E=8, top-2, the iss
   _grouped_mm     torch._grouped_mm(x, w, offs=...), PyTorch's own grouped kernel
   reference       the split / matmul / cat oracle
   dense           one torch.mm of the same M rows by one [K, N] matrix: the same FLOPs, no grouping
-Variants run interleaved, round after round, and the median of the rounds is reported, so that a noisy
-shared machine slows all of them alike; the ratios are what to read.
+Variants run interleaved, call after call (``specdec.bench.interleave.time_interleaved``: at least
+--rounds calls each, about 0.05 s per variant and round), and the median call is reported, so that a
+noisy shared machine slows all of them alike; the ratios are what to read.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from kernels.grouped_gemm import grouped_gemm
 from kernels.grouped_gemm.reference import grouped_gemm_reference
+from specdec.bench.interleave import time_interleaved
 
 SHAPES = {"gate_up": (576, 3072), "down": (1536, 576)}
-
-
-def _time(fn: Callable[[], object], min_seconds: float = 0.05) -> float:
-    """Seconds per call: repeat until min_seconds have passed (at least twice)."""
-    fn()
-    calls, start = 0, time.perf_counter()
-    while calls < 2 or time.perf_counter() - start < min_seconds:
-        fn()
-        calls += 1
-    return (time.perf_counter() - start) / calls
 
 
 def _variants(x_MK, w_EKN, group_sizes_E, backward: bool) -> dict[str, Callable[[], object]]:
@@ -73,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 512, 2048])
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=7, help="at least this many timed calls per variant")
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args(argv)
@@ -96,10 +87,9 @@ def main(argv: list[str] | None = None) -> None:
             x_MK = torch.randn(rows, k, generator=gen)
             w_EKN = torch.randn(args.experts, k, n, generator=gen) / k**0.5
             variants = _variants(x_MK, w_EKN, group_sizes_E, args.backward)
-            samples: dict[str, list[float]] = {v: [] for v in variants}
-            for _ in range(args.rounds):
-                for v, fn in variants.items():
-                    samples[v].append(_time(fn))
+            samples = time_interleaved(
+                variants, seconds=0.05 * args.rounds * len(variants), min_reps=args.rounds, max_reps=10_000
+            )
             flops = 2 * rows * k * n * (3 if args.backward else 1)
             gflops = {v: flops / statistics.median(s) / 1e9 for v, s in samples.items()}
             cells = " ".join(

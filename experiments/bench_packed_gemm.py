@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ import torch
 from kernels.native import cpu_isa, cpu_model, runnable_isas
 from kernels.packed_gemm import PackedWeight, pack_weight, packed_linear
 from kernels.quant import quantize_int4, quantize_int8
+from specdec.bench.interleave import time_interleaved
 from specdec.bench.report import benchmark_document
 from specdec.cli_args import positive_int_list
 from specdec.summary import Summary, table_from_rows, write_json
@@ -53,13 +53,9 @@ def pack_format(fmt: str, w_OI: torch.Tensor, isa: str) -> PackedWeight:
     raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
 
 
-def _time(fn, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def _median_of_best(times: list[float], per_round: int) -> float:
+    """The median over rounds of each round's fastest call (``per_round`` calls a round)."""
+    return statistics.median(min(times[i : i + per_round]) for i in range(0, len(times), per_round))
 
 
 def _bench_path(isa: str, megabytes: float, rows: list[int], rounds: int, log) -> dict:
@@ -70,14 +66,11 @@ def _bench_path(isa: str, megabytes: float, rows: list[int], rounds: int, log) -
         O = max(64, int(megabytes * 2**20 / (I * BYTES_PER_WEIGHT[fmt])) // 64 * 64)  # noqa: E741
         w = pack_format(fmt, torch.randn(O, I), isa)
         xs = {m: torch.randn(m, I) for m in rows}
-        times: dict[int, list[float]] = {m: [] for m in rows}
-        bandwidth = []
-        for _ in range(rounds):  # interleaved: the machine's drift hits the bandwidth and every M alike
-            bandwidth.append(big.numel() * 4 / _time(lambda: big.sum()))
-            for m in rows:
-                times[m].append(_time(lambda x=xs[m], w=w: packed_linear(x, w)))
-        bw = statistics.median(bandwidth)
-        t = {m: statistics.median(v) for m, v in times.items()}
+        fns = {"read": big.sum} | {m: (lambda x=xs[m], w=w: packed_linear(x, w)) for m in rows}
+        # interleaved: the machine's drift hits the bandwidth and every M alike; 3 calls a round
+        times = time_interleaved(fns, min_reps=3 * rounds, max_reps=3 * rounds, warmup=0)
+        bw = big.numel() * 4 / _median_of_best(times["read"], 3)
+        t = {m: _median_of_best(times[m], 3) for m in rows}
         out[fmt] = {
             "out_features": O,
             "in_features": I,
@@ -154,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--megabytes", type=float, default=96.0, help="packed bytes of the weight (96)")
     p.add_argument("--rows", type=positive_int_list, default=[1, 2, 4, 7], help="row counts M (1,2,4,7)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds, median reported (5)")
+    p.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds of 3 calls, median of their best (5)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here (and a .md beside)")
     args = p.parse_args(argv)

@@ -25,7 +25,7 @@ _BUILTIN_COMMANDS = {
     "list": "experiments.cli:cmd_list",
     "run": "experiments.cli:cmd_run",
     "summarize": "experiments.cli:cmd_summarize",
-    "train-drafter": "experiments.train_drafter:main",
+    "train-drafter": "specdec.drafters.eagle.train.command:main",  # an alias of `specdec train-head`
     "bench-moe": "experiments.bench_moe:main",
     "copy-agreement": "experiments.copy_agreement:main",
 }
@@ -34,7 +34,7 @@ HELP = {
     "list": "list the registered experiments and their number of runs",
     "run": "run an experiment's sweep (skips finished runs) and write its summary",
     "summarize": "rebuild an experiment's summary.json from the finished runs in --out (e.g. after shards)",
-    "train-drafter": "train the EAGLE-style drafter (experiments.train_drafter)",
+    "train-drafter": "an alias of `specdec train-head`: train the EAGLE draft head",
     "bench-moe": "benchmark the MoE layer against transformers (experiments.bench_moe)",
     "copy-agreement": "does the draft head copy from the context? (experiments.copy_agreement)",
 }

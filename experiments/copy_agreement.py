@@ -11,7 +11,7 @@ recent earlier occurrence of ``x_{t-n+2..t+1}``, as prompt lookup does):
 
 A head that has learned to copy agrees at ``copy`` positions about as well on held-out windows as
 on training windows; one that memorised its training text does not. ``--lessons N`` adds a third
-split: N fresh copy lessons (:func:`experiments.drafter_data.repeat_sequences` with another seed
+split: N fresh copy lessons (:func:`specdec.drafters.eagle.train.sources.repeat_sequences` with another seed
 than training's), each scored once: spans in a word order no head has seen, where only copying can agree.
 
     python -m experiments copy-agreement                       # the shipped head, the recipe's cache
@@ -74,7 +74,7 @@ def copy_agreement(
     """Step-1 agreement of ``head`` with the target on ``batches`` × 8 seeded windows of ``seqs``
     (``batches=None``: every window of ``seqs`` once, in order), by kind:
     ``{kind: {"positions": int, "agreement": float}}``."""
-    from experiments.train_drafter import Batches, step1_input, unrolled_features
+    from specdec.drafters.eagle.train.objective import Batches, step1_input, unrolled_features
 
     if batches is not None and batches < 1:
         raise ValueError(f"batches must be >= 1, got {batches}")
@@ -110,7 +110,9 @@ def lesson_data(model, tokenizer, data, n: int, *, aux_layers: tuple[int, ...] =
     through the target ``model`` (a transformers causal LM): a :class:`FeatureData` whose sequences
     are ``repeat/<i>``, all marked held out. Training builds its lessons with the data seed (0 in the
     recipe), so the default ``seed=1`` gives spans that no recipe head has trained on."""
-    from experiments.drafter_data import FeatureData, extract_features, repeat_sequences
+    from specdec.drafters.eagle.train.dataset import FeatureData
+    from specdec.drafters.eagle.train.features import extract_features
+    from specdec.drafters.eagle.train.sources import repeat_sequences
 
     natural = [
         (data.names[s], False, data.tokens[data.offsets[s] : data.offsets[s + 1]].tolist())
@@ -153,17 +155,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.ngram < 1:
         raise ValueError(f"--ngram must be >= 1, got {a.ngram}")
 
-    from experiments.drafter_data import _cache_root, load_dataset
-    from experiments.train_drafter import TrainConfig
     from specdec.drafters.eagle import load_eagle_head
+    from specdec.drafters.eagle.train.config import TrainConfig
+    from specdec.drafters.eagle.train.dataset import dataset_dir, load_dataset
     from specdec.targets.hf import hf_parts
     from specdec.targets.loading import load_hf_model, load_tokenizer
 
     cfg = TrainConfig()
-    root = _cache_root(cfg.data, None)
+    root = dataset_dir(cfg.data)
     if not (root / "manifest.json").exists():
         raise ValueError(
-            f"no drafter data cache at {root}: build it with python -m experiments train-drafter"
+            f"no drafter data cache at {root}: build it with specdec train-head"
         )
     model = load_hf_model(cfg.data.target)
     head, _ = load_eagle_head(a.weights, hf_parts(model))

@@ -23,9 +23,10 @@ Phases (JSON is rewritten after each one, so a run cut short keeps what it finis
                 the flattened loop and of TMA over the best candidate without them. Every variant is
                 also timed replayed from a CUDA graph (`ms_graph`: host-side work excluded alike).
   4. routing    Triton routing ops against the torch backend at large T (times only; correctness is phase 1).
-Timing: CUDA events around each call, after warm-up, with the L2 flushed before every timed call; the
-median is reported. The issue's goals (>= 0.8x cuBLAS, >= 1.0x torch._grouped_mm at large T) are printed
-as PASS/MISS per row. Device time budget on a lent H200: about 5 minutes including Triton compilation.
+Timing: ``specdec.bench.interleave.time_interleaved`` with CUDA events around each call
+(``cuda_clock``), after warm-up, with the L2 flushed before every timed call; the median is reported.
+The issue's goals (>= 0.8x cuBLAS, >= 1.0x torch._grouped_mm at large T) are printed as PASS/MISS per
+row. Device time budget on a lent H200: about 5 minutes including Triton compilation.
 This file is a script: nothing imports it.
 """
 
@@ -128,35 +129,33 @@ class Bench:
         return (t * scale).to(dtype or self.torch.float32)
 
     def time_ms(self, fn) -> float:
-        """Median milliseconds of fn(): CUDA events, L2 flushed before each call (perf_counter on CPU)."""
-        torch = self.torch
-        fn()
-        if self.dry_run:  # the interpreter: one timed call shows the code path runs; the numbers mean nothing
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        estimate = (time.perf_counter() - t0) / 3
-        reps = int(min(50, max(5, 0.3 / max(estimate, 1e-6))))
-        samples = []
-        for _ in range(reps):
-            self.flush_buffer.zero_()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(begin.elapsed_time(end))
-        return statistics.median(samples)
+        """Median milliseconds of fn() by the project's timer (``specdec.bench.interleave``): CUDA
+        events, the L2 flushed before each call, after 4 warm-up calls, as many calls as fit in 0.3 s
+        (5 to 50); in the CPU interpreter one wall-clock call after one warm-up (the code path runs;
+        the number means nothing)."""
+        from specdec.bench.interleave import cuda_clock, time_interleaved
+
+        if self.dry_run:
+            times = time_interleaved({"fn": fn}, min_reps=1, max_reps=1, warmup=1)
+        else:
+            times = time_interleaved(
+                {"fn": fn},
+                seconds=0.3,
+                min_reps=5,
+                max_reps=50,
+                warmup=4,
+                before=self.flush_buffer.zero_,
+                clock=cuda_clock,
+            )
+        return 1e3 * statistics.median(times["fn"])
 
     def time_ms_graph(self, fn) -> float:
         """Median milliseconds of fn() replayed from a CUDA graph (host-side work excluded, for every
-        variant alike): a graph of [L2 flush, fn] minus a graph of the flush alone. Call after fn has
-        run once outside capture (autotuning must not happen inside the capture)."""
+        variant alike): a graph of [L2 flush, fn] minus a graph of the flush alone, the two replayed
+        interleaved. Call after fn has run once outside capture (autotuning must not happen inside
+        the capture)."""
+        from specdec.bench.interleave import cuda_clock, time_interleaved
+
         torch = self.torch
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -170,18 +169,14 @@ class Bench:
                 self.flush_buffer.zero_()
                 body()
             graphs[name] = graph
-        medians = {}
-        for name, graph in graphs.items():
-            graph.replay()
-            samples = []
-            for _ in range(20):
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(begin.elapsed_time(end))
-            medians[name] = statistics.median(samples)
+        times = time_interleaved(
+            {name: graph.replay for name, graph in graphs.items()},
+            min_reps=20,
+            max_reps=20,
+            warmup=1,
+            clock=cuda_clock,
+        )
+        medians = {name: 1e3 * statistics.median(t) for name, t in times.items()}
         return max(medians["fn"] - medians["flush"], 1e-6)
 
     def routing_plan(self, num_tokens: int, num_experts: int, top_k: int):

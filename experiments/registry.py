@@ -17,7 +17,6 @@ EXPERIMENTS = Registry(
     "experiment",
     "specdec.experiments",
     builtins={
-        "batch-sweep": "experiments.catalog.batch_sweep:EXPERIMENT",
         "ep-scaling-model": "experiments.catalog.ep_scaling_model:EXPERIMENT",
         "gamma-sweep": "experiments.catalog.gamma_sweep:EXPERIMENT",
         "leviathan-table1": "experiments.catalog.leviathan_table1:EXPERIMENT",

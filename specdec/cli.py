@@ -7,6 +7,7 @@
     specdec serve --target smollm2-135m --drafter default --port 8000   # extra [serve]
     specdec bench-serve --servers ours:none,ours:default,llama-server --concurrency 1,2,4,8
     specdec perplexity --target smollm2-135m --weights fp32,gguf-q8 --text FILE --ctx 256 --peers llama.cpp
+    specdec train-head --target smollm2-135m --steps 4000 --out head.safetensors
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from typing import Any
 
 from specdec.cli_args import (
     ArgumentParser,
-    add_compile_argument,
-    add_placement_arguments,
+    add_engine_arguments,
     check_text,
     finite_float,
     interrupt_watch,
-    nonnegative_int,
     parse_options,
     positive_int,
     seed_int,
@@ -52,7 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.prompt_sets import encode_prompt
     from specdec.registry import DRAFTERS
     from specdec.sampling import validate_sampling
-    from specdec.targets import open_target
+    from specdec.targets import open_target_from
 
     prompt = check_text(args.prompt, "--prompt")
     validate_sampling(args.temperature, args.top_k, args.top_p)  # before the model loads
@@ -60,14 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gamma_options = {} if args.gamma is None else {"gamma": args.gamma}
     policy = make_depth_policy(args.gamma_policy, gamma_options)
     DRAFTERS.get(args.drafter)  # an unknown name fails before the model loads
-    target = open_target(
-        args.target,
-        backend=args.backend,
-        dtype=args.dtype,
-        device=args.device,
-        weights=args.weights,
-        compile=args.compile,
-    )
+    target = open_target_from(args)
     tokenizer = getattr(target, "tokenizer", None)
     if tokenizer is None:
         raise ValueError(f"--target {args.target}: the checkpoint has no tokenizer to encode --prompt with")
@@ -126,64 +118,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with speculative decoding")
-    p.add_argument(
-        "--target", default="smollm2-135m", help="built-in name or local checkpoint (default: %(default)s)"
-    )
-    p.add_argument(
-        "--drafter", default="default", help="drafter name from the registry (default: %(default)s)"
-    )
-    p.add_argument(
-        "--drafter-option", action="append", metavar="KEY=VALUE", help="drafter option (repeatable)"
-    )
+    add_engine_arguments(p)
     p.add_argument("--prompt", required=True, help="prompt text (raw, or a user turn with --chat)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=finite_float, default=1.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=finite_float, default=None)
-    p.add_argument(
-        "--gamma",
-        type=nonnegative_int,
-        default=None,
-        help="draft depth: fixed's depth, or the deepest an adaptive policy drafts (default: the policy's)",
-    )
-    p.add_argument(
-        "--gamma-policy",
-        default="auto",
-        help="depth policy: fixed | batch-table | goodput | auto (default: %(default)s)",
-    )
     p.add_argument("--seed", type=seed_int, default=None, help="an integer in [0, 2**64)")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument(
-        "--weights",
-        choices=("fp32", "bf16", "fp16", "gguf", "int8", "int4", "gguf-q8", "int8-q8", "int4-q8"),
-        default=None,
-        help="native target weight format (default for a GGUF model such as smollm2-135m: gguf-q8, "
-        "8-bit activations, where the CPU kernels have integer dot products (AVX2, AVX-512), else gguf, "
-        "which equals transformers' output, and gguf dequantised into --dtype on a GPU; fp32 for a "
-        "safetensors checkpoint, or --dtype's format)",
-    )
-    add_placement_arguments(p)
-    p.add_argument(
-        "--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)"
-    )
-    add_compile_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument(
-        "--verify",
-        default="exact",
-        help="verification rule: exact | gumbel | lenient (lossy) (default: %(default)s)",
-    )
-    p.add_argument(
-        "--verify-option", action="append", metavar="KEY=VALUE", help="rule option, e.g. lenience=0.5"
-    )
     p.set_defaults(func=cmd_generate)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``specdec`` argument parser (``generate``, ``bench``, ``export-head``, ``serve``,
-    ``bench-serve``, ``perplexity``)."""
+    ``bench-serve``, ``perplexity``, ``train-head``)."""
     parser = ArgumentParser(prog="specdec", description="Speculative decoding with exact verification.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     _add_generate(sub)
@@ -203,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.quality.command import add_perplexity
 
     add_perplexity(sub)
+    from specdec.drafters.eagle.train.command import add_train_head
+
+    add_train_head(sub)
     return parser
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import signal
 import sys
@@ -19,7 +20,6 @@ from typing import Any, NoReturn
 from specdec.seeds import check_seed
 
 __all__ = [
-    "add_compile_argument",
     "ArgumentParser",
     "finite_float",
     "positive_int",
@@ -30,10 +30,20 @@ __all__ = [
     "parse_options",
     "check_text",
     "device_arg",
-    "add_placement_arguments",
+    "add_engine_arguments",
+    "config_from_args",
+    "depth_or_policy",
     "stderr_line",
     "interrupt_watch",
 ]
+
+
+def config_from_args(cls: type, args: argparse.Namespace, /, **given: Any) -> Any:
+    """A config dataclass from parsed arguments: each field from the argument of its name, where
+    the parser has one, and ``given`` for the fields whose flags are named or parsed otherwise."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    parsed = {name: value for name, value in vars(args).items() if name in names}
+    return cls(**{**parsed, **given})
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -117,37 +127,121 @@ def device_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_placement_arguments(parser: argparse.ArgumentParser, *, what: str = "the target") -> None:
-    """``--device`` and ``--dtype`` (where ``what`` runs, in which compute dtype): one spelling for
-    ``specdec generate``, ``serve`` and the other commands that open a target. A model drafter and an
-    EAGLE head follow the target's device and dtype."""
-    parser.add_argument(
+def depth_or_policy(text: str) -> int | str:
+    """An argparse type: a draft depth (an integer >= 0) or a depth policy name."""
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return nonnegative_int(text)
+    if not text:
+        raise argparse.ArgumentTypeError("expected a depth (integer) or a policy name")
+    return text
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    drafter: str | None = "one",
+    gamma: str | None = "depth",
+    gamma_default: int | None = None,
+    verify: bool = True,
+    threads: bool = False,
+) -> None:
+    """The engine's options, one spelling for ``specdec generate``, ``serve`` and ``bench``.
+
+    Always: the target (``--target``, ``--weights``, ``--device``, ``--dtype``, ``--backend``,
+    ``--compile``; a model drafter and an EAGLE head follow the target's device and dtype). Then, by
+    command:
+
+    - ``drafter``: ``"one"`` (``--drafter NAME``, ``--drafter-option KEY=VALUE``), ``"per-label"``
+      (the command names its drafters itself; ``--drafter-option DRAFTER.KEY=VALUE``) or None;
+    - ``gamma``: ``"depth"`` (``--gamma N`` with default ``gamma_default``, None: the policy's, and
+      ``--gamma-policy NAME``), ``"depth-or-policy"`` (``--gamma N|POLICY``, default ``auto``,
+      and ``--gamma-option KEY=VALUE``) or None;
+    - ``verify``: ``--verify RULE`` and ``--verify-option KEY=VALUE``;
+    - ``threads``: ``--threads N`` (torch's intra-op threads).
+    """
+    if drafter not in ("one", "per-label", None):
+        raise ValueError(f"drafter must be 'one', 'per-label' or None, got {drafter!r}")
+    if gamma not in ("depth", "depth-or-policy", None):
+        raise ValueError(f"gamma must be 'depth', 'depth-or-policy' or None, got {gamma!r}")
+    from specdec.targets.llama_weights import WEIGHT_MODES
+
+    add = parser.add_argument
+    add("--target", default="smollm2-135m", help="built-in name or local checkpoint (default: %(default)s)")
+    add(
+        "--weights",
+        choices=WEIGHT_MODES,
+        default=None,
+        help="native target weight format (default for a GGUF model such as smollm2-135m: gguf-q8, "
+        "8-bit activations, where the CPU kernels have integer dot products (AVX2, AVX-512), else gguf, "
+        "which equals transformers' output, and gguf dequantised into --dtype on a GPU; fp32 for a "
+        "safetensors checkpoint, or --dtype's format)",
+    )
+    add(
         "--device",
         type=device_arg,
         default=None,
-        help=f"torch device of {what}: cpu (default), cuda, cuda:1, ...; a model drafter or draft head "
+        help="torch device of the target: cpu (default), cuda, cuda:1, ...; a model drafter or draft head "
         "goes there too",
     )
-    parser.add_argument(
+    add(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
         default=None,
-        help=f"compute dtype of {what} (activations, KV cache; float weights stored in it); default: the "
+        help="compute dtype of the target (activations, KV cache; float weights stored in it); default: the "
         "weights format's own (float32 for a safetensors checkpoint and for quantised weights on a CPU, "
         "bfloat16 for quantised weights on a GPU); docs/targets.md lists what runs where",
     )
-
-
-def add_compile_argument(parser: Any) -> None:
-    """``--compile MODE``: the native target's decode and verify forwards captured per bucket
-    (:mod:`specdec.targets.compiled`)."""
-    parser.add_argument(
+    add("--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)")
+    add(
         "--compile",
         choices=("none", "graphs", "inductor"),
         default=None,
         help="capture the native target's decode/verify forwards: graphs (CUDA graphs), inductor "
         "(torch.compile; on CUDA also in CUDA graphs), none (default); see docs/gpu.md",
     )
+    if threads:
+        add("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    if drafter == "one":
+        add("--drafter", default="default", help="drafter name from the registry (default: %(default)s)")
+        add("--drafter-option", action="append", metavar="KEY=VALUE", help="drafter option (repeatable)")
+    elif drafter == "per-label":
+        add(
+            "--drafter-option",
+            action="append",
+            metavar="DRAFTER.KEY=VALUE",
+            help="option for one drafter, e.g. layerskip.num_layers=8 (repeatable)",
+        )
+    if gamma == "depth":
+        add(
+            "--gamma",
+            type=nonnegative_int,
+            default=gamma_default,
+            help="draft depth: fixed's depth, or the deepest an adaptive policy drafts (default: "
+            + ("the policy's)" if gamma_default is None else "%(default)s)"),
+        )
+        add(
+            "--gamma-policy",
+            default="auto",
+            help="depth policy: fixed (exactly --gamma each step) | batch-table | goodput | auto (drafts "
+            "0..--gamma) (default: %(default)s)",
+        )
+    elif gamma == "depth-or-policy":
+        add(
+            "--gamma",
+            type=depth_or_policy,
+            default="auto",
+            help="draft depth: an integer (every request) or a depth policy: auto, fixed, batch-table, "
+            "goodput (default: %(default)s)",
+        )
+        add("--gamma-option", action="append", metavar="KEY=VALUE", help="depth policy option")
+    if verify:
+        add(
+            "--verify",
+            default="exact",
+            help="verification rule: exact | gumbel | lenient (lossy) (default: %(default)s)",
+        )
+        add("--verify-option", action="append", metavar="KEY=VALUE", help="rule option, e.g. lenience=0.5")
 
 
 def parse_options(items: Sequence[str] | None, flag: str) -> dict[str, Any]:

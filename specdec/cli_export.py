@@ -3,7 +3,7 @@
     specdec export-head HEAD --format speculators|sglang --out DIR [--verifier ID_OR_DIR] [--dtype bfloat16]
 
 ``HEAD`` is a head file (a path, or the name of a file shipped in ``specdec/weights/``) in the
-``"eagle3"`` layout (``python -m experiments train-drafter --compat speculators``); a head that the
+``"eagle3"`` layout (``specdec train-head --compat speculators``); a head that the
 format cannot express is refused with the reasons (:func:`specdec.drafters.eagle.formats.unexportable`).
 """
 

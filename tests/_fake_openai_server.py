@@ -8,8 +8,13 @@ chunk, then the connection breaks), ``no-done`` (the stream ends without ``[DONE
 (an error event mid-stream), ``eos-only`` (after ``TTFT_S``, one empty finishing chunk: a response
 whose one token is the end of sequence). ``/metrics`` counts, per answered request, ``DRAFTS`` drafts,
 ``DRAFT_TOKENS`` draft tokens and ``ACCEPTED`` accepted tokens under vLLM's names; ``bare=True``
-serves no ``/metrics``. Run as a script (``--port``, other llama-server flags ignored) it stands in
-for ``llama-server``.
+serves no ``/metrics``. Run as a script (``--port``; ``-md FILE`` must exist; other llama-server flags
+ignored) it stands in for ``llama-server`` (``llama=True``): usage without draft counts, the
+request's ``timings`` on its last event, and ``/metrics`` under llama.cpp's names; with
+``--spec-type`` (``speculates=True``) each request drafts ``LLAMA_DRAFTS`` times, ``LLAMA_DRAFT_N``
+tokens of which ``LLAMA_ACCEPTED`` are accepted (``LLAMA_PER_POS`` at each position), reported as
+llama-server does (``timings.draft_n``, ``timings.draft_n_accepted``,
+``llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="k"}``); without it, none.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from typing import Any
 TTFT_S, GAP_S, CHUNKS, TOKENS_PER_CHUNK = 0.05, 0.02, 4, 2
 DRAFTS, DRAFT_TOKENS, ACCEPTED = 2, 8, 6
 MODEL = "fake-model"
+LLAMA_DRAFTS, LLAMA_DRAFT_N, LLAMA_ACCEPTED, LLAMA_PER_POS = 3, 6, 4, (2, 1, 1)
 
 
-def build_app(*, bare: bool = False) -> Any:
+def build_app(*, bare: bool = False, llama: bool = False, speculates: bool = False) -> Any:
     """The Starlette app; ``app.state.bodies`` holds every request body received."""
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -81,11 +87,31 @@ def build_app(*, bare: bool = False) -> Any:
                 "num_draft_tokens": DRAFT_TOKENS,
                 "num_accepted_tokens": ACCEPTED,
             }
-            yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+            last: dict[str, Any] = {"choices": [], "usage": usage}
+            if llama:  # llama-server: no draft counts in usage; its timings, draft_n only if it drafted
+                del usage["num_draft_tokens"], usage["num_accepted_tokens"]
+                last["timings"] = {"predicted_n": CHUNKS * TOKENS_PER_CHUNK, "predicted_ms": 1.0}
+                if speculates:
+                    last["timings"] |= {"draft_n": LLAMA_DRAFT_N, "draft_n_accepted": LLAMA_ACCEPTED}
+            yield "data: " + json.dumps(last) + "\n\n"
             if prompt != "no-done":
                 yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def llama_metrics(request: Request) -> Any:
+        n, spec = counts["requests"], int(speculates)
+        lines = ["# TYPE llamacpp:tokens_predicted_total counter", f"llamacpp:tokens_predicted_total {n * 8}"]
+        for name, each in (
+            ("spec_decode_num_draft_tokens_total", LLAMA_DRAFT_N),
+            ("spec_decode_num_accepted_tokens_total", LLAMA_ACCEPTED),
+            ("spec_decode_num_drafts_total", LLAMA_DRAFTS),
+        ):
+            lines += [f"# TYPE llamacpp:{name} counter", f"llamacpp:{name} {n * each * spec}"]
+        if spec and n:  # llama-server lists the positions once a request has drafted
+            name = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
+            lines += [f'{name}{{position="{k}"}} {n * c}' for k, c in enumerate(LLAMA_PER_POS)]
+        return PlainTextResponse("\n".join(lines) + "\n")
 
     async def metrics(request: Request) -> Any:
         n = counts["requests"]
@@ -108,7 +134,7 @@ def build_app(*, bare: bool = False) -> Any:
         Route("/health", lambda r: JSONResponse({"status": "ok"})),
     ]
     if not bare:
-        routes.append(Route("/metrics", metrics))
+        routes.append(Route("/metrics", llama_metrics if llama else metrics))
     app = Starlette(routes=routes)
     app.state.bodies = bodies
     return app
@@ -139,11 +165,18 @@ class ThreadedServer:
 
 
 def main(argv: list[str]) -> int:
-    """Serve on ``--port`` until SIGTERM or SIGINT, then exit with status 0 (as llama-server does)."""
+    """Serve on ``--port`` until SIGTERM or SIGINT, then exit with status 0 (as llama-server does); a
+    ``-md`` file that does not exist: status 1 at once (as llama-server's failed load)."""
+    from pathlib import Path
+
+    if "-md" in argv and not Path(argv[argv.index("-md") + 1]).is_file():
+        print(f"failed to load the draft model {argv[argv.index('-md') + 1]}", file=sys.stderr)
+        return 1
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = ThreadedServer(build_app(), port=int(argv[argv.index("--port") + 1]))
+    app = build_app(llama=True, speculates="--spec-type" in argv)
+    server = ThreadedServer(app, port=int(argv[argv.index("--port") + 1]))
     stop.wait()
     server.close()
     return 0

@@ -90,7 +90,7 @@ def tiny_llama(
 def token_data(seqs: list[list[int]], names: list[str], heldout: list[bool], *, dim: int = 8, topk: int = 4):
     """A ``FeatureData`` holding only token sequences (zero features and top-k): what code that reads
     the cache's text, not its features, needs."""
-    from experiments.drafter_data import FeatureData
+    from specdec.drafters.eagle.train.dataset import FeatureData
 
     lengths = torch.tensor([len(s) for s in seqs])
     total = int(lengths.sum())

@@ -314,3 +314,50 @@ def test_chat_prompt_sets_are_sent_through_the_chat_template(ckpts, tiny_sets, t
     data = run_bench(cfg, command="test")
     assert calls == [("def f(x):\n    return x", False), ("Say hi.", True)]
     assert {r["prompt_set"] for r in data["summary"]} == {"code", "mtbench-chat", "all"}
+
+
+def test_generate_serve_and_bench_share_the_engine_arguments():
+    """One ``add_engine_arguments``: the target's options spelled alike in ``generate``, ``serve`` and
+    ``bench`` (and the concurrency bench); each command keeps its own defaults and extras."""
+    import argparse
+
+    from specdec.bench import concurrency
+    from specdec.cli import build_parser
+
+    parser = build_parser()
+    target = [
+        "--target",
+        "t",
+        "--weights",
+        "int8",
+        "--dtype",
+        "bfloat16",
+        "--backend",
+        "hf",
+        "--compile",
+        "none",
+    ]
+    for command in (["generate", "--prompt", "hi"], ["serve"], ["bench"]):
+        args = parser.parse_args([*command, *target])
+        assert (args.target, args.weights, args.dtype, args.backend, args.compile) == (
+            "t", "int8", "bfloat16", "hf", "none"
+        )  # fmt: skip
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--weights", "int3"])
+    generate = parser.parse_args(["generate", "--prompt", "hi"])
+    assert (generate.drafter, generate.gamma, generate.gamma_policy, generate.verify) == (
+        "default", None, "auto", "exact"
+    )  # fmt: skip
+    serve = parser.parse_args(["serve", "--gamma", "3", "--threads", "2", "--gamma-option", "k=1"])
+    assert (serve.gamma, serve.threads, serve.gamma_option, serve.verify) == (3, 2, ["k=1"], "exact")
+    assert parser.parse_args(["serve", "--gamma", "goodput"]).gamma == "goodput"
+    bench_args = parser.parse_args(["bench", "--drafter-option", "ngram.n=3"])
+    assert (bench_args.gamma, bench_args.gamma_policy, bench_args.device) == (4, "auto", "cpu")
+    assert not hasattr(bench_args, "verify") and not hasattr(bench_args, "drafter")
+    p = argparse.ArgumentParser()
+    concurrency.add_concurrency_arguments(p)
+    args = p.parse_args(target)
+    assert (args.target, args.weights, args.dtype, args.backend, args.compile) == (
+        "t", "int8", "bfloat16", "hf", "none"
+    )  # fmt: skip
+    assert not hasattr(args, "gamma") and not hasattr(args, "drafter_option")

@@ -5,6 +5,7 @@ the step time (a fraction strictly between 0 and 1); the Markdown table has the 
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -34,6 +35,34 @@ def test_concurrency_bench_rows_solo_and_scheduler_share(tmp_path):
         assert r["tokens"] == 2 * 6
     table = (out / "concurrency.md").read_text()
     assert "scheduler % of step" in table
+    # the summary the paper reads: a row per (level, drafter, path) with throughput for each, the
+    # throughput and ratio figures, and where each drafter's ratio to none falls below 1
+    summary = {t["name"]: t["rows"] for t in record["tables"]}["engine-concurrency"]
+    assert [r["concurrency"] for r in summary] == [1] * 4 + [2] * 4
+    assert all(r["tokens_per_second"] > 0 and r["x_none"] > 0 for r in summary)
+    assert {f["name"] for f in record["figures"]} == {"throughput", "speedup"}
+    assert set(record["extra"]["crossover_concurrency"]) == {
+        "ngram engine/together",
+        "ngram engine/staggered",
+    }
+
+
+def test_full_plan_and_bad_levels():
+    """The default levels are c = 1, 2, 4, 8; a level below 1 is refused."""
+    parser = argparse.ArgumentParser()
+    concurrency.add_concurrency_arguments(parser)
+    assert parser.parse_args([]).concurrency == (1, 2, 4, 8)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--concurrency", "0"])
+
+
+def test_crossover_interpolates_in_log_concurrency():
+    assert concurrency.crossover([(1, 2.0), (2, 1.5), (4, 1.2)]) is None
+    assert concurrency.crossover([(4, 0.8), (1, 1.5), (2, 1.2)]) == pytest.approx(2 ** (1 + 0.2 / 0.4))
+    assert concurrency.crossover([(1, 0.9), (2, 0.8)]) == 1.0
+    assert concurrency.crossover([(1, 0.9), (2, 1.1), (4, 0.8)]) == 1.0  # below 1 from the start
+    assert concurrency.crossover([(1, None), (2, 1.1), (4, 0.9)]) == pytest.approx(2**1.5)
+    assert concurrency.crossover([]) is None
 
 
 def test_scheduler_seconds_is_what_the_measured_parts_leave():

@@ -456,4 +456,6 @@ def test_against_specdec_serve_on_a_tiny_model(tmp_path):
         acc = level["acceptance"]  # specdec serve exposes the counters; its usage counts agree
         assert acc is not None and acc["drafted"] == level["usage_drafted"]
         assert acc["accepted"] == level["usage_accepted"]
+        if acc["drafts"]:  # the accepted tokens, position by position, add up to the accepted ones
+            assert sum(rate * acc["drafts"] for rate in acc["per_position"]) == pytest.approx(acc["accepted"])
     assert sum(level["acceptance"]["drafted"] for level in entry["levels"]) > 0

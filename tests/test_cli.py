@@ -166,6 +166,18 @@ def test_bad_arguments_exit_with_a_message(ckpt, capsys):
         main(["generate"])  # --prompt is required
 
 
+def test_train_head_is_a_subcommand_with_one_flag_per_config_field(capsys):
+    """``specdec train-head`` carries the recipe's flags (generated from TrainConfig); a bad config
+    value is one line and exit status 2, before anything loads."""
+    with pytest.raises(SystemExit):
+        main(["train-head", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--out", "--data-root", "--work", "--no-eval", "--steps", "--aux-layers", "--data-seed"):
+        assert flag in text
+    assert main(["train-head", "--steps", "0"]) == 2
+    assert "TrainConfig.steps must be an int >= 1" in capsys.readouterr().err
+
+
 def test_parse_options():
     assert parse_options(["a=1", "b=0.5", "c=true", "d=x=y", "e=False"], "--o") == {
         "a": 1,
@@ -210,3 +222,36 @@ def test_cli_smollm2_greedy_matches_transformers(capsys, smollm2_greedy):
     )
     assert res["token_ids"] == smollm2_greedy(res["prompt_token_ids"], 24)
     assert res["text"].strip()
+
+
+def test_serve_flags_reach_the_server_config(monkeypatch):
+    """Every `specdec serve` flag lands in its ServeConfig field (built by config_from_args)."""
+    pytest.importorskip("fastapi")
+    import specdec.serve.server as server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda config: seen.setdefault("config", config) and 0)
+    argv = ["serve", "--target", "t", "--drafter", "ngram", "--drafter-option", "n=3", "--gamma", "4"]
+    argv += ["--verify-option", "a=1", "--max-num-seqs", "3", "--port", "9", "--api-key", "k"]
+    argv += ["--max-body-bytes", "512", "--shutdown-timeout", "2.5", "--max-waiting", "7"]
+    main(argv)
+    config = seen["config"]
+    assert (config.target, config.drafter, config.gamma) == ("t", "ngram", 4)
+    assert config.drafter_options == {"n": 3}
+    assert (config.verify_options, config.max_num_seqs, config.port, config.api_key) == ({"a": 1}, 3, 9, "k")
+    assert (config.max_body_bytes, config.shutdown_timeout_s, config.max_waiting) == (512, 2.5, 7)
+    seen.clear()
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    main(["serve"])  # no flags: the config's own defaults, field by field
+    assert seen["config"] == server.ServeConfig()
+
+
+def test_bench_flags_reach_the_bench_config():
+    from specdec.bench.speculative import BenchConfig, config_from_args
+    from specdec.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--drafter-option", "ngram.n=2", "--no-warmup"])
+    config = config_from_args(args)
+    assert isinstance(config, BenchConfig)
+    assert config.drafter_options == {"ngram": {"n": 2}} and config.warmup is False
+    assert config.prompt_sets == args.prompt_set and config.num_prompts == args.num_prompts

@@ -51,7 +51,8 @@ def test_lesson_data_runs_fresh_lessons_through_the_target():
     import torch
     from _tiny import byte_tokenizer, tiny_llama, token_data
 
-    from experiments.drafter_data import extract_features, repeat_sequences
+    from specdec.drafters.eagle.train.features import extract_features
+    from specdec.drafters.eagle.train.sources import repeat_sequences
 
     tok = byte_tokenizer()
     hf = tiny_llama(seed=4, num_layers=3)

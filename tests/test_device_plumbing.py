@@ -111,12 +111,45 @@ def test_serve_passes_device_and_dtype_to_its_config(monkeypatch):
     assert (config.device, config.dtype, config.weights) == ("cpu", "float16", "fp16")
 
 
+def test_concurrency_bench_opens_its_target_on_the_device(monkeypatch, tmp_path):
+    """``python -m specdec.bench.concurrency --device --dtype`` and ``specdec bench --concurrency`` (the
+    engine under load, what replaced the batch-size experiment) open the target there."""
+    import argparse
+
+    import specdec.targets
+    from specdec.bench import concurrency
+    from specdec.cli import build_parser
+
+    seen = {}
+
+    def open_target(name, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(specdec.targets, "open_target", open_target)
+    parser = argparse.ArgumentParser()
+    concurrency.add_concurrency_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--dtype", "bfloat16", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="stop here"):
+        concurrency.run_concurrency(args)
+    assert (seen["device"], seen["dtype"]) == ("cpu", "bfloat16")
+    bench = build_parser().parse_args(
+        ["bench", "--concurrency", "1,2", "--device", "cpu", "--dtype", "float16"]
+    )
+    args = concurrency.from_bench_args(bench)
+    assert (args.device, args.dtype, args.concurrency) == ("cpu", "float16", (1, 2))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "float64"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--device", "cuda"])
+
+
 # --- experiment configs, the run command and env.json ----------------------------------------------------
 
 MODEL_CONFIGS = [
     "experiments.catalog.gamma_sweep:GammaSweepConfig",
     "experiments.catalog.speedup_table:SpeedupConfig",
-    "experiments.catalog.batch_sweep:BatchConfig",
     "experiments.catalog.lossy_quality:LossyQualityConfig",
     "experiments.catalog.leviathan_table3_analog:AcceptanceConfig",
     "experiments.catalog.serving_load:ServingLoadConfig",

@@ -12,7 +12,6 @@ from _reference import SMOLLM2_NEW_TOKENS as N
 from _tiny import greedy_training_block, save_tiny_checkpoint, tiny_llama
 
 import specdec
-from experiments.train_drafter import TrainConfig, unrolled_features, unrolled_losses
 from specdec.drafters.eagle import (
     EagleCache,
     EagleConfig,
@@ -24,6 +23,8 @@ from specdec.drafters.eagle import (
     load_eagle_head,
     save_eagle_head,
 )
+from specdec.drafters.eagle.train.config import TrainConfig
+from specdec.drafters.eagle.train.objective import unrolled_features, unrolled_losses
 from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.targets.hf import HFTarget

@@ -13,14 +13,6 @@ import torch
 from _tiny import byte_tokenizer, greedy_training_block, save_tiny_checkpoint, tiny_llama, token_data
 
 import specdec
-from experiments.drafter_data import (
-    aux_shard_name,
-    build_aux_features,
-    extract_features,
-    extract_layer_features,
-    load_dataset,
-)
-from experiments.train_drafter import Batches, TrainConfig, unrolled_losses
 from specdec.drafters.eagle import (
     EagleConfig,
     EagleDrafter,
@@ -29,6 +21,11 @@ from specdec.drafters.eagle import (
     load_eagle_head,
     save_eagle_head,
 )
+from specdec.drafters.eagle.train.config import DataConfig, TrainConfig
+from specdec.drafters.eagle.train.dataset import aux_shard_name, build_aux_features, load_dataset
+from specdec.drafters.eagle.train.features import extract_features, extract_layer_features
+from specdec.drafters.eagle.train.objective import Batches, unrolled_losses
+from specdec.drafters.eagle.train.sources import Prompt, repeat_sequences
 from specdec.protocols import TargetOutput
 from specdec.targets.hf import HFTarget
 from specdec.targets.llama import LlamaTarget
@@ -267,7 +264,7 @@ def test_layer_features_extend_a_cache_and_batches_carry_them(tiny3, tmp_path):
 def _tiny_build(monkeypatch, tiny3, prompts, *, tokenizer):
     """Point build_dataset at the tiny target and ``prompts`` (continued 3 greedy tokens, no other
     source); returns that DataConfig."""
-    import experiments.drafter_data as dd
+    import specdec.drafters.eagle.train.dataset as dd
     import specdec.targets as targets_pkg
     import specdec.targets.loading as loading
 
@@ -275,7 +272,7 @@ def _tiny_build(monkeypatch, tiny3, prompts, *, tokenizer):
     monkeypatch.setattr(loading, "load_tokenizer", lambda name: tokenizer)
     monkeypatch.setattr(loading, "load_hf_model", lambda name: tiny3["hf"])
     monkeypatch.setattr(targets_pkg, "load_target", lambda name: LlamaTarget.from_pretrained(tiny3["path"]))
-    return dd.DataConfig(
+    return DataConfig(
         target=str(tiny3["path"]),
         greedy_tokens=3,
         sample_tokens=0,
@@ -294,12 +291,12 @@ def test_build_dataset_writes_layer_features_from_the_feature_pass(tiny3, tmp_pa
     without them (two shards, held-out prompts included), and that pass then has nothing to do."""
     from safetensors.torch import load_file
 
-    import experiments.drafter_data as dd
+    import specdec.drafters.eagle.train.dataset as dd
 
     gen = torch.Generator().manual_seed(1)
     lengths = torch.randint(4, 20, (70,), generator=gen).tolist()
     prompts = [
-        dd.Prompt(
+        Prompt(
             f"p{i}", "humaneval", i % 4 == 0, tuple(torch.randint(3, 250, (n,), generator=gen).tolist())
         )
         for i, n in enumerate(lengths)
@@ -336,7 +333,7 @@ def test_copy_lessons_come_after_the_natural_sequences_and_reuse_their_shards(ti
     """A config that adds copy lessons keeps every natural sequence in its order, appends the lessons
     (built from the natural training sequences, all training data), and reuses the natural shards:
     only the shard that now holds lessons is extracted."""
-    import experiments.drafter_data as dd
+    import specdec.drafters.eagle.train.dataset as dd
 
     tok = byte_tokenizer()
     rng = torch.Generator().manual_seed(2)
@@ -345,7 +342,7 @@ def test_copy_lessons_come_after_the_natural_sequences_and_reuse_their_shards(ti
     for i in range(70):
         picks = torch.randint(len(words), (8,), generator=rng).tolist()
         text = f"p{i}: " + " ".join(words[j] for j in picks)
-        prompts.append(dd.Prompt(f"p{i}", "humaneval", i % 4 == 0, tuple(tok(text).input_ids)))
+        prompts.append(Prompt(f"p{i}", "humaneval", i % 4 == 0, tuple(tok(text).input_ids)))
     cfg = _tiny_build(monkeypatch, tiny3, prompts, tokenizer=tok)
     quiet = lambda s: None  # noqa: E731
     plain = dd.load_dataset(dd.build_dataset(cfg, tmp_path, log=quiet))
@@ -365,7 +362,7 @@ def test_copy_lessons_come_after_the_natural_sequences_and_reuse_their_shards(ti
         (name, bool(held), plain.tokens[a:b].tolist())
         for name, held, (a, b) in zip(plain.names, plain.heldout, spans, strict=True)
     ]
-    lessons = dd.repeat_sequences(tok, natural, 4, length=48, seed=0)
+    lessons = repeat_sequences(tok, natural, 4, length=48, seed=0)
     assert data.tokens[int(plain.offsets[n]) :].tolist() == [t for _, _, ids in lessons for t in ids]
 
 
@@ -373,7 +370,7 @@ def test_copy_agreement_scores_every_fresh_lesson_once(tiny3):
     """copy-agreement's lessons split: each of N fresh lessons is one window, scored once
     (batches=None), and Batches.take builds what batch() builds for the same windows."""
     from experiments import copy_agreement as ca
-    from experiments.train_drafter import Batches
+    from specdec.drafters.eagle.train.objective import Batches
 
     tok = byte_tokenizer()
     texts = [f"Item {i:02d}: the plot was terrible and the cast could not save it." for i in range(6)]

@@ -72,8 +72,17 @@ def test_user_errors_are_one_line_and_ctrl_c_stops_cleanly(monkeypatch, capsys, 
 
 
 def test_train_drafter_and_bench_moe_delegate_to_their_modules():
-    assert cli._BUILTIN_COMMANDS["train-drafter"] == "experiments.train_drafter:main"
+    """train-drafter is an alias: the same function as `specdec train-head`."""
+    assert cli._BUILTIN_COMMANDS["train-drafter"] == "specdec.drafters.eagle.train.command:main"
     assert cli._BUILTIN_COMMANDS["bench-moe"] == "experiments.bench_moe:main"
+
+
+def test_train_drafter_is_the_train_head_command(capsys):
+    from specdec.drafters.eagle.train.command import main as train_head
+
+    assert cli.COMMANDS.get("train-drafter") is train_head
+    assert cli.main(["train-drafter", "--steps", "0"]) == 2
+    assert "TrainConfig.steps must be an int >= 1" in capsys.readouterr().err
 
 
 def test_dry_run_shard_and_yaml_overrides(tmp_path, capsys):

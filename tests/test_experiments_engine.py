@@ -1,4 +1,4 @@
-"""The engine experiments' own logic: plans, prompt categories, theory curve, crossover, log-likelihood."""
+"""The engine experiments' own logic: plans, prompt categories, theory curve, log-likelihood."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from experiments.catalog import (
-    batch_sweep,
     gamma_sweep,
     leviathan_table3_analog,
     lossy_quality,
@@ -40,7 +39,6 @@ def test_full_plans_cover_the_issue():
     gammas = gamma_sweep.EXPERIMENT.configs()
     assert {"ngram", "bigram"} <= {c.drafter for c in gammas}
     assert all(c.gammas == (1, 2, 3, 4, 6, 8) and c.max_gamma_theory == 8 for c in gammas)
-    assert [c.batch_size for c in batch_sweep.EXPERIMENT.configs()] == [1, 2, 4, 8, 16, 32]
     lossy = lossy_quality.EXPERIMENT.configs()
     assert all(c.leniences == (1.0, 0.5, 0.3, 0.1) for c in lossy)
     assert {c.temperature for c in lossy} == {0.0, 1.0}
@@ -82,13 +80,6 @@ def test_theory_curve_is_the_cost_model():
     )
 
 
-def test_crossover_interpolates_in_log_batch():
-    assert batch_sweep.crossover([(1, 2.0), (2, 1.5), (4, 1.2)]) is None
-    assert batch_sweep.crossover([(4, 0.8), (1, 1.5), (2, 1.2)]) == pytest.approx(2 ** (1 + 0.2 / 0.4))
-    assert batch_sweep.crossover([(1, 0.9), (2, 0.8)]) == 1.0
-    assert batch_sweep.crossover([]) is None
-
-
 def test_table3_shape_check():
     class Rec:
         def __init__(self, alpha):
@@ -108,8 +99,6 @@ def test_configs_validate():
         speedup_table.SpeedupConfig(drafters=("none", "ngram"))
     with pytest.raises(ValueError, match="gammas"):
         gamma_sweep.GammaSweepConfig(gammas=(0, 1))
-    with pytest.raises(ValueError, match="batch_size"):
-        batch_sweep.BatchConfig(batch_size=0)
     with pytest.raises(ValueError, match="leniences"):
         lossy_quality.LossyQualityConfig(leniences=(1.0, 0.0))
     with pytest.raises(ValueError, match="gamma"):

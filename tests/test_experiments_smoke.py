@@ -82,10 +82,6 @@ def test_smoke_results_of_the_engine_experiments(smoke_results):
     gamma = summaries["gamma-sweep"]["tables"][0]["rows"]
     assert [r["gamma"] for r in gamma] == [0, 1, 2]
     assert gamma[0]["theory"] == pytest.approx(1.0) and all(r["exact"] == 1.0 for r in gamma[1:])
-    batch = summaries["batch-sweep"]["tables"][0]["rows"]
-    assert [r["batch"] for r in batch] == [1, 4] and all(
-        r["plain_tps"] > 0 and r["spec_tps"] > 0 for r in batch
-    )
     lossy = summaries["lossy-quality"]["tables"][0]["rows"]
     plain = {r["temperature"]: r for r in lossy if r["lenience"] is None}
     exact = [r for r in lossy if r["lenience"] == 1.0 and r["temperature"] == 0.0]

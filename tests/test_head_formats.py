@@ -193,7 +193,7 @@ def test_speculators_eagle3_model_computes_our_draft_logits(setup, tmp_path):
         "speculators.models.eagle3",
         reason="the speculators package is not installed (pip install -e '.[speculators]')",
     )
-    from experiments.train_drafter import unrolled_features
+    from specdec.drafters.eagle.train.objective import unrolled_features
 
     target, head, _ = setup
     parts = target.parts()

@@ -368,7 +368,7 @@ def test_peer_logits_round_trip_and_token_by_token_comparison(tiny, tmp_path):
 def test_heldout_pydoc_topics_stay_out_of_drafter_training():
     from pydoc_data.topics import topics
 
-    from experiments.drafter_data import _text_files
+    from specdec.drafters.eagle.train.sources import _text_files
     from specdec.drafters.ngram_lm import corpus_documents
     from specdec.quality.text import heldout_topics, pydoc_text, training_topics
 

@@ -1,5 +1,5 @@
-"""The drafter recipe for a target other than SmolLM2, end to end: ``python -m experiments
-train-drafter --target PATH`` on a tiny random Llama checkpoint this module writes (its own byte
+"""The drafter recipe for a target other than SmolLM2, end to end: ``specdec train-head
+--target PATH`` on a tiny random Llama checkpoint this module writes (its own byte
 tokenizer and chat template), from an empty cache through the data, the training, held-out decoding
 with the head and export to vLLM's format.
 
@@ -15,8 +15,10 @@ import pytest
 import torch
 from _tiny import save_tiny_checkpoint
 
-from experiments.drafter_data import DataConfig, load_dataset, target_cache_name
-from experiments.train_drafter import TrainConfig, build_draft_vocab, main, resolve_for_target
+from specdec.drafters.eagle.train.command import main
+from specdec.drafters.eagle.train.config import DataConfig, TrainConfig, resolve_for_target
+from specdec.drafters.eagle.train.dataset import load_dataset, target_cache_name
+from specdec.drafters.eagle.train.loop import build_draft_vocab
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,8 @@ Legend: B batch, T sequence length, V vocabulary.
 
 Not an experiment itself. Their configs extend :class:`DecodeRunConfig` (a target on a device, a
 temperature, a seed), the in-process ones through :class:`InterleavedRunConfig` (new tokens, the
-count-based drafters' corpus, torch threads). ``leviathan-table3-analog``, ``speedup-table``, ``gamma-sweep``,
-``batch-sweep`` and ``lossy-quality`` call :func:`run_interleaved` to run several *methods* (a
+count-based drafters' corpus, torch threads). ``leviathan-table3-analog``, ``speedup-table``,
+``gamma-sweep`` and ``lossy-quality`` call :func:`run_interleaved` to run several *methods* (a
 drafter, γ and verification rule) on the same prompts, prompt by prompt in turn (so drifting load
 on a shared machine hits every method alike), and summarise them with
 :func:`specdec.bench.report.summarize` (speedup over our plain decode measured in the same run, α, τ,

@@ -236,9 +236,9 @@ EXPERIMENT = Experiment(
 
 def _eagle_heldout(categories: Sequence[str], num_prompts: int) -> tuple[int, int]:
     """How many of the prompts these categories use are held out from the EAGLE head's training
-    data (``experiments.drafter_data.is_heldout``), and how many there are."""
+    data (``specdec.drafters.eagle.train.sources.is_heldout``), and how many there are."""
     from experiments.catalog.specdec_runs import category_prompts
-    from experiments.drafter_data import is_heldout
+    from specdec.drafters.eagle.train.sources import is_heldout
     from specdec.prompt_sets import humaneval_prompts, mtbench_questions
 
     index = {("humaneval", t): i for i, t in enumerate(humaneval_prompts())}

@@ -10,6 +10,12 @@ specdec.bench.concurrency``). For every concurrency c and drafter, interleaved i
 (``specdec.generate`` on c prompts is the engine with c requests arriving together; the static-batch
 loop it replaced, measured against the engine before its removal, is in docs/engine.md.)
 
+Speculation spends spare compute to cut latency: a verify call runs γ+1 tokens per row, nearly free
+while a step is memory-bound, not once the batch makes it compute-bound (Spec-Bench, arXiv
+2401.07851). So the summary (the paper's table and figures) gives each drafter's throughput against
+no drafter's on the same path at every c, and the concurrency where that ratio falls below 1
+(:func:`crossover`).
+
 Per row: system tokens per second (every generated token / wall time of the level, prefill
 included), per-request TPOT P50 / P99 (``(last token − first token) / (tokens − 1)``), α and τ pooled
 over the level's requests, for greedy runs the share of engine requests whose tokens equal the
@@ -21,13 +27,21 @@ verification rule).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_concurrency", "add_concurrency_arguments", "from_bench_args", "summarize", "main"]
+__all__ = [
+    "run_concurrency",
+    "add_concurrency_arguments",
+    "from_bench_args",
+    "summarize",
+    "crossover",
+    "main",
+]
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -91,10 +105,10 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
     from specdec.bench.report import environment
     from specdec.engine import Engine
     from specdec.prompt_sets import encode_prompt, load_prompts
-    from specdec.targets import open_target
+    from specdec.targets import open_target_from
 
     levels = list(args.concurrency)
-    target = open_target(args.target, backend=args.backend, weights=args.weights)
+    target = open_target_from(args)
     prompts: list[list[int]] = []
     for name in args.prompt_set:
         texts = load_prompts(name, args.num_prompts)
@@ -193,11 +207,89 @@ def summarize(record: dict[str, Any]) -> Any:
         columns.append(("scheduler_pct", "sched %", ".1f"))
     # records measured before the static-batch path was removed compare against it
     against = " against the static batch" if any(r["path"] == "static" for r in record["rows"]) else ""
-    caption = f"The engine under load{against} ({record['num_requests']} requests per level)"
+    curves = _curves(rows)
+    crossovers = {
+        f"{d} {path}": crossover([(r["concurrency"], r["x_none"]) for r in curve])
+        for (d, path), curve in curves.items()
+        if d != "none"
+    }
+    pays = "; ".join(
+        f"{key}: " + ("never" if c is None else rf"$c \approx {c:.1f}$") for key, c in crossovers.items()
+    )
+    caption = (
+        f"The engine under load{against} ({record['num_requests']} requests per level). Where a "
+        f"drafter's throughput first falls below no drafter's (log-linear interpolation): {pays}."
+    )
     return Summary(
         title="Speculation under load",
         tables=(table_from_rows("engine-concurrency", caption, columns, rows),),
+        figures=_figures(curves),
+        notes=f"crossover concurrency: {crossovers}",
+        extra={"crossover_concurrency": crossovers},
     )
+
+
+def _curves(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """The summary rows by (drafter, path), each in level order."""
+    curves: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        curves.setdefault((r["drafter"], r["path"]), []).append(r)
+    return curves
+
+
+def _figures(curves: dict[tuple[str, str], list[dict[str, Any]]]) -> tuple[Any, ...]:
+    """System tok/s and each drafter's ratio to no drafter against c, a curve per drafter and path."""
+    from specdec.summary import Figure, Series, series_from_rows
+
+    levels = sorted({r["concurrency"] for curve in curves.values() for r in curve})
+
+    def series(y: str, skip_none: bool) -> tuple[Series, ...]:
+        return tuple(
+            series_from_rows(
+                curve,
+                "concurrency",
+                y,
+                label=f"{d} ({path.removeprefix('engine/')})",
+                style="dashed" if path == "engine/staggered" else "line+markers",
+                group=d,
+            )
+            for (d, path), curve in curves.items()
+            if not (skip_none and d == "none")
+        )
+
+    return (
+        Figure(
+            name="throughput",
+            caption="System tokens per second against concurrency (together solid, staggered dashed).",
+            xlabel="concurrency $c$",
+            ylabel="tokens/s (all requests)",
+            series=series("tokens_per_second", skip_none=False),
+        ),
+        Figure(
+            name="speedup",
+            caption="Throughput of each drafter over no drafter on the same path against concurrency.",
+            xlabel="concurrency $c$",
+            ylabel="x none",
+            series=(
+                *series("x_none", skip_none=True),
+                Series(label="break-even", x=levels, y=[1.0] * len(levels), style="dashed", group="none"),
+            ),
+        ),
+    )
+
+
+def crossover(points: Sequence[tuple[int, float | None]]) -> float | None:
+    """Where a speedup first falls below 1: the smallest c if it is below 1 there, else interpolated
+    linearly in log2(c) between the last level with speedup >= 1 and the next one; None when it never
+    does. Points without a speedup are skipped."""
+    points = sorted((c, s) for c, s in points if s is not None)
+    if points and points[0][1] < 1.0:
+        return float(points[0][0])
+    for (c0, s0), (c1, s1) in zip(points, points[1:], strict=False):
+        if s0 >= 1.0 > s1:
+            w = (s0 - 1.0) / (s0 - s1)
+            return 2 ** (math.log2(c0) + w * (math.log2(c1) - math.log2(c0)))
+    return None
 
 
 def _write(out_dir: Path, payload: dict[str, Any]) -> None:
@@ -239,11 +331,9 @@ def _write(out_dir: Path, payload: dict[str, Any]) -> None:
 
 
 def add_concurrency_arguments(p: argparse.ArgumentParser) -> None:
-    from specdec.cli_args import csv, positive_int, seed_int
+    from specdec.cli_args import add_engine_arguments, csv, positive_int, seed_int
 
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--weights", default=None)
+    add_engine_arguments(p, drafter=None, gamma=None, verify=False)
     p.add_argument("--prompt-set", type=csv(str), default=("humaneval", "mtbench"))
     p.add_argument("--num-prompts", type=positive_int, default=8, help="per prompt set")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
@@ -263,6 +353,9 @@ def from_bench_args(args: argparse.Namespace) -> argparse.Namespace:
         target=args.target,
         backend=args.backend,
         weights=args.weights,
+        device=args.device,
+        dtype=args.dtype,
+        compile=args.compile,
         prompt_set=args.prompt_set,
         num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens,

@@ -5,8 +5,10 @@
 same prompts and report ratios. :func:`run_interleaved` runs each prompt through every method
 before the next prompt starts, rotating the order per prompt, so slow drifts of a shared machine
 hit all methods alike. :func:`time_interleaved` does the same for micro-benchmarks (one call per
-repetition). A method is a callable ``(prompt, seed, max_new_tokens) -> PromptResult``;
-:func:`generate_method` makes one from a drafter.
+repetition), the project's one timer: the CPU benchmarks (``specdec.bench.target``, the MoE and
+packed and grouped GEMM benchmarks in ``experiments/``) time with it on the wall clock, the kernels'
+GPU benchmark with :func:`cuda_clock` and an L2 flush before each call. A method is a callable
+``(prompt, seed, max_new_tokens) -> PromptResult``; :func:`generate_method` makes one from a drafter.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from typing import Any
 
 from specdec.bench.report import PromptResult
 
-__all__ = ["Prompt", "MethodFn", "run_interleaved", "time_interleaved", "generate_method"]
+__all__ = [
+    "Prompt",
+    "MethodFn",
+    "run_interleaved",
+    "time_interleaved",
+    "wall_clock",
+    "cuda_clock",
+    "generate_method",
+]
 
 
 @dataclass
@@ -91,22 +101,52 @@ def run_interleaved(
     return results
 
 
+def wall_clock(fn: Callable[[], object]) -> float:
+    """Seconds of one call of ``fn`` on the wall clock."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def cuda_clock(fn: Callable[[], object]) -> float:
+    """Seconds of one call of ``fn`` on the current CUDA stream: CUDA events recorded around it, read
+    after a synchronize (host-side time between kernel launches counts, time before the first not)."""
+    import torch
+
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / 1e3
+
+
 def time_interleaved(
-    fns: Mapping[str, Callable[[], object]], *, seconds: float, min_reps: int = 5, max_reps: int = 300
-) -> dict[str, list[float]]:
-    """Wall times (s) of each callable, interleaved with a rotating order, after two warm-up calls
-    each: at least ``min_reps`` and at most ``max_reps`` repetitions, stopping after ``seconds``."""
+    fns: Mapping[Any, Callable[[], object]],
+    *,
+    seconds: float = 0.0,
+    min_reps: int = 5,
+    max_reps: int = 300,
+    warmup: int = 2,
+    before: Callable[[], object] | None = None,
+    clock: Callable[[Callable[[], object]], float] = wall_clock,
+) -> dict[Any, list[float]]:
+    """Times (s) of each callable, interleaved with a rotating order, after ``warmup`` untimed calls
+    each (allocator, thread pool, lazy init, autotuning): at least ``min_reps`` and at most
+    ``max_reps`` repetitions, stopping once ``seconds`` have passed (``min_reps == max_reps``: exactly
+    that many). ``before`` runs untimed before every timed call (a GPU benchmark flushes the L2 cache
+    there); ``clock`` times one call (:func:`wall_clock`, or :func:`cuda_clock` for GPU work)."""
     names = list(fns)
-    for name in names:  # warm-up (allocator, thread pool, lazy init)
-        fns[name]()
-        fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times: dict[Any, list[float]] = {name: [] for name in names}
     start, rep = time.perf_counter(), 0
     while rep < max_reps and (rep < min_reps or time.perf_counter() - start < seconds):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - t0)
+            if before is not None:
+                before()
+            times[name].append(clock(fns[name]))
         rep += 1
     return times
 

@@ -2,15 +2,19 @@
 
     specdec bench-serve --servers ours:none,ours:default,llama-server --concurrency 1,2,4,8 \\
         --prompt-set humaneval,mtbench --num-prompts 8 --max-tokens 128 --out DIR
+    specdec bench-serve --concurrency 1,4 --endpoint chat --prompt-set mtbench-chat --gamma 3 \\
+        --servers ours:none,ours:default,llama-server,llama-server:ngram-mod,llama-server:eagle3
     specdec bench-serve --base-url http://127.0.0.1:8000 --request-rate 0.5,1,2 --burstiness 1 \\
         --goodput ttft:1000 tpot:50
 
-For every server, one after another (started here for ``ours:DRAFTER`` and ``llama-server``, with
-the same threads and slots: :mod:`~specdec.bench.serve_peers`), one warm-up request, then every load
-level on the same prompts: the closed-loop ``--concurrency`` levels, then the open-loop
-``--request-rate`` levels (:mod:`~specdec.bench.serve_load`), each between two reads of the server's
-``/metrics``. The figures, table and plots: :mod:`~specdec.bench.serve_report`; the JSON and
-Markdown files are written after every level, the plots at the end.
+Before any server starts, the head ``llama-server:eagle3`` drafts with is exported and converted
+(:mod:`~specdec.bench.serve_heads`; once, then cached). For every server, one after another (started
+here for ``ours:DRAFTER`` and ``llama-server[:MODE]``, with the same threads and slots:
+:mod:`~specdec.bench.serve_peers`), one warm-up request, then every load level on the same prompts:
+the closed-loop ``--concurrency`` levels, then the open-loop ``--request-rate`` levels
+(:mod:`~specdec.bench.serve_load`), each between two reads of the server's ``/metrics``. The figures,
+table and plots: :mod:`~specdec.bench.serve_report`; the JSON and Markdown files are written after
+every level, the plots at the end.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class BenchServeConfig:
     threads: int = 2
     max_num_seqs: int | None = None
     gamma: str = "auto"
+    llama_head: str | None = None
+    llama_convert: str | None = None
     warmup_requests: int = 1
     request_timeout_s: float = 600.0
     startup_timeout_s: float = 600.0
@@ -134,6 +140,12 @@ class BenchServeConfig:
         """Slots of the servers started here: ``--max-num-seqs``, else the largest concurrency, else 8."""
         return self.max_num_seqs or max(self.concurrency, default=8)
 
+    @property
+    def draft_max(self) -> int:
+        """Tokens ``llama-server:eagle3`` drafts per step: ``--gamma`` when it is a depth, else 3 (its
+        default, and the depth our head was trained to draft)."""
+        return int(self.gamma) if self.gamma.isdigit() else 3
+
 
 def _requests(config: BenchServeConfig) -> list[Any]:
     from specdec.bench.serve_load import BenchRequest
@@ -181,15 +193,20 @@ def _level_line(name: str, label: str, f: dict[str, Any], acc: dict | None) -> s
     )
     if acc and acc.get("alpha") is not None:
         text += f" | α {acc['alpha']:.2f}, τ {acc['tau']:.2f}"
+        if acc.get("per_position"):
+            text += " (by position " + " / ".join(f"{a:.2f}" for a in acc["per_position"]) + ")"
+    if f.get("usage_drafted"):
+        text += f" | responses: {f['usage_accepted']} of {f['usage_drafted']} drafted accepted"
     if f["errors"]:
         text += " | errors: " + "; ".join(f"{n}× {e}" for e, n in f["errors"].items())
     return text
 
 
 def _start(
-    spec: Any, config: BenchServeConfig, out_dir: Path, prompts: Sequence[str]
+    spec: Any, config: BenchServeConfig, out_dir: Path, prompts: Sequence[str], head: Path | None = None
 ) -> tuple[Any, str | None]:
-    """(the launched server or None, the reason it was skipped or None)."""
+    """(the launched server or None, the reason it was skipped or None); ``head``: the GGUF head of
+    ``llama-server:eagle3``."""
     from specdec.bench import serve_peers as peers
 
     port = peers.free_port()
@@ -203,17 +220,15 @@ def _start(
         return peers.launch(
             spec.name, cmd, log, port=port, startup_timeout_s=config.startup_timeout_s, env=env
         ), None
-    binary = peers.find_llama_server()
-    if binary is None:
-        return None, (
-            f"llama-server skipped: no llama-server on PATH and ${peers.LLAMA_SERVER_ENV} is not set "
-            "(docs/serving.md shows how to build it)"
-        )
+    skipped = peers.llama_server_skipped(spec.name, config.target)
+    if skipped:
+        return None, skipped
     from specdec.targets.loading import gguf_source
 
-    gguf = gguf_source(config.target)
-    if gguf is None:
-        return None, f"llama-server skipped: --target {config.target} does not come as a GGUF file"
+    binary, gguf = peers.find_llama_server(), gguf_source(config.target)
+    speculation = peers.llama_speculation_args(
+        spec.mode, threads=config.threads, head=head, draft_max=config.draft_max
+    )
     cmd = peers.llama_server_command(
         binary,
         gguf,
@@ -222,6 +237,7 @@ def _start(
         ctx_per_slot=peers.context_per_slot(prompts, config.max_tokens),
         port=port,
         model=config.model or config.target,
+        speculation=speculation,
     )
     return peers.launch(spec.name, cmd, log, port=port, startup_timeout_s=config.startup_timeout_s), None
 
@@ -249,7 +265,7 @@ def _load(
         )  # fmt: skip
         entry["warmup_failed"] = sum(not r.ok for r in warm.results)
     for level in _levels(config):
-        before = probe.scrape_metrics(base, **auth)
+        before, before_pos = probe.scrape_speculation(base, **auth)
         if level["mode"] == "concurrency":
             run = load.run_closed_loop(
                 base, requests, concurrency=level["concurrency"], sampling=sampling, **common
@@ -259,7 +275,10 @@ def _load(
                 base, requests, request_rate=level["request_rate"], burstiness=config.burstiness,
                 seed=config.seed, sampling=sampling, **common,
             )  # fmt: skip
-        acc = probe.acceptance(before, probe.scrape_metrics(base, **auth))
+        after, after_pos = probe.scrape_speculation(base, **auth)
+        acc = probe.acceptance(before, after)
+        if acc is not None:
+            acc["per_position"] = probe.per_position(before_pos, after_pos, acc["drafts"])
         figures = level_figures(run, config.goodput_ms)
         entry["levels"].append(
             {**level, **figures, "acceptance": acc, "requests": [r.to_dict() for r in run.results]}
@@ -294,7 +313,13 @@ def run_bench_serve(
         "servers": servers,
     }
     say(f"specdec bench-serve: {machine(record)}; {len(requests)} requests per level")
-    for spec in _specs(config):
+    from specdec.bench.serve_heads import prepare_heads
+
+    specs = _specs(config)
+    heads = prepare_heads(
+        specs, target=config.target, head=config.llama_head, converter=config.llama_convert, say=say
+    )
+    for spec in specs:
         entry: dict[str, Any] = {
             "name": spec.name,
             "kind": spec.kind,
@@ -303,9 +328,16 @@ def run_bench_serve(
         }
         servers.append(entry)
         launched = skipped = None
+        head = heads.get(spec.name)
+        if isinstance(head, str):
+            entry["error"] = head
+            _note(f"{spec.name} did not start: {head}")
+            continue
+        if head is not None:
+            entry["head"] = str(head)
         try:
             if spec.kind != "url":
-                launched, skipped = _start(spec, config, out_dir, [r.prompt for r in requests])
+                launched, skipped = _start(spec, config, out_dir, [r.prompt for r in requests], head)
         except RuntimeError as err:
             entry["error"] = str(err)
             _note(f"{spec.name} did not start: {err}")
@@ -354,10 +386,12 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
         "--servers",
         type=csv(str),
         default=None,
-        help="servers to start, one after another: ours:DRAFTER, llama-server "
-        "(default: ours:default unless --base-url or --peers is given)",
+        help="servers to start, one after another: ours:DRAFTER, llama-server, llama-server:ngram-mod, "
+        "llama-server:eagle3 (default: ours:default unless --base-url or --peers is given)",
     )
-    p.add_argument("--peers", type=csv(str), default=(), help="peers to start after --servers: llama-server")
+    p.add_argument(
+        "--peers", type=csv(str), default=(), help="peers to start after --servers: llama-server[:MODE]"
+    )
     p.add_argument(
         "--target", default="smollm2-135m", help="the model ours serves; llama-server gets its GGUF file"
     )
@@ -402,7 +436,22 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gamma",
         default="auto",
-        help="draft depth of ours:DRAFTER servers: an integer or a depth policy (default: %(default)s)",
+        help="draft depth of ours:DRAFTER servers: an integer or a depth policy; an integer is also "
+        "llama-server:eagle3's --spec-draft-n-max, else 3 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--llama-head",
+        default=None,
+        metavar="HEAD",
+        help="the EAGLE-3 head llama-server:eagle3 drafts with, exported and converted to GGUF once: a head "
+        "file (a path or a shipped name) or a speculators / SGLang folder (default: eagle3-smollm2-135m)",
+    )
+    p.add_argument(
+        "--llama-convert",
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CONVERT, else the one of the llama.cpp "
+        "tree llama-server was built from)",
     )
     p.add_argument("--warmup-requests", type=int, default=1, help="untimed requests before the levels")
     p.add_argument("--request-timeout", type=finite_float, default=600.0, help="seconds per request")
@@ -442,6 +491,8 @@ def config_from_args(args: argparse.Namespace) -> BenchServeConfig:
         threads=args.threads,
         max_num_seqs=args.max_num_seqs,
         gamma=args.gamma,
+        llama_head=args.llama_head,
+        llama_convert=args.llama_convert,
         warmup_requests=args.warmup_requests,
         request_timeout_s=args.request_timeout,
         startup_timeout_s=args.startup_timeout,

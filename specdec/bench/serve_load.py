@@ -21,7 +21,10 @@ a chat stream's opening role chunk and an empty finishing chunk are not token ch
   that speculates streams an accepted draft block as one chunk);
 - E2EL: sent → the last event that carries a choice;
 - TPOT: ``(E2EL − TTFT) / (output tokens − 1)``, for requests with more than one output token;
-- output tokens: the server's ``usage.completion_tokens``, else the number of token chunks.
+- output tokens: the server's ``usage.completion_tokens``, else the number of token chunks;
+- draft and accepted tokens: the server's ``usage.num_draft_tokens`` and ``usage.num_accepted_tokens``
+  (``specdec serve``), else llama-server's ``timings.draft_n`` and ``timings.draft_n_accepted`` (it
+  leaves both out of a response it drafted nothing for: 0 then).
 
 A request fails on an HTTP status other than 200, an ``error`` event in the stream, a stream that
 ends without ``data: [DONE]``, a stream with neither a token chunk nor a ``finish_reason``, or a
@@ -89,7 +92,8 @@ class RequestResult:
     token_chunks: int = 0
     prompt_tokens: int | None = None
     draft_tokens: int | None = None
-    """``usage.num_draft_tokens`` when the server reports it (``specdec serve`` does)."""
+    """``usage.num_draft_tokens`` (``specdec serve``) or ``timings.draft_n`` (llama-server), when the
+    server reports it."""
     accepted_tokens: int | None = None
 
     @property
@@ -135,6 +139,7 @@ def result_from_trace(
     error: str | None = None,
     start_s: float = 0.0,
     finish_s: float | None = None,
+    timings: Mapping[str, Any] | None = None,
 ) -> RequestResult:
     """The figures of one streamed request from its timestamps (module doc for the definitions).
 
@@ -142,7 +147,8 @@ def result_from_trace(
     when the last event with a choice arrived; ``usage``: the stream's usage object, if any;
     ``error``: why it failed (None if the stream ended with ``[DONE]``); ``start_s``: the level's
     start (``RequestResult.sent_s`` is relative to it); ``finish_s``: when the first choice with a
-    ``finish_reason`` arrived (the first token's time of a response without text). One clock."""
+    ``finish_reason`` arrived (the first token's time of a response without text); ``timings``:
+    llama-server's ``timings`` object, if any. One clock."""
     chunks = len(token_times_s)
     if error is None and not token_times_s and finish_s is None:
         error = "the stream carried neither text nor a finish_reason"
@@ -157,6 +163,14 @@ def result_from_trace(
         value = usage.get(key) if usage else None
         return value if isinstance(value, int) else None
 
+    def timed(key: str) -> int | None:
+        value = timings.get(key, 0) if timings is not None else None
+        return value if isinstance(value, int) else None
+
+    drafted, accepted = count("num_draft_tokens"), count("num_accepted_tokens")
+    if drafted is None and accepted is None:
+        drafted, accepted = timed("draft_n"), timed("draft_n_accepted")
+
     return RequestResult(
         index=index,
         ok=True,
@@ -167,8 +181,8 @@ def result_from_trace(
         output_tokens=output_tokens,
         token_chunks=chunks,
         prompt_tokens=count("prompt_tokens"),
-        draft_tokens=count("num_draft_tokens"),
-        accepted_tokens=count("num_accepted_tokens"),
+        draft_tokens=drafted,
+        accepted_tokens=accepted,
     )
 
 
@@ -263,6 +277,7 @@ async def stream_request(
     last_choice: float | None = None
     finish: float | None = None
     usage: Mapping[str, Any] | None = None
+    timings: Mapping[str, Any] | None = None
     sent = time.perf_counter()
     reply = await post_sse(client, ENDPOINTS[endpoint], body)
     error = reply.error
@@ -293,6 +308,8 @@ async def stream_request(
                 finish = now
         if isinstance(event.get("usage"), Mapping):
             usage = event["usage"]
+        if isinstance(event.get("timings"), Mapping):
+            timings = event["timings"]  # llama-server's; its last event carries the request's totals
     if error is None and not done:
         error = "the stream ended without data: [DONE]"
     return result_from_trace(
@@ -304,6 +321,7 @@ async def stream_request(
         error=error,
         start_s=start_s,
         finish_s=finish,
+        timings=timings,
     )
 
 

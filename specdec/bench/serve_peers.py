@@ -11,6 +11,12 @@
   carry ``"cache_prompt": false``, so that a prompt seen at an earlier level is prefilled again (our
   server keeps no prompt cache). Without a binary, or for a target that is not a GGUF file, the peer
   is skipped with a one-line reason.
+- ``llama-server:MODE``: the same with llama.cpp's own speculation (:data:`LLAMA_MODES`):
+  ``ngram-mod`` adds ``--spec-type ngram-mod`` (llama.cpp's n-gram defaults); ``eagle3`` adds
+  ``--spec-type draft-eagle3 -md HEAD.gguf --spec-draft-n-max N --spec-draft-n-min 0
+  --spec-draft-p-min 0 --spec-draft-threads THREADS``, HEAD.gguf our EAGLE-3 head converted for it
+  (:mod:`specdec.bench.serve_heads`). Both report what they drafted and accepted, per response
+  (``timings.draft_n``, ``timings.draft_n_accepted``) and in ``/metrics``.
 
 Each is started on a free loopback port, waited for until ``GET /health`` answers 200, and stopped
 with SIGTERM afterwards (SIGKILL if it has not exited within the timeout); its output goes to a log
@@ -32,21 +38,27 @@ from typing import Any
 
 __all__ = [
     "LLAMA_SERVER_ENV",
+    "LLAMA_MODES",
     "PEERS",
     "ServerSpec",
     "LaunchedServer",
     "parse_servers",
     "find_llama_server",
+    "llama_server_skipped",
     "free_port",
     "context_per_slot",
     "ours_command",
     "llama_server_command",
+    "llama_speculation_args",
     "launch",
 ]
 
 LLAMA_SERVER_ENV = "LLAMA_SERVER"
 """The environment variable naming llama-server's binary (it wins over ``PATH``)."""
-PEERS = ("llama-server",)
+LLAMA_MODES = {"ngram-mod": "ngram-mod", "eagle3": "draft-eagle3"}
+"""``llama-server:MODE`` → the ``--spec-type`` llama-server runs it with (``tools/server``,
+``common/speculative.cpp`` of llama.cpp)."""
+PEERS = ("llama-server", *(f"llama-server:{mode}" for mode in LLAMA_MODES))
 """Names ``--peers`` and ``--servers`` accept besides ``ours:DRAFTER``."""
 REQUEST_EXTRAS = {"llama-server": {"cache_prompt": False}}
 """Fields added to every request of a server kind (module doc)."""
@@ -54,24 +66,34 @@ REQUEST_EXTRAS = {"llama-server": {"cache_prompt": False}}
 
 @dataclass(frozen=True, kw_only=True)
 class ServerSpec:
-    """A server to load: ``ours`` (with its drafter), ``llama-server``, or ``url`` (``--base-url``)."""
+    """A server to load: ``ours`` (with its drafter), ``llama-server`` (with its mode: None, or a key
+    of :data:`LLAMA_MODES`), or ``url`` (``--base-url``)."""
 
     name: str
     kind: str
     drafter: str | None = None
+    mode: str | None = None
     base_url: str | None = None
 
 
 def parse_servers(items: Sequence[str], flag: str = "--servers", *, ours: bool = True) -> list[ServerSpec]:
-    """``["ours:none", "ours:default", "llama-server"]`` → specs (``ours=False``: peers only, as
-    ``--peers`` takes); anything else is a ``ValueError`` naming ``flag``."""
+    """``["ours:none", "ours:default", "llama-server", "llama-server:eagle3"]`` → specs (``ours=False``:
+    peers only, as ``--peers`` takes); anything else is a ``ValueError`` naming ``flag`` (an unknown
+    ``llama-server:MODE`` lists the known modes)."""
     specs = []
     for item in items:
         item = item.strip()
-        kind, colon, drafter = item.partition(":")
-        if ours and kind == "ours" and colon and drafter.strip():
-            specs.append(ServerSpec(name=f"ours:{drafter.strip()}", kind="ours", drafter=drafter.strip()))
-        elif item in PEERS:
+        kind, colon, rest = item.partition(":")
+        if ours and kind == "ours" and colon and rest.strip():
+            specs.append(ServerSpec(name=f"ours:{rest.strip()}", kind="ours", drafter=rest.strip()))
+        elif kind == "llama-server" and colon:
+            if rest not in LLAMA_MODES:
+                raise ValueError(
+                    f"{flag}: unknown llama-server mode {rest!r}; known: {', '.join(LLAMA_MODES)} "
+                    "(plain llama-server: no mode)"
+                )
+            specs.append(ServerSpec(name=item, kind="llama-server", mode=rest))
+        elif item == "llama-server":
             specs.append(ServerSpec(name=item, kind=item))
         else:
             expected = ("ours:DRAFTER or " if ours else "") + f"one of {', '.join(PEERS)}"
@@ -92,6 +114,21 @@ def find_llama_server() -> Path | None:
         return path
     found = shutil.which("llama-server")
     return Path(found) if found else None
+
+
+def llama_server_skipped(name: str, target: str) -> str | None:
+    """Why the llama-server peer ``name`` cannot run (no binary, or a target that does not come as a
+    GGUF file), or None."""
+    from specdec.targets.loading import gguf_source
+
+    if find_llama_server() is None:
+        return (
+            f"{name} skipped: no llama-server on PATH and ${LLAMA_SERVER_ENV} is not set "
+            "(docs/serving.md shows how to build it)"
+        )
+    if gguf_source(target) is None:
+        return f"{name} skipped: --target {target} does not come as a GGUF file"
+    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -123,14 +160,36 @@ def ours_command(
     ]  # fmt: skip
 
 
+def llama_speculation_args(
+    mode: str | None, *, threads: int, head: Path | None = None, draft_max: int = 3
+) -> list[str]:
+    """llama-server's flags for ``llama-server:MODE`` (module doc): none for plain ``llama-server``;
+    ``eagle3`` drafts ``draft_max`` tokens per step with the converted ``head`` (a ``ValueError``
+    without one), on ``threads`` threads as the target."""
+    if mode is None:
+        return []
+    if mode not in LLAMA_MODES:
+        raise ValueError(f"unknown llama-server mode {mode!r}; known: {', '.join(LLAMA_MODES)}")
+    args = ["--spec-type", LLAMA_MODES[mode]]
+    if mode == "eagle3":
+        if head is None:
+            raise ValueError("llama-server:eagle3 needs the head converted to GGUF (-md HEAD.gguf)")
+        args += [
+            "-md", str(head), "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0",
+            "--spec-draft-p-min", "0", "--spec-draft-threads", str(threads),
+        ]  # fmt: skip
+    return args
+
+
 def llama_server_command(
     binary: Path, gguf: Path, *, threads: int, slots: int, ctx_per_slot: int, port: int, model: str,
-    host: str = "127.0.0.1",
+    host: str = "127.0.0.1", speculation: Sequence[str] = (),
 ) -> list[str]:  # fmt: skip
-    """The command that starts ``llama-server`` (module doc)."""
+    """The command that starts ``llama-server`` (module doc), ``speculation`` its mode's flags
+    (:func:`llama_speculation_args`)."""
     return [
         str(binary), "-m", str(gguf), "-t", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
-        "--host", host, "--port", str(port), "--metrics", "-a", model,
+        "--host", host, "--port", str(port), "--metrics", "-a", model, *speculation,
     ]  # fmt: skip
 
 

@@ -3,7 +3,10 @@
 :func:`scrape_metrics` and :func:`acceptance` read the server's Prometheus ``/metrics`` before and
 after a load level of ``specdec bench-serve``: vLLM's ``…:spec_decode_num_drafts``,
 ``…:spec_decode_num_draft_tokens`` and ``…:spec_decode_num_accepted_tokens`` counters (``specdec serve``
-exposes them as ``vllm:…``, llama-server with ``--metrics`` as ``llamacpp:…``).
+exposes them as ``vllm:…``, llama-server with ``--metrics`` as ``llamacpp:…``), and
+``…:spec_decode_num_accepted_tokens_per_pos`` (label ``position``, 0-based), which both expose too:
+:func:`scrape_speculation` reads both at once, :func:`per_position` turns the per-position counts
+into acceptance rates.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ __all__ = [
     "spec_counters",
     "get_metrics",
     "scrape_metrics",
+    "accepted_per_position",
+    "scrape_speculation",
     "acceptance",
+    "per_position",
     "model_card",
     "wait_healthy",
 ]
@@ -94,6 +100,44 @@ def scrape_metrics(base_url: str, *, timeout_s: float = 10.0, api_key: str | Non
     ``/metrics`` or no such counters."""
     samples = get_metrics(base_url, timeout_s=timeout_s, api_key=api_key)
     return None if samples is None else spec_counters(samples)
+
+
+def accepted_per_position(samples: Mapping[str, float]) -> list[float] | None:
+    """``<prefix>:spec_decode_num_accepted_tokens_per_pos`` per position, from samples parsed with
+    ``keep_label="position"`` (a position the server has not reached yet counts 0); None without them."""
+    found: dict[int, float] = {}
+    for name, value in samples.items():
+        metric, brace, label = name.partition("{")
+        prefix, colon, base = metric.removesuffix("_total").rpartition(":")
+        if brace and colon and prefix and base == "spec_decode_num_accepted_tokens_per_pos":
+            position = label.removesuffix("}")
+            if position.isdigit():
+                found[int(position)] = found.get(int(position), 0.0) + value
+    if not found:
+        return None
+    return [found.get(k, 0.0) for k in range(max(found) + 1)]
+
+
+def scrape_speculation(
+    base_url: str, *, timeout_s: float = 10.0, api_key: str | None = None
+) -> tuple[dict[str, float] | None, list[float] | None]:
+    """One ``GET /metrics``: the speculative-decoding counters (:func:`spec_counters`) and the accepted
+    tokens per draft position (:func:`accepted_per_position`); None for what the server lacks."""
+    samples = get_metrics(base_url, timeout_s=timeout_s, api_key=api_key, keep_label="position")
+    if samples is None:
+        return None, None
+    return spec_counters(samples), accepted_per_position(samples)
+
+
+def per_position(
+    before: list[float] | None, after: list[float] | None, drafts: float | None
+) -> list[float] | None:
+    """Acceptance rate at each draft position over a level: accepted at position k / drafts (vLLM's
+    and llama-server's per-position rate); None without the counts or without drafts."""
+    if after is None or not drafts:
+        return None
+    before = before or []
+    return [(n - (before[k] if k < len(before) else 0.0)) / drafts for k, n in enumerate(after)]
 
 
 def acceptance(before: Mapping[str, float] | None, after: Mapping[str, float] | None) -> dict | None:

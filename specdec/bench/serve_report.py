@@ -13,6 +13,12 @@ schema: a table with a row per server and level, two figures of latency against 
 raw record beside them: command, CPU, ISA path, per server its launch command and per level its
 figures, acceptance and requests), ``bench-serve.md`` (the table as Markdown) and, per server that
 ran, ``bench-serve-<server>.png``: TTFT P50 and TPOT P50 against output tokens per second.
+
+Speculation, two ways, side by side in the table: from the server's ``/metrics`` counters over the
+level (α, τ, and α at each draft position: accepted at that position / drafts), and from the
+responses' own counts, summed over the level (accepted of drafted: ``usage`` for ours, ``timings``
+for llama-server); both servers count the same way, so ours and llama.cpp's compare on the same
+prompts and head.
 """
 
 from __future__ import annotations
@@ -163,6 +169,11 @@ def _rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
             row |= {k: level.get(k) for k in keys}
             row |= {f"{n}_{s}_ms": level.get(f"{n}_{s}_ms") for n in LATENCIES for s in STATS}
             row |= {"alpha": _acceptance_value(level, "alpha"), "tau": _acceptance_value(level, "tau")}
+            by_position = _acceptance_value(level, "per_position")
+            row["alpha_per_position"] = " / ".join(f"{a:.2f}" for a in by_position) if by_position else None
+            drafted, accepted = level.get("usage_drafted"), level.get("usage_accepted")
+            row |= {"response_drafted": drafted, "response_accepted": accepted}
+            row["response_alpha"] = accepted / drafted if drafted and accepted is not None else None
             rows.append(row)
     return rows
 
@@ -182,6 +193,10 @@ _COLUMNS = [
     ),
     ("alpha", "$\\alpha$", ".2f"),
     ("tau", "$\\tau$", ".2f"),
+    ("alpha_per_position", "$\\alpha$ by position", ""),
+    ("response_drafted", "drafted (responses)", "d"),
+    ("response_accepted", "accepted (responses)", "d"),
+    ("response_alpha", "$\\alpha$ (responses)", ".2f"),
 ]
 
 
@@ -199,7 +214,8 @@ def summarize(record: Mapping[str, Any]) -> Summary:
     caption = (
         f"Load on OpenAI-compatible servers ({record['num_requests']} streamed requests per level, at most "
         f"{record['config']['max_tokens']} tokens each); latencies at the client, in ms, with vllm bench "
-        "serve's definitions; $\\alpha$, $\\tau$ from the server's /metrics"
+        "serve's definitions; $\\alpha$, $\\tau$ (and $\\alpha$ at each draft position) from the server's "
+        "/metrics, drafted and accepted tokens from its responses"
     )
     figures = tuple(
         Figure(
@@ -249,11 +265,12 @@ def markdown(record: Mapping[str, Any]) -> str:
     lines += [
         "",
         f"{record['num_requests']} requests per level; latencies in ms at the client (mean / P50 / P90 / "
-        "P99), as `vllm bench serve` defines them; α, τ from the server's `/metrics`.",
+        "P99), as `vllm bench serve` defines them; α, τ and α by draft position from the server's "
+        "`/metrics`; accepted / drafted tokens as its responses count them.",
         "",
         "| server | load | ok | failed | req/s | out tok/s | goodput req/s | TTFT ms | TPOT ms | ITL ms "
-        "| E2EL ms | α | τ |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| E2EL ms | α | τ | α by position | accepted / drafted (responses) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in _rows(record):
         cells = [row["server"], row["load"], _cell(row["completed"], "d"), _cell(row["failed"], "d")]
@@ -261,7 +278,14 @@ def markdown(record: Mapping[str, Any]) -> str:
         cells.append(_cell(row["goodput"], ".2f"))
         for n in LATENCIES:
             cells.append(" / ".join(_cell(row[f"{n}_{s}_ms"], ".1f") for s in STATS))
-        cells += [_cell(row["alpha"], ".2f"), _cell(row["tau"], ".2f")]
+        cells += [_cell(row["alpha"], ".2f"), _cell(row["tau"], ".2f"), _cell(row["alpha_per_position"], "")]
+        drafted = row["response_drafted"]
+        cells.append(
+            "–"
+            if drafted is None
+            else f"{row['response_accepted']} / {drafted}"
+            + ("" if row["response_alpha"] is None else f" ({row['response_alpha']:.2f})")
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -55,10 +55,9 @@ from specdec.bench.report import (
 )
 from specdec.cli_args import (
     ArgumentParser,
-    add_compile_argument,
+    add_engine_arguments,
     csv,
     finite_float,
-    nonnegative_int,
     positive_int,
     seed_int,
     stderr_line,
@@ -71,7 +70,6 @@ from specdec.prompt_sets import (
 )
 from specdec.seeds import check_seed
 from specdec.summary import check_experiment_name, utc_now
-from specdec.targets.llama_weights import WEIGHT_MODES
 
 __all__ = [
     "BenchConfig",
@@ -297,18 +295,11 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
     interrupted run keeps every finished prompt) and return them."""
     from rich.console import Console
 
-    from specdec.targets import open_target
+    from specdec.targets import open_target_from
 
     console = console or Console(stderr=True)
     notes: list[str] = []
-    target = open_target(
-        cfg.target,
-        backend=cfg.backend,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        weights=cfg.weights,
-        compile=cfg.compile,
-    )
+    target = open_target_from(cfg)
     prompts = _prompts(cfg, target.tokenizer)
     hf = _hf_models(cfg, target, notes)
     drafters = _drafters(cfg, target, notes)
@@ -381,7 +372,8 @@ def _hf_models(cfg: BenchConfig, target: Any, notes: list[str]) -> tuple[Any, An
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options (shared by ``specdec bench`` and ``python -m specdec.bench``)."""
     d = BenchConfig()
-    p.add_argument("--target", default=d.target)
+    add_engine_arguments(p, drafter="per-label", gamma_default=d.gamma, verify=False)
+    p.set_defaults(device=d.device)  # every model of the bench: the target, a model drafter, transformers'
     p.add_argument(
         "--prompt-set", type=csv(str), default=d.prompt_sets, help="humaneval,mtbench,mtbench-chat"
     )
@@ -403,43 +395,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.hf_baselines,
         help="transformers generate: plain,prompt_lookup,assistant (empty string: none)",
     )
-    p.add_argument("--gamma", type=nonnegative_int, default=d.gamma)
     p.add_argument(
         "--drafter-gamma",
         action="append",
         metavar="LABEL=N",
         help="γ for one drafter label (repeatable); with LABEL=DRAFTER one run compares draft lengths",
     )
-    p.add_argument(
-        "--gamma-policy",
-        default=d.gamma_policy,
-        help="fixed (exactly --gamma each step) | batch-table | goodput | auto (default; depth 0..γ)",
-    )
     p.add_argument("--draft-model", default=None, help="checkpoint for ours/model and hf/assistant")
-    p.add_argument(
-        "--drafter-option",
-        action="append",
-        metavar="DRAFTER.KEY=VALUE",
-        help="option for one drafter, e.g. layerskip.num_layers=8 (repeatable)",
-    )
     p.add_argument("--chat", action="store_true", help="wrap every prompt in the chat template")
     p.add_argument("--seed", type=seed_int, default=d.seed)
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
-    p.add_argument(
-        "--weights",
-        default=None,
-        choices=WEIGHT_MODES,
-        help="native target weight format (default: the target's)",
-    )
     p.add_argument(
         "--peers",
         type=csv(str),
         default=d.peers,
         help="other engines on the same prompts: llama.cpp (needs .[peers])",
     )
-    p.add_argument("--backend", default=d.backend, help="target backend: auto | hf | llama")
-    p.add_argument("--device", default=d.device, help="torch device for every model: cpu, cuda, cuda:1, ...")
-    add_compile_argument(p)
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per run")
     p.add_argument("--out", default=d.out, help="output folder for bench.json and bench.md")
     p.add_argument("--name", default=d.name, help="experiment name of the results (schema specdec.summary/1)")
@@ -447,14 +417,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--concurrency",
         type=csv(positive_int),
         default=None,
-        help="e.g. 1,2,4,8: the engine under load against the static batch (specdec.bench.concurrency)",
+        help="e.g. 1,2,4,8: the engine under load, every drafter against none (specdec.bench.concurrency)",
     )
     p.set_defaults(func=cmd_bench)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A :class:`BenchConfig` from parsed arguments."""
-    from specdec.cli_args import parse_options
+    from specdec.cli_args import config_from_args, parse_options
 
     per_drafter: dict[str, dict[str, Any]] = {}
     for item in args.drafter_option or ():
@@ -468,30 +438,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if not eq or not label or not value.strip().isdigit():
             raise ValueError(f"--drafter-gamma expects LABEL=N with an int N >= 0, got {item!r}")
         gammas[label] = int(value)
-    return BenchConfig(
-        target=args.target,
+    return config_from_args(
+        BenchConfig,
+        args,
         prompt_sets=args.prompt_set,
-        num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens,
-        temperatures=args.temperatures,
-        drafters=args.drafters,
-        hf_baselines=args.hf_baselines,
-        gamma=args.gamma,
         drafter_gammas=gammas,
-        gamma_policy=args.gamma_policy,
-        draft_model=args.draft_model,
         drafter_options=per_drafter,
-        chat=args.chat,
-        seed=args.seed,
-        dtype=args.dtype,
-        weights=args.weights,
-        peers=args.peers,
-        backend=args.backend,
-        device=args.device,
-        compile=args.compile,
         warmup=not args.no_warmup,
-        out=args.out,
-        name=args.name,
     )
 
 

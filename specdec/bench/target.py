@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,14 +72,8 @@ def greedy_decode(target: Any, prompt_ids: list[int], new_tokens: int) -> list[i
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """This machine's read bandwidth, bytes per second: the best of ``x.sum()`` over a fresh tensor."""
     x = torch.ones(megabytes * (1 << 20) // 4)
-    best = min(_time(x.sum) for _ in range(repeats))
+    best = min(time_interleaved({"sum": x.sum}, min_reps=repeats, max_reps=repeats, warmup=0)["sum"])
     return x.numel() * 4 / best
-
-
-def _time(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 @torch.inference_mode()
@@ -120,12 +113,14 @@ def product_ms(target: LlamaTarget, repeats: int = 20) -> float:
             ly.down(x_gu, x_D)
         target._head(x_D)
 
-    products()
-    return 1e3 * statistics.median(_time(products) for _ in range(repeats))
+    times = time_interleaved({"products": products}, min_reps=repeats, max_reps=repeats, warmup=1)
+    return 1e3 * statistics.median(times["products"])
 
 
-def _decode_tok_s(fn: Callable[[], list[int]], new_tokens: int, repeats: int) -> float:
-    return new_tokens / statistics.median(_time(fn) for _ in range(repeats))
+def _decode_tok_s(fns: dict[str, Callable[[], list[int]]], new_tokens: int, repeats: int) -> dict[str, float]:
+    """Tokens per second of each greedy decode, the median of ``repeats`` interleaved runs."""
+    times = time_interleaved(fns, min_reps=repeats, max_reps=repeats, warmup=0)
+    return {name: new_tokens / statistics.median(t) for name, t in times.items()}
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -157,17 +152,19 @@ def run(args: Any) -> dict[str, Any]:
     bandwidth = read_bandwidth()
     result["read_bandwidth_gb_s"] = bandwidth / 1e9
     curves = forward_curves(targets, args.context, args.max_block, args.seconds, PROMPT_BLOCKS)
-    result["transformers_tok_s"] = _decode_tok_s(hf_greedy, args.new_tokens, min(args.repeats, 3))
+    hf_tok_s = _decode_tok_s({"transformers": hf_greedy}, args.new_tokens, min(args.repeats, 3))
+    result["transformers_tok_s"] = hf_tok_s["transformers"]
+    decodes = {w: lambda t=t: greedy_decode(t, prompt_ids, args.new_tokens) for w, t in targets.items()}
+    same = {w: decode() == reference for w, decode in decodes.items()}  # also the warm-up
+    decode_tok_s = _decode_tok_s(decodes, args.new_tokens, args.repeats)  # the formats interleaved
     for w, target in targets.items():
-        decode = lambda t=target: greedy_decode(t, prompt_ids, args.new_tokens)  # noqa: E731
-        same = decode() == reference
         floor_ms = target.weight_bytes / bandwidth * 1e3
         products = product_ms(target)
         t1 = curves[w][1]
         result["formats"][w] = {
             "weight_mb": target.weight_bytes / 1e6,
-            "decode_tok_s": _decode_tok_s(decode, args.new_tokens, args.repeats),
-            "greedy_equals_transformers": same,
+            "decode_tok_s": decode_tok_s[w],
+            "greedy_equals_transformers": same[w],
             "forward_ms": curves[w],
             "verify_ratio": {T: ms / t1 for T, ms in curves[w].items()},
             "floor_ms": floor_ms,

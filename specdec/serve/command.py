@@ -12,8 +12,8 @@ import importlib.util
 import os
 
 from specdec.cli_args import (
-    add_compile_argument,
-    add_placement_arguments,
+    add_engine_arguments,
+    config_from_args,
     finite_float,
     nonnegative_int,
     parse_options,
@@ -25,40 +25,10 @@ __all__ = ["add_serve", "cmd_serve"]
 SERVE_PACKAGES = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client")
 
 
-def _gamma(text: str) -> int | str:
-    """``--gamma``: a draft depth (an integer >= 0) or a depth policy name."""
-    text = text.strip()
-    if text.lstrip("-").isdigit():
-        return nonnegative_int(text)
-    if not text:
-        raise argparse.ArgumentTypeError("expected a depth (integer) or a policy name")
-    return text
-
-
 def add_serve(sub: argparse._SubParsersAction) -> None:
     """Add ``serve`` to the ``specdec`` subcommands."""
     p = sub.add_parser("serve", help="an OpenAI-compatible streaming server on the engine (extra [serve])")
-    p.add_argument(
-        "--target", default="smollm2-135m", help="built-in name or local checkpoint (default: %(default)s)"
-    )
-    p.add_argument(
-        "--drafter", default="default", help="drafter name from the registry (default: %(default)s)"
-    )
-    p.add_argument(
-        "--drafter-option", action="append", metavar="KEY=VALUE", help="drafter option (repeatable)"
-    )
-    p.add_argument(
-        "--gamma",
-        type=_gamma,
-        default="auto",
-        help="draft depth: an integer (every request) or a depth policy: auto, fixed, batch-table, goodput "
-        "(default: %(default)s)",
-    )
-    p.add_argument("--gamma-option", action="append", metavar="KEY=VALUE", help="depth policy option")
-    p.add_argument(
-        "--verify", default="exact", help="verification rule: exact | gumbel | ... (default: %(default)s)"
-    )
-    p.add_argument("--verify-option", action="append", metavar="KEY=VALUE", help="rule option")
+    add_engine_arguments(p, gamma="depth-or-policy", threads=True)
     p.add_argument(
         "--max-num-seqs", type=positive_int, default=8, help="cache slots: requests decoding at once"
     )
@@ -73,17 +43,6 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         help="cache slots per request: prompt + max_tokens + gamma + 1 must fit (default: the engine's)",
-    )
-    p.add_argument(
-        "--weights", default=None, help="native target weight format (see specdec generate --help)"
-    )
-    add_placement_arguments(p)
-    p.add_argument(
-        "--backend", default="auto", help="target backend: auto | hf | llama (default: %(default)s)"
-    )
-    add_compile_argument(p)
-    p.add_argument(
-        "--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)"
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)"
@@ -141,32 +100,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key = os.environ.get("SPECDEC_API_KEY")
         if api_key is not None:
             check_api_key(api_key, "$SPECDEC_API_KEY")
-    extra = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
-
-    config = ServeConfig(
-        target=args.target,
-        backend=args.backend,
-        weights=args.weights,
-        dtype=args.dtype,
-        compile=args.compile,
-        device=args.device,
-        drafter=args.drafter,
+    config = config_from_args(
+        ServeConfig,
+        args,
         drafter_options=parse_options(args.drafter_option, "--drafter-option"),
-        gamma=args.gamma,
         gamma_options=parse_options(args.gamma_option, "--gamma-option"),
-        verify=args.verify,
         verify_options=parse_options(args.verify_option, "--verify-option"),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        threads=args.threads,
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
         api_key=api_key,
-        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes or ServeConfig.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
-        log_level=args.log_level,
-        **extra,
     )
     return serve(config)

@@ -160,7 +160,7 @@ def serve(config: ServeConfig) -> int:
     import torch
 
     from specdec.engine import Engine
-    from specdec.targets import open_target
+    from specdec.targets import open_target_from
 
     options: dict[str, Any] = {}
     if config.max_num_batched_tokens is not None:
@@ -172,14 +172,7 @@ def serve(config: ServeConfig) -> int:
         """The target and the engine, built on the engine thread (EngineWorker's doc says why)."""
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        target = open_target(
-            config.target,
-            backend=config.backend,
-            dtype=config.dtype,
-            device=config.device,
-            weights=config.weights,
-            compile=config.compile,
-        )
+        target = open_target_from(config)
         if getattr(target, "tokenizer", None) is None:
             raise ValueError(
                 f"--target {config.target}: the server needs the checkpoint's tokenizer; it has none"

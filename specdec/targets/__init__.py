@@ -10,7 +10,7 @@ from specdec.registry import TARGETS
 from specdec.targets.llama_config import NATIVE_FAMILIES
 from specdec.targets.loading import resolve_checkpoint
 
-__all__ = ["load_target", "open_target", "check_device", "DTYPES"]
+__all__ = ["load_target", "open_target", "open_target_from", "check_device", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 """Target dtypes by name (``--dtype``)."""
@@ -78,6 +78,20 @@ def open_target(
     if device is not None:
         options["device"] = check_device(device)
     return load_target(name, backend=backend, **options)
+
+
+def open_target_from(options: Any):
+    """:func:`open_target` with the options an object carries as attributes (``target``,
+    ``backend``, ``dtype``, ``device``, ``weights``, ``compile``): the arguments that
+    :func:`specdec.cli_args.add_engine_arguments` parses, or a config with the same fields."""
+    return open_target(
+        options.target,
+        backend=options.backend,
+        dtype=options.dtype,
+        device=options.device,
+        weights=options.weights,
+        compile=options.compile,
+    )
 
 
 def check_device(device: str) -> str:

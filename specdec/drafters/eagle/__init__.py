@@ -8,7 +8,8 @@
 - :mod:`~specdec.drafters.eagle.cache`: :class:`EagleCache`, the head's KV cache and one head step;
 - :mod:`~specdec.drafters.eagle.weights`: head files (load, save, target fingerprint);
 - :mod:`~specdec.drafters.eagle.chain`: :class:`EagleDrafter`, chain drafts (``eagle``);
-- :mod:`~specdec.drafters.eagle.tree`: :class:`EagleTreeDrafter`, token trees (``eagle-tree``).
+- :mod:`~specdec.drafters.eagle.tree`: :class:`EagleTreeDrafter`, token trees (``eagle-tree``);
+- :mod:`~specdec.drafters.eagle.train`: training a head for a target (``specdec train-head``).
 """
 
 from specdec.drafters.eagle.cache import EagleCache

@@ -88,7 +88,7 @@ def unexportable(config: EagleConfig, fmt: str) -> list[str]:
         reasons = [
             "its layer reads fc([embed; feature]) with a bias and no input norms, while the format's "
             "EAGLE-3 layer normalises the embedding and the hidden state separately (layout "
-            "'specdec'; train one with: python -m experiments train-drafter --compat speculators)",
+            "'specdec'; train one with: specdec train-head --compat speculators)",
             "its input includes the last decoder layer's output (the feature), which vLLM's Llama "
             "cannot capture: it records only the residual stream entering layers 0..L-1",
         ]

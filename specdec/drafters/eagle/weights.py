@@ -86,7 +86,7 @@ def resolve_weights(weights: str | Path | None) -> Path:
         )
     raise ValueError(
         f"weights {str(weights)!r}: no such file, and not a shipped file in specdec/weights/ "
-        "(train one with: python -m experiments train-drafter)"
+        "(train one with: specdec train-head)"
     )
 
 

@@ -8,13 +8,13 @@ import pytest
 from _tiny import byte_tokenizer, save_tiny_checkpoint
 
 import specdec
-from experiments import drafter_data
-from experiments.drafter_data import Prompt, function_prompts, generate_continuations, is_heldout
+from specdec.drafters.eagle.train import config, dataset, sources
+from specdec.drafters.eagle.train.sources import Prompt, function_prompts, generate_continuations, is_heldout
 from specdec.targets.llama import LlamaTarget
 
 
 def test_heldout_split_is_exactly_what_bench_picks():
-    for source, size in drafter_data.SET_SIZES.items():
+    for source, size in sources.SET_SIZES.items():
         picked = {(i * size) // n for n in range(1, 9) for i in range(n)}
         assert {i for i in range(size) if is_heldout(source, i)} == picked
 
@@ -42,7 +42,7 @@ def test_function_prompts_are_signature_and_docstring_in_three_forms(tmp_path, m
     )
     path = tmp_path / "mod.py"
     path.write_text(source)
-    monkeypatch.setattr(drafter_data, "_text_files", lambda seed: [path])
+    monkeypatch.setattr(sources, "_text_files", lambda seed: [path])
     prompts = function_prompts(byte_tokenizer(), 5, seed=0)
     tok = byte_tokenizer()
     assert [p.kind for p in prompts] == ["code", "instruct", "instruct-chat"]
@@ -95,7 +95,7 @@ def test_continuations_are_the_targets_own_decodes(target):
 @pytest.mark.slow
 def test_self_instruct_requests_are_complete_distinct_user_turns(target):
     def sample(seed):
-        return drafter_data.self_instruct_requests(
+        return sources.self_instruct_requests(
             target, 12, max_tokens=400, seed=seed, batch_size=5, log=lambda s: None
         )
 
@@ -107,14 +107,14 @@ def test_self_instruct_requests_are_complete_distinct_user_turns(target):
     assert sample(1) != requests
     # A turn cut off by max_tokens is dropped, never kept half-written.
     assert (
-        drafter_data.self_instruct_requests(target, 6, max_tokens=1, seed=0, batch_size=6, log=lambda s: None)
+        sources.self_instruct_requests(target, 6, max_tokens=1, seed=0, batch_size=6, log=lambda s: None)
         == []
     )
 
 
 def test_self_instruct_prompts_are_raw_and_chat_forms():
     tok = byte_tokenizer()
-    prompts = drafter_data.self_instruct_prompts(tok, ["Plan a garden for me.", "Explain tides."])
+    prompts = sources.self_instruct_prompts(tok, ["Plan a garden for me.", "Explain tides."])
     assert [(p.pid, p.kind, p.heldout) for p in prompts] == [
         ("self/0", "self", False),
         ("self/0/chat", "self-chat", False),
@@ -130,21 +130,21 @@ def test_self_instruct_needs_a_chat_template(tmp_path):
     tok.chat_template = None
     plain = LlamaTarget.from_pretrained(save_tiny_checkpoint(tmp_path, tokenizer=tok, seed=3))
     with pytest.raises(ValueError, match="chat template"):
-        drafter_data.self_instruct_requests(plain, 2, max_tokens=4, seed=0, batch_size=2)
+        sources.self_instruct_requests(plain, 2, max_tokens=4, seed=0, batch_size=2)
 
 
 def test_shard_key_addresses_content():
     chunk = [("a/greedy0", False, [1, 2, 3]), ("b", True, [4, 5])]
-    key = drafter_data.shard_key("smollm2-135m", 8, chunk)
-    assert key == drafter_data.shard_key("smollm2-135m", 8, [(n, h, list(t)) for n, h, t in chunk])
+    key = dataset.shard_key("smollm2-135m", 8, chunk)
+    assert key == dataset.shard_key("smollm2-135m", 8, [(n, h, list(t)) for n, h, t in chunk])
     assert key.startswith("smollm2-135m-")
     changed = [
-        drafter_data.shard_key("other", 8, chunk),
-        drafter_data.shard_key("smollm2-135m", 4, chunk),
-        drafter_data.shard_key("smollm2-135m", 8, [chunk[0], ("b", True, [4, 6])]),
-        drafter_data.shard_key("smollm2-135m", 8, [chunk[0], ("b", False, [4, 5])]),
-        drafter_data.shard_key("smollm2-135m", 8, [("c/greedy0", False, [1, 2, 3]), chunk[1]]),
-        drafter_data.shard_key("smollm2-135m", 8, chunk[::-1]),
+        dataset.shard_key("other", 8, chunk),
+        dataset.shard_key("smollm2-135m", 4, chunk),
+        dataset.shard_key("smollm2-135m", 8, [chunk[0], ("b", True, [4, 6])]),
+        dataset.shard_key("smollm2-135m", 8, [chunk[0], ("b", False, [4, 5])]),
+        dataset.shard_key("smollm2-135m", 8, [("c/greedy0", False, [1, 2, 3]), chunk[1]]),
+        dataset.shard_key("smollm2-135m", 8, chunk[::-1]),
     ]
     assert len({key, *changed}) == 7
 
@@ -163,11 +163,11 @@ def test_repeat_sequences_write_one_new_span_again_and_again():
     tok = byte_tokenizer()
     natural = _natural()
     held_openings = [ids[:16] for _, held, ids in natural if held]
-    lessons = drafter_data.repeat_sequences(tok, natural, 20, length=400, seed=0)
+    lessons = sources.repeat_sequences(tok, natural, 20, length=400, seed=0)
     assert [n for n, _, _ in lessons] == [f"repeat/{i}" for i in range(20)]
     assert not any(held for _, held, _ in lessons)
-    assert lessons == drafter_data.repeat_sequences(tok, natural, 20, length=400, seed=0)
-    assert lessons != drafter_data.repeat_sequences(tok, natural, 20, length=400, seed=1)
+    assert lessons == sources.repeat_sequences(tok, natural, 20, length=400, seed=0)
+    assert lessons != sources.repeat_sequences(tok, natural, 20, length=400, seed=1)
     for _, _, ids in lessons:
         assert len(ids) == 400
         # A natural opening of 16-96 tokens from a training sequence, never a held-out one.
@@ -193,19 +193,19 @@ def test_repeat_sequences_write_one_new_span_again_and_again():
 def test_repeat_sequences_reject_bad_arguments():
     tok = byte_tokenizer()
     with pytest.raises(ValueError, match="n must be >= 0"):
-        drafter_data.repeat_sequences(tok, _natural(), -1)
+        sources.repeat_sequences(tok, _natural(), -1)
     with pytest.raises(ValueError, match="length must be >= 32"):
-        drafter_data.repeat_sequences(tok, _natural(), 2, length=8)
+        sources.repeat_sequences(tok, _natural(), 2, length=8)
     with pytest.raises(ValueError, match="training sequences"):
-        drafter_data.repeat_sequences(tok, [(n, True, ids) for n, _, ids in _natural()], 2)
-    assert drafter_data.repeat_sequences(tok, [], 0) == []
+        sources.repeat_sequences(tok, [(n, True, ids) for n, _, ids in _natural()], 2)
+    assert sources.repeat_sequences(tok, [], 0) == []
 
 
 def test_data_config_key_hashes_every_field():
     """The cache directory is a hash of every field: any change is a new cache; the recipe's stays put."""
     from dataclasses import fields, replace
 
-    base = drafter_data.DataConfig()
+    base = config.DataConfig()
     for f in fields(base):
         value = getattr(base, f.name)
         other = (

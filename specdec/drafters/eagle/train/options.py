@@ -18,23 +18,14 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import math
 import textwrap
 import types
 import typing
 from typing import Any, Union
 
-from experiments.config import replace_fields
+from specdec.cli_args import csv, finite_float
 
-__all__ = ["add_config_arguments", "config_from_args", "field_docs", "finite_float"]
-
-
-def finite_float(text: str) -> float:
-    """An argparse type: a finite float (NaN and infinities are refused with the usual message)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
+__all__ = ["add_config_arguments", "config_from_args", "field_docs"]
 
 
 def _int(text: str) -> int:
@@ -59,17 +50,17 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _base(annotation: Any) -> tuple[Any, bool]:
-    """The annotation without ``| None``, and whether None was allowed."""
+def _base(annotation: Any) -> Any:
+    """The annotation without ``| None``."""
     if typing.get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
-            return args[0], True
-    return annotation, False
+            return args[0]
+    return annotation
 
 
 def _parser_for(annotation: Any) -> Any:
-    base, _ = _base(annotation)
+    base = _base(annotation)
     if base is int:
         return _int
     if base is float:
@@ -77,18 +68,12 @@ def _parser_for(annotation: Any) -> Any:
     if base is str:
         return str
     if typing.get_origin(base) is tuple:
-        item = typing.get_args(base)[0]
-        cast = _int if item is int else str
-
-        def parse(text: str) -> tuple:
-            return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
-
-        return parse
+        return csv(_int if typing.get_args(base)[0] is int else str)
     raise TypeError(f"no command-line type for config field type {annotation!r}")
 
 
-def _walk(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any, str]]:
-    """(dotted path, field, annotation, doc) for every leaf field, nested configs flattened."""
+def _walk(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted path, annotation, doc) for every leaf field, nested configs flattened."""
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     out = []
     for f in dataclasses.fields(cls):
@@ -96,7 +81,7 @@ def _walk(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any
         if dataclasses.is_dataclass(annotation):
             out += _walk(annotation, f"{prefix}{f.name}.")
         else:
-            out.append((prefix + f.name, f, annotation, docs.get(f.name, "")))
+            out.append((prefix + f.name, annotation, docs.get(f.name, "")))
     return out
 
 
@@ -110,22 +95,19 @@ def _flags(cls: type) -> dict[str, str]:
     }
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
-    """One option per leaf field of ``cls`` (dotted paths in ``skip`` are left out)."""
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One option per leaf field of ``cls``."""
     defaults = cls()
     flags = _flags(cls)
-    for path, _, annotation, doc in _walk(cls):
-        if path in skip:
-            continue
+    for path, annotation, doc in _walk(cls):
         default = defaults
         for part in path.split("."):
             default = getattr(default, part)
         flag, dest = "--" + flags[path], path.replace(".", "__")
-        base, _ = _base(annotation)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
         help_text = f"{doc} (default: {shown})" if doc else f"(default: {shown})"
         help_text = help_text.replace("%", "%%")
-        if base is bool:
+        if _base(annotation) is bool:
             parser.add_argument(
                 flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
@@ -135,11 +117,15 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tu
             )
 
 
-def config_from_args(cls: type, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> Any:
-    """The ``cls`` config the parsed options describe (its own validation runs: ``ValueError``)."""
-    values = {
-        path: getattr(args, path.replace(".", "__"))
-        for path, *_ in _walk(cls)
-        if path not in skip and hasattr(args, path.replace(".", "__"))
-    }
-    return replace_fields(cls(), values)
+def config_from_args(cls: type, args: argparse.Namespace, prefix: str = "") -> Any:
+    """The ``cls`` config the parsed options describe, nested configs built from their own options
+    (every config's own validation runs: ``ValueError``)."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        path = prefix + f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            values[f.name] = config_from_args(hints[f.name], args, path + ".")
+        elif hasattr(args, path.replace(".", "__")):
+            values[f.name] = getattr(args, path.replace(".", "__"))
+    return cls(**values)

@@ -1,4 +1,5 @@
-"""The drafter-training recipe end to end (`experiments.train_drafter.train`) on a small synthetic cache.
+"""The drafter-training recipe end to end (`specdec train-head`: `specdec.drafters.eagle.train.loop.train`)
+on a small synthetic cache.
 
 The recipe's promise is that a run is a pure function of its config: the same config gives the same
 weights, and a run interrupted and resumed from its checkpoint gives the weights of an uninterrupted run
@@ -15,15 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from experiments.drafter_data import DataConfig, FeatureData, _cache_root, aux_shard_name
-from experiments.train_drafter import (
-    TrainConfig,
-    _key_fields,
-    build_draft_vocab,
-    main,
-    resolve_for_target,
-    train,
-)
+from specdec.drafters.eagle.train.command import main
+from specdec.drafters.eagle.train.config import DataConfig, TrainConfig, resolve_for_target
+from specdec.drafters.eagle.train.dataset import FeatureData, aux_shard_name, dataset_dir
+from specdec.drafters.eagle.train.loop import _key_fields, build_draft_vocab, train
 
 # the recipe loads the real SmolLM2-135M for its embedding and LM head; five training runs: ~15 s
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -46,7 +42,7 @@ def _fake_cache(root, data: DataConfig, aux_layers: tuple[int, ...] = ()) -> Non
     # the target's top-k next tokens: the next token first, then others
     others = torch.randint(0, 300, (n, TOPK - 1), generator=g)
     topk_ids = torch.cat([tokens.roll(-1)[:, None], others], dim=1)
-    out = _cache_root(data, root)
+    out = dataset_dir(data, root)
     out.mkdir(parents=True)
     save_file(
         {
