@@ -210,6 +210,50 @@ def greedy_training_block(hf, target, num_prompts: int = 12, new_tokens: int = 4
     return seqs, out
 
 
+def fit_tiny_head(
+    config, parts, seqs, out, train_config, weights: Path, *, target_name: str, aux_BTAD=None, seed=None
+) -> list[dict[str, float]]:
+    """Train an EAGLE head of ``config`` for 100 AdamW steps (the recipe's loss under ``train_config``)
+    on a target's greedy continuations ``seqs`` and its forward ``out`` over them (features, the top 4
+    of its logits; ``aux_BTAD``: captured layers), the draft vocabulary the most frequent tokens of
+    ``seqs``; save it to ``weights``. Returns each step's losses. ``seed``: seed the head's
+    initialisation (None: the global generator as it stands)."""
+    from specdec.drafters.eagle import EagleHead, save_eagle_head
+    from specdec.drafters.eagle.train.objective import unrolled_losses
+
+    N = config.draft_vocab_size
+    counts = torch.bincount(seqs.flatten(), minlength=259)
+    vocab = torch.argsort(counts, descending=True, stable=True)[:N]
+    if seed is not None:
+        torch.manual_seed(seed)
+    head = EagleHead(config)
+    head.draft_vocab_N = vocab
+    head.attach(parts)
+    vocab_index = torch.full((259,), -1, dtype=torch.long)
+    vocab_index[head.draft_vocab_N] = torch.arange(N)
+    top_p, top_i = torch.softmax(out.logits_BTV.clone(), -1).topk(4, dim=-1)
+    batch = {
+        "features": out.hidden_BTD.clone(),
+        "tokens": seqs.clone(),
+        "topk_ids": top_i,
+        "topk_probs": top_p,
+        "valid": torch.ones_like(seqs, dtype=torch.bool),
+    }
+    if aux_BTAD is not None:
+        batch["aux"] = aux_BTAD.clone()
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    history = []
+    for _ in range(100):
+        losses = unrolled_losses(head, batch, vocab_index, train_config, 1 / config.feature_scale)
+        opt.zero_grad()
+        losses["loss"].backward()
+        opt.step()
+        history.append({k: float(v.detach()) for k, v in losses.items()})
+    head.draft_vocab_N = vocab  # frequency order, as the recipe saves it
+    save_eagle_head(head, weights, target_name=target_name, embed_VD=parts.embed_VD)
+    return history
+
+
 class TableTarget:
     """A batched toy :class:`specdec.protocols.Target`: a trigram model given by a logits table.
 

@@ -9,22 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 from _reference import SMOLLM2_NEW_TOKENS as N
-from _tiny import greedy_training_block, save_tiny_checkpoint, tiny_llama
+from _tiny import fit_tiny_head, greedy_training_block, save_tiny_checkpoint, tiny_llama
 
 import specdec
 from specdec.drafters.eagle import (
     EagleCache,
     EagleConfig,
     EagleDrafter,
-    EagleHead,
     EagleTreeDrafter,
     PackedEagleHead,
     draft_distribution,
     load_eagle_head,
-    save_eagle_head,
 )
 from specdec.drafters.eagle.train.config import TrainConfig
-from specdec.drafters.eagle.train.objective import unrolled_features, unrolled_losses
+from specdec.drafters.eagle.train.objective import unrolled_features
 from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.targets.hf import HFTarget
@@ -52,36 +50,9 @@ def _train_tiny_head(
         embed_scale=1 / float(parts.embed_VD.std()),
         prev_token_input=prev_token_input,
     )
-    counts = torch.bincount(seqs.flatten(), minlength=259)
-    vocab = torch.argsort(counts, descending=True, stable=True)[:200]
-    if seed is not None:
-        torch.manual_seed(seed)
-    head = EagleHead(config)
-    head.draft_vocab_N = vocab
-    head.attach(parts)
-    vocab_index = torch.full((259,), -1, dtype=torch.long)
-    vocab_index[head.draft_vocab_N] = torch.arange(200)
-    probs = torch.softmax(out.logits_BTV.clone(), -1)
-    top_p, top_i = probs.topk(4, dim=-1)
-    batch = {
-        "features": out.hidden_BTD.clone(),
-        "tokens": seqs.clone(),
-        "topk_ids": top_i,
-        "topk_probs": top_p,
-        "valid": torch.ones_like(seqs, dtype=torch.bool),
-    }
     cfg = TrainConfig(unroll=2, feature_noise=0.0)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    accuracy = []
-    for _ in range(100):
-        losses = unrolled_losses(head, batch, vocab_index, cfg, 1 / config.feature_scale)
-        opt.zero_grad()
-        losses["loss"].backward()
-        opt.step()
-        accuracy.append(float(losses["acc1"]))
-    head.draft_vocab_N = vocab  # frequency order, as the recipe saves it
-    save_eagle_head(head, weights, target_name="tiny", embed_VD=parts.embed_VD)
-    return accuracy
+    history = fit_tiny_head(config, parts, seqs, out, cfg, weights, target_name="tiny", seed=seed)
+    return [h["acc1"] for h in history]
 
 
 @pytest.fixture(scope="module")
