@@ -211,17 +211,26 @@ def greedy_training_block(hf, target, num_prompts: int = 12, new_tokens: int = 4
 
 
 def fit_tiny_head(
-    config, parts, seqs, out, train_config, weights: Path, *, target_name: str, aux_BTAD=None, seed=None
+    hf, parts, seqs, out, train_config, weights: Path, *, target_name: str, aux_BTAD=None, seed=None, **head
 ) -> list[dict[str, float]]:
-    """Train an EAGLE head of ``config`` for 100 AdamW steps (the recipe's loss under ``train_config``)
-    on a target's greedy continuations ``seqs`` and its forward ``out`` over them (features, the top 4
-    of its logits; ``aux_BTAD``: captured layers), the draft vocabulary the most frequent tokens of
-    ``seqs``; save it to ``weights``. Returns each step's losses. ``seed``: seed the head's
-    initialisation (None: the global generator as it stands)."""
-    from specdec.drafters.eagle import EagleHead, save_eagle_head
+    """Train an EAGLE head for ``hf`` (a draft vocabulary of its 200 most frequent tokens in ``seqs``;
+    ``head``: more :class:`~specdec.drafters.eagle.EagleConfig` fields) for 100 AdamW steps (the
+    recipe's loss under ``train_config``) on the target's greedy continuations ``seqs`` and its forward
+    ``out`` over them (features, the top 4 of its logits; ``aux_BTAD``: captured layers); save it to
+    ``weights``. Returns each step's losses. ``seed``: seed the head's initialisation (None: the global
+    generator as it stands)."""
+    from specdec.drafters.eagle import EagleConfig, EagleHead, save_eagle_head
     from specdec.drafters.eagle.train.objective import unrolled_losses
 
-    N = config.draft_vocab_size
+    N = 200
+    # Unit-scale inputs, as the recipe sets them (the tiny target's features are ~0.03).
+    config = EagleConfig.from_hf_config(
+        hf.config,
+        draft_vocab_size=N,
+        feature_scale=1 / float(out.hidden_BTD.std()),
+        embed_scale=1 / float(parts.embed_VD.std()),
+        **head,
+    )
     counts = torch.bincount(seqs.flatten(), minlength=259)
     vocab = torch.argsort(counts, descending=True, stable=True)[:N]
     if seed is not None:

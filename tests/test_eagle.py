@@ -14,7 +14,6 @@ from _tiny import fit_tiny_head, greedy_training_block, save_tiny_checkpoint, ti
 import specdec
 from specdec.drafters.eagle import (
     EagleCache,
-    EagleConfig,
     EagleDrafter,
     EagleTreeDrafter,
     PackedEagleHead,
@@ -42,16 +41,10 @@ def _train_tiny_head(
     """Train a tiny head on the target's greedy continuations (the recipe's loss), save it to
     ``weights``; returns its top-1 agreement with the target per step (teacher-forced step).
     ``seed``: seed the head's initialisation (None: the global generator as it stands)."""
-    # Unit-scale inputs, as the recipe sets them (the tiny target's features are ~0.03).
-    config = EagleConfig.from_hf_config(
-        hf.config,
-        draft_vocab_size=200,
-        feature_scale=1 / float(out.hidden_BTD.std()),
-        embed_scale=1 / float(parts.embed_VD.std()),
-        prev_token_input=prev_token_input,
-    )
     cfg = TrainConfig(unroll=2, feature_noise=0.0)
-    history = fit_tiny_head(config, parts, seqs, out, cfg, weights, target_name="tiny", seed=seed)
+    history = fit_tiny_head(
+        hf, parts, seqs, out, cfg, weights, target_name="tiny", seed=seed, prev_token_input=prev_token_input
+    )
     return [h["acc1"] for h in history]
 
 

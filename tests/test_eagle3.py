@@ -50,18 +50,11 @@ def tiny3(tmp_path_factory):
     seqs, out = greedy_training_block(hf, target)
     aux_BTAD = torch.stack([out.aux_hidden_BTD[i] for i in AUX], dim=2)
     rms_A = aux_BTAD.pow(2).mean(-1).sqrt().flatten(0, 1).median(0).values
-    config = EagleConfig.from_hf_config(
-        hf.config,
-        draft_vocab_size=200,
-        feature_scale=1 / float(out.hidden_BTD.std()),
-        embed_scale=1 / float(parts.embed_VD.std()),
-        aux_layers=AUX,
-        aux_scales=tuple(1 / float(r) for r in rms_A),
-    )
     cfg = TrainConfig(unroll=2, feature_noise=0.0, reg_weight=0.0, ce_weight=1.0, aux_layers=AUX)
     weights = tmp_path_factory.mktemp("head3") / "head3.safetensors"
+    head = {"aux_layers": AUX, "aux_scales": tuple(1 / float(r) for r in rms_A)}
     history = fit_tiny_head(
-        config, parts, seqs, out, cfg, weights, target_name="tiny3", aux_BTAD=aux_BTAD, seed=0
+        hf, parts, seqs, out, cfg, weights, target_name="tiny3", aux_BTAD=aux_BTAD, seed=0, **head
     )
     return {"path": path, "target": target, "hf": hf, "weights": weights, "history": history, "parts": parts}
 
