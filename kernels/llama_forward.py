@@ -206,19 +206,10 @@ class NativeDecoder:
         return list(aux)
 
     def _check_block(
-        self,
-        x_MD: Tensor,
-        start_B: Tensor,
-        cos_ME: Tensor,
-        flipped_sin_ME: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        block_mask_TT: Tensor | None,
-        run: Sequence[int],
-        capture: Sequence[int],
+        self, x_MD, start_B, cos_ME, flipped_sin_ME, k_cache, v_cache, block_mask_TT, run, capture
     ) -> None:
-        """``ValueError`` unless every buffer :meth:`forward` hands to C has the size its dims say: the
-        C code indexes them by those dims and nothing else."""
+        """``ValueError`` unless every buffer :meth:`forward` hands to C (its arguments, as typed there)
+        has the size its dims say: the C code indexes them by those dims and nothing else."""
         N, J, E = len(self.layers), self.J, self.E
         B, M = start_B.shape[0], x_MD.shape[0]
         T = M // B

@@ -66,20 +66,18 @@ def load_summary(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: expected schema {SCHEMA!r}, got {found!r}")
     _require(data, _REQUIRED, str(path))
     _identifier(data["experiment"], f"{path}: experiment")
-    for i, table in enumerate(data["tables"]):
-        where = f"{path}: tables[{i}]"
-        _require(table, _TABLE, where)
-        _identifier(table["name"], f"{where}.name")
-        for j, column in enumerate(table["columns"]):
-            _require(column, _COLUMN, f"{where}.columns[{j}]")
-    for i, figure in enumerate(data["figures"]):
-        where = f"{path}: figures[{i}]"
-        _require(figure, _FIGURE, where)
-        _identifier(figure["name"], f"{where}.name")
-        for j, series in enumerate(figure["series"]):
-            _require(series, _SERIES, f"{where}.series[{j}]")
-            if len(series["x"]) != len(series["y"]):
-                raise ValueError(f"{where}.series[{j}]: x and y differ in length")
+    for kind, fields, parts, part_fields in (
+        ("tables", _TABLE, "columns", _COLUMN),
+        ("figures", _FIGURE, "series", _SERIES),
+    ):
+        for i, item in enumerate(data[kind]):
+            where = f"{path}: {kind}[{i}]"
+            _require(item, fields, where)
+            _identifier(item["name"], f"{where}.name")
+            for j, part in enumerate(item[parts]):
+                _require(part, part_fields, f"{where}.{parts}[{j}]")
+                if parts == "series" and len(part["x"]) != len(part["y"]):
+                    raise ValueError(f"{where}.series[{j}]: x and y differ in length")
     return data
 
 

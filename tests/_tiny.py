@@ -1,12 +1,15 @@
-"""Tiny offline models for tests: a byte-level tokenizer and random-init Llama checkpoints.
+"""Tiny offline models for tests: a byte-level tokenizer and random-init Llama checkpoints (safetensors or
+GGUF).
 
 Nothing here downloads anything; a checkpoint is a few hundred KB and builds in well under a second.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 CHAT_TEMPLATE = (
@@ -29,6 +32,24 @@ def byte_tokenizer():
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>")
     hf.chat_template = CHAT_TEMPLATE
     return hf
+
+
+def tiny_config_fields(**changes) -> dict:
+    """Fields of a tiny ``transformers`` decoder config (V = 96, D = 64, F = 96, 2 layers, 4 query and 2
+    key/value heads; init std 0.1, larger than the default, so the logits are far from uniform), with
+    ``changes``."""
+    return {
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.1,
+        **changes,
+    }
 
 
 def tiny_llama(
@@ -92,6 +113,84 @@ def save_tiny_checkpoint(path: Path, *, tokenizer=None, **model_options) -> Path
     return path
 
 
+# transformers' Llama state-dict names -> llama.cpp's GGUF tensor names (per layer, and the rest).
+GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+
+
+def llama_cpp_rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's row order of a q or k projection (transformers' GGUF loader undoes it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(
+    path: Path,
+    model,
+    *,
+    vocab: Callable,
+    context_length: int,
+    tied: bool = False,
+    drop: tuple[str, ...] = (),
+    replace: dict | None = None,
+    kind: Callable | None = None,
+) -> Path:
+    """``model`` (a ``transformers`` Llama) as a GGUF file at ``path``, in llama.cpp's layout: its tensor
+    names and its rotary row order for q and k. ``vocab(writer)`` writes the tokenizer metadata;
+    ``tied`` leaves out the LM head; tensors named in ``drop`` are left out and those in ``replace``
+    (GGUF name -> float array) written instead of the model's; ``kind(name, array)`` is a tensor's
+    GGML type (default F32)."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    replace = replace or {}
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(context_length)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    vocab(w)
+    names = dict(GGUF_TOP_NAMES) if tied else {**GGUF_TOP_NAMES, "lm_head.weight": "output.weight"}
+    for key, value in model.state_dict().items():
+        if key.startswith("model.layers."):
+            layer, rest = key.removeprefix("model.layers.").split(".", 1)
+            name = f"blk.{layer}.{GGUF_LAYER_NAMES[rest]}"
+        elif key in names:
+            name = names[key]
+        else:
+            continue
+        if name in drop:
+            continue
+        a = replace.get(name, value.float().numpy())
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            a = llama_cpp_rotary_rows(a, c.num_attention_heads if "attn_q" in name else c.num_key_value_heads)
+        qtype = Q.F32 if kind is None else kind(name, a)
+        if qtype == Q.F32:
+            w.add_tensor(name, a.astype(np.float32))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a.astype(np.float32), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def greedy_training_block(hf, target, num_prompts: int = 12, new_tokens: int = 40):
     """Training data for a tiny draft head: ``hf``'s greedy continuations of seeded random prompts
     (``[num_prompts, 6 + new_tokens]``) and ``target``'s forward over them (logits and features)."""
@@ -109,6 +208,59 @@ def greedy_training_block(hf, target, num_prompts: int = 12, new_tokens: int = 4
         target.reset(seqs.shape[0], seqs.shape[1])
         out = target.forward(seqs, torch.zeros(seqs.shape[0], dtype=torch.long))
     return seqs, out
+
+
+def fit_tiny_head(
+    hf, parts, seqs, out, train_config, weights: Path, *, target_name: str, aux_BTAD=None, seed=None, **head
+) -> list[dict[str, float]]:
+    """Train an EAGLE head for ``hf`` (a draft vocabulary of its 200 most frequent tokens in ``seqs``;
+    ``head``: more :class:`~specdec.drafters.eagle.EagleConfig` fields) for 100 AdamW steps (the
+    recipe's loss under ``train_config``) on the target's greedy continuations ``seqs`` and its forward
+    ``out`` over them (features, the top 4 of its logits; ``aux_BTAD``: captured layers); save it to
+    ``weights``. Returns each step's losses. ``seed``: seed the head's initialisation (None: the global
+    generator as it stands)."""
+    from specdec.drafters.eagle import EagleConfig, EagleHead, save_eagle_head
+    from specdec.drafters.eagle.train.objective import unrolled_losses
+
+    N = 200
+    # Unit-scale inputs, as the recipe sets them (the tiny target's features are ~0.03).
+    config = EagleConfig.from_hf_config(
+        hf.config,
+        draft_vocab_size=N,
+        feature_scale=1 / float(out.hidden_BTD.std()),
+        embed_scale=1 / float(parts.embed_VD.std()),
+        **head,
+    )
+    counts = torch.bincount(seqs.flatten(), minlength=259)
+    vocab = torch.argsort(counts, descending=True, stable=True)[:N]
+    if seed is not None:
+        torch.manual_seed(seed)
+    head = EagleHead(config)
+    head.draft_vocab_N = vocab
+    head.attach(parts)
+    vocab_index = torch.full((259,), -1, dtype=torch.long)
+    vocab_index[head.draft_vocab_N] = torch.arange(N)
+    top_p, top_i = torch.softmax(out.logits_BTV.clone(), -1).topk(4, dim=-1)
+    batch = {
+        "features": out.hidden_BTD.clone(),
+        "tokens": seqs.clone(),
+        "topk_ids": top_i,
+        "topk_probs": top_p,
+        "valid": torch.ones_like(seqs, dtype=torch.bool),
+    }
+    if aux_BTAD is not None:
+        batch["aux"] = aux_BTAD.clone()
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    history = []
+    for _ in range(100):
+        losses = unrolled_losses(head, batch, vocab_index, train_config, 1 / config.feature_scale)
+        opt.zero_grad()
+        losses["loss"].backward()
+        opt.step()
+        history.append({k: float(v.detach()) for k, v in losses.items()})
+    head.draft_vocab_N = vocab  # frequency order, as the recipe saves it
+    save_eagle_head(head, weights, target_name=target_name, embed_VD=parts.embed_VD)
+    return history
 
 
 class TableTarget:

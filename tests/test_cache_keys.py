@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _tiny import save_tiny_checkpoint, tiny_llama
+from _tiny import save_tiny_checkpoint, tiny_llama, write_llama_gguf
 
 from specdec.targets import loading
 from specdec.targets.llama import LlamaTarget
@@ -31,67 +31,24 @@ gguf = pytest.importorskip("gguf")
 
 # 256 byte tokens, one merged token (transformers needs a merge), then the specials; EOS 259 or 258.
 VOCAB = 260
-_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-
-
-def _rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's row order of a q or k projection (transformers' GGUF loader undoes it)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def write_gguf(path: Path, *, seed: int = 0, eos: int = 259, drop: tuple[str, ...] = (), tied: bool = False):
-    """A one-layer Llama as a GGUF file at ``path`` (without the tensors named in ``drop``); returns the
-    ``transformers`` model it was written from."""
+    """A one-layer Llama as a float32 GGUF file at ``path`` with a byte-level ``gpt2`` vocabulary (without
+    the tensors named in ``drop``); returns the ``transformers`` model it was written from."""
     from tokenizers.pre_tokenizers import ByteLevel
 
+    def vocab(w) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([*sorted(ByteLevel.alphabet()), "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+        w.add_token_types([1] * 257 + [3] * 3)
+        w.add_token_merges(["Ġ t"])
+        w.add_bos_token_id(258 if eos == 259 else 259)
+        w.add_eos_token_id(eos)
+
     model = tiny_llama(seed=seed, num_layers=1, vocab_size=VOCAB, eos_token_id=eos)
-    c = model.config
     path.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(256)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([*sorted(ByteLevel.alphabet()), "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    w.add_token_types([1] * 257 + [3] * 3)
-    w.add_token_merges(["Ġ t"])
-    w.add_bos_token_id(258 if eos == 259 else 259)
-    w.add_eos_token_id(eos)
-    names = dict(_TOP) if tied else {**_TOP, "lm_head.weight": "output.weight"}
-    for key, value in model.state_dict().items():
-        if key.startswith("model.layers."):
-            layer, rest = key.removeprefix("model.layers.").split(".", 1)
-            name = f"blk.{layer}.{_LAYER[rest]}"
-            if rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
-                heads = c.num_attention_heads if "q_proj" in rest else c.num_key_value_heads
-                value = _rotary_rows(value, heads)
-        elif key in names:
-            name = names[key]
-        else:
-            continue
-        if name not in drop:
-            w.add_tensor(name, value.numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_llama_gguf(path, model, vocab=vocab, context_length=256, tied=tied, drop=drop)
     return model
 
 

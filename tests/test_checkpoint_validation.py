@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _tiny import save_tiny_checkpoint, tiny_llama
+from _tiny import save_tiny_checkpoint, tiny_llama, write_llama_gguf
 
 from specdec.targets.checkpoint_contract import Checkpoint, check_checkpoint, expected_tensors
 from specdec.targets.gguf import check_gguf_file, load_gguf_state
@@ -103,68 +103,27 @@ def _config(model) -> LlamaConfig:
     return LlamaConfig.from_hf(model.config)
 
 
-def _permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's rotary row order of a q or k projection."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-_GGUF_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-
-
 def write_gguf(path: Path, model, *, replace=None, drop=(), kinds=None) -> Path:
     """``model`` as a GGUF file: Q4_1 matrices, a Q8_0 embedding, F32 norms (``kinds``: GGUF name ->
     another type), with tensors replaced by float arrays (``replace``) or left out (``drop``)."""
     Q = gguf.GGMLQuantizationType
-    replace, kinds = replace or {}, kinds or {}
-    c = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(c.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    w.add_token_scores([0.0] * c.vocab_size)
-    w.add_token_merges([])
-    w.add_eos_token_id(258)
-    names = {**_GGUF_TOP, "lm_head.weight": "output.weight"}
-    for key, value in model.state_dict().items():
-        if key.startswith("model.layers."):
-            layer, rest = key.removeprefix("model.layers.").split(".", 1)
-            name = f"blk.{layer}.{_GGUF_LAYER[rest]}"
-        else:
-            name = names[key]
-        if name in drop:
-            continue
-        a = replace.get(name, value.float().numpy())
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
-            a = _permute_rows(a, c.num_attention_heads if "attn_q" in name else c.num_key_value_heads)
-        kind = kinds.get(name, Q.F32 if a.ndim == 1 else Q.Q8_0 if name == "token_embd.weight" else Q.Q4_1)
-        if kind == Q.F32:
-            w.add_tensor(name, a.astype(np.float32))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(a.astype(np.float32), kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    kinds = kinds or {}
+    V = model.config.vocab_size
+
+    def vocab(w) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"t{i}" for i in range(V)])
+        w.add_token_scores([0.0] * V)
+        w.add_token_merges([])
+        w.add_eos_token_id(258)
+
+    def kind(name: str, a: np.ndarray):
+        return kinds.get(name, Q.F32 if a.ndim == 1 else Q.Q8_0 if name == "token_embd.weight" else Q.Q4_1)
+
+    context = model.config.max_position_embeddings
+    return write_llama_gguf(
+        path, model, vocab=vocab, context_length=context, drop=drop, replace=replace, kind=kind
+    )
 
 
 @pytest.fixture(scope="module")

@@ -9,22 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 from _reference import SMOLLM2_NEW_TOKENS as N
-from _tiny import greedy_training_block, save_tiny_checkpoint, tiny_llama
+from _tiny import fit_tiny_head, greedy_training_block, save_tiny_checkpoint, tiny_llama
 
 import specdec
 from specdec.drafters.eagle import (
     EagleCache,
-    EagleConfig,
     EagleDrafter,
-    EagleHead,
     EagleTreeDrafter,
     PackedEagleHead,
     draft_distribution,
     load_eagle_head,
-    save_eagle_head,
 )
 from specdec.drafters.eagle.train.config import TrainConfig
-from specdec.drafters.eagle.train.objective import unrolled_features, unrolled_losses
+from specdec.drafters.eagle.train.objective import unrolled_features
 from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.targets.hf import HFTarget
@@ -44,44 +41,11 @@ def _train_tiny_head(
     """Train a tiny head on the target's greedy continuations (the recipe's loss), save it to
     ``weights``; returns its top-1 agreement with the target per step (teacher-forced step).
     ``seed``: seed the head's initialisation (None: the global generator as it stands)."""
-    # Unit-scale inputs, as the recipe sets them (the tiny target's features are ~0.03).
-    config = EagleConfig.from_hf_config(
-        hf.config,
-        draft_vocab_size=200,
-        feature_scale=1 / float(out.hidden_BTD.std()),
-        embed_scale=1 / float(parts.embed_VD.std()),
-        prev_token_input=prev_token_input,
-    )
-    counts = torch.bincount(seqs.flatten(), minlength=259)
-    vocab = torch.argsort(counts, descending=True, stable=True)[:200]
-    if seed is not None:
-        torch.manual_seed(seed)
-    head = EagleHead(config)
-    head.draft_vocab_N = vocab
-    head.attach(parts)
-    vocab_index = torch.full((259,), -1, dtype=torch.long)
-    vocab_index[head.draft_vocab_N] = torch.arange(200)
-    probs = torch.softmax(out.logits_BTV.clone(), -1)
-    top_p, top_i = probs.topk(4, dim=-1)
-    batch = {
-        "features": out.hidden_BTD.clone(),
-        "tokens": seqs.clone(),
-        "topk_ids": top_i,
-        "topk_probs": top_p,
-        "valid": torch.ones_like(seqs, dtype=torch.bool),
-    }
     cfg = TrainConfig(unroll=2, feature_noise=0.0)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    accuracy = []
-    for _ in range(100):
-        losses = unrolled_losses(head, batch, vocab_index, cfg, 1 / config.feature_scale)
-        opt.zero_grad()
-        losses["loss"].backward()
-        opt.step()
-        accuracy.append(float(losses["acc1"]))
-    head.draft_vocab_N = vocab  # frequency order, as the recipe saves it
-    save_eagle_head(head, weights, target_name="tiny", embed_VD=parts.embed_VD)
-    return accuracy
+    history = fit_tiny_head(
+        hf, parts, seqs, out, cfg, weights, target_name="tiny", seed=seed, prev_token_input=prev_token_input
+    )
+    return [h["acc1"] for h in history]
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +89,15 @@ def _options(tiny, drafter: str) -> dict:
     (top probabilities ~1/200), so their tuned defaults would leave it no drafts to test."""
     stops = {"ngram-eagle": {"min_prob": 0.0}, "ngram-eagle-tree": {"tree_min_prob": 0.0}}
     return {"weights": str(tiny["weights"]), **stops.get(drafter, {})}
+
+
+def _generate(tiny, rows: list[list[int]], drafter: str, options: dict | None = None, **sampling):
+    """``specdec.generate`` on the tiny target with ``drafter`` over the tiny head (:func:`_options`,
+    then ``options``), EOS ignored."""
+    options = {**_options(tiny, drafter), **(options or {})}
+    return specdec.generate(
+        tiny["target"], rows, drafter=drafter, drafter_options=options, ignore_eos=True, **sampling
+    )
 
 
 def test_training_learns_the_targets_next_tokens(tiny):
@@ -282,11 +255,9 @@ def test_prev_token_unrolled_training_equals_inference_drafting(tiny_prev, step)
 @pytest.mark.parametrize("drafter", ["eagle", "eagle-tree", "ngram-eagle"])
 def test_prev_token_head_greedy_equals_plain_decoding_ragged_batch(tiny_prev, drafter):
     target, prompts = tiny_prev["target"], _prompts()
-    kw = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
-    ref = specdec.generate(target, prompts, drafter="none", **kw)
-    out = specdec.generate(
-        target, prompts, drafter=drafter, drafter_options=_options(tiny_prev, drafter), gamma=4, **kw
-    )
+    kw = {"max_new_tokens": 24, "temperature": 0.0}
+    ref = specdec.generate(target, prompts, drafter="none", ignore_eos=True, **kw)
+    out = _generate(tiny_prev, prompts, drafter, gamma=4, **kw)
     assert out.token_ids == ref.token_ids
     assert out.metrics.num_accepted > 0
 
@@ -484,29 +455,11 @@ def test_greedy_equals_plain_decoding_ragged_batch(tiny, drafter):
     ref = specdec.generate(
         target, prompts, drafter="none", max_new_tokens=30, temperature=0.0, ignore_eos=True
     )
-    out = specdec.generate(
-        target,
-        prompts,
-        drafter=drafter,
-        drafter_options=_options(tiny, drafter),
-        max_new_tokens=30,
-        temperature=0.0,
-        gamma=4,
-        ignore_eos=True,
-    )
+    out = _generate(tiny, prompts, drafter, max_new_tokens=30, temperature=0.0, gamma=4)
     assert out.token_ids == ref.token_ids
     assert out.metrics.num_accepted > 0  # the trained tiny head is right some of the time
     for b, p in enumerate(prompts):  # each row alone: same tokens
-        single = specdec.generate(
-            target,
-            [p],
-            drafter=drafter,
-            drafter_options=_options(tiny, drafter),
-            max_new_tokens=30,
-            temperature=0.0,
-            gamma=4,
-            ignore_eos=True,
-        )
+        single = _generate(tiny, [p], drafter, max_new_tokens=30, temperature=0.0, gamma=4)
         assert single.token_ids[0] == ref.token_ids[b]
 
 
@@ -521,19 +474,10 @@ def test_greedy_equals_plain_decoding_ragged_batch(tiny, drafter):
 def test_confidence_stop_keeps_greedy_output_and_drafts_less(tiny, drafter, options):
     """The confidence stop (chain) and the tree's probability floor change only what is drafted.
     (The tiny head is unsure, its top probabilities ~1/200, hence the low thresholds.)"""
-    target, prompts = tiny["target"], _prompts()
+    prompts = _prompts()
 
     def run(rows, opts):
-        return specdec.generate(
-            target,
-            rows,
-            drafter=drafter,
-            drafter_options={**_options(tiny, drafter), **opts},
-            max_new_tokens=30,
-            temperature=0.0,
-            gamma=4,
-            ignore_eos=True,
-        )
+        return _generate(tiny, rows, drafter, opts, max_new_tokens=30, temperature=0.0, gamma=4)
 
     # Batched (the chain stops when every row is unsure) and one row (the dynamic tree's only case).
     for rows in (prompts, prompts[:1]) if drafter != "eagle-tree" else (prompts[:1],):
@@ -584,19 +528,9 @@ def test_batched_proposals_equal_single_row_proposals(tiny):
 
 
 def test_sampling_is_seeded_and_valid(tiny):
-    target, prompts = tiny["target"], _prompts()
+    prompts = _prompts()
     runs = [
-        specdec.generate(
-            target,
-            prompts,
-            drafter=name,
-            drafter_options=_options(tiny, name),
-            max_new_tokens=20,
-            temperature=0.9,
-            top_k=50,
-            seed=4,
-            ignore_eos=True,
-        )
+        _generate(tiny, prompts, name, max_new_tokens=20, temperature=0.9, top_k=50, seed=4)
         for name in ("eagle", "eagle", "eagle-tree", "ngram-eagle", "ngram-eagle")
     ]
     assert runs[0].token_ids == runs[1].token_ids

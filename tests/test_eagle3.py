@@ -10,7 +10,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _tiny import byte_tokenizer, greedy_training_block, save_tiny_checkpoint, tiny_llama, token_data
+from _tiny import (
+    byte_tokenizer,
+    fit_tiny_head,
+    greedy_training_block,
+    save_tiny_checkpoint,
+    tiny_llama,
+    token_data,
+)
 
 import specdec
 from specdec.drafters.eagle import (
@@ -19,12 +26,11 @@ from specdec.drafters.eagle import (
     EagleHead,
     PackedEagleHead,
     load_eagle_head,
-    save_eagle_head,
 )
 from specdec.drafters.eagle.train.config import DataConfig, TrainConfig
 from specdec.drafters.eagle.train.dataset import aux_shard_name, build_aux_features, load_dataset
 from specdec.drafters.eagle.train.features import extract_features, extract_layer_features
-from specdec.drafters.eagle.train.objective import Batches, unrolled_losses
+from specdec.drafters.eagle.train.objective import Batches
 from specdec.drafters.eagle.train.sources import Prompt, repeat_sequences
 from specdec.protocols import TargetOutput
 from specdec.targets.hf import HFTarget
@@ -44,43 +50,12 @@ def tiny3(tmp_path_factory):
     seqs, out = greedy_training_block(hf, target)
     aux_BTAD = torch.stack([out.aux_hidden_BTD[i] for i in AUX], dim=2)
     rms_A = aux_BTAD.pow(2).mean(-1).sqrt().flatten(0, 1).median(0).values
-    config = EagleConfig.from_hf_config(
-        hf.config,
-        draft_vocab_size=200,
-        feature_scale=1 / float(out.hidden_BTD.std()),
-        embed_scale=1 / float(parts.embed_VD.std()),
-        aux_layers=AUX,
-        aux_scales=tuple(1 / float(r) for r in rms_A),
-    )
-    counts = torch.bincount(seqs.flatten(), minlength=259)
-    vocab = torch.argsort(counts, descending=True, stable=True)[:200]
-    torch.manual_seed(0)
-    head = EagleHead(config)
-    head.draft_vocab_N = vocab
-    head.attach(parts)
-    vocab_index = torch.full((259,), -1, dtype=torch.long)
-    vocab_index[head.draft_vocab_N] = torch.arange(200)
-    top_p, top_i = torch.softmax(out.logits_BTV.clone(), -1).topk(4, dim=-1)
-    batch = {
-        "features": out.hidden_BTD.clone(),
-        "aux": aux_BTAD.clone(),
-        "tokens": seqs.clone(),
-        "topk_ids": top_i,
-        "topk_probs": top_p,
-        "valid": torch.ones_like(seqs, dtype=torch.bool),
-    }
     cfg = TrainConfig(unroll=2, feature_noise=0.0, reg_weight=0.0, ce_weight=1.0, aux_layers=AUX)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    history = []
-    for _ in range(100):
-        losses = unrolled_losses(head, batch, vocab_index, cfg, 1 / config.feature_scale)
-        opt.zero_grad()
-        losses["loss"].backward()
-        opt.step()
-        history.append({k: float(v.detach()) for k, v in losses.items()})
     weights = tmp_path_factory.mktemp("head3") / "head3.safetensors"
-    head.draft_vocab_N = vocab
-    save_eagle_head(head, weights, target_name="tiny3", embed_VD=parts.embed_VD)
+    head = {"aux_layers": AUX, "aux_scales": tuple(1 / float(r) for r in rms_A)}
+    history = fit_tiny_head(
+        hf, parts, seqs, out, cfg, weights, target_name="tiny3", aux_BTAD=aux_BTAD, seed=0, **head
+    )
     return {"path": path, "target": target, "hf": hf, "weights": weights, "history": history, "parts": parts}
 
 
@@ -296,9 +271,7 @@ def test_build_dataset_writes_layer_features_from_the_feature_pass(tiny3, tmp_pa
     gen = torch.Generator().manual_seed(1)
     lengths = torch.randint(4, 20, (70,), generator=gen).tolist()
     prompts = [
-        Prompt(
-            f"p{i}", "humaneval", i % 4 == 0, tuple(torch.randint(3, 250, (n,), generator=gen).tolist())
-        )
+        Prompt(f"p{i}", "humaneval", i % 4 == 0, tuple(torch.randint(3, 250, (n,), generator=gen).tolist()))
         for i, n in enumerate(lengths)
     ]
     cfg = _tiny_build(monkeypatch, tiny3, prompts, tokenizer=None)

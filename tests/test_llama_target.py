@@ -15,9 +15,10 @@ import json
 import pytest
 import torch
 from _reference import SMOLLM2_NEW_TOKENS as N
+from _tiny import tiny_config_fields
 
 from specdec.protocols import Target
-from specdec.targets.linear import LINEAR_BACKENDS, pack_linear
+from specdec.targets.linear import LINEAR_BACKENDS, PackedLinear
 from specdec.targets.llama import LlamaTarget
 
 ATOL = 1e-4
@@ -27,18 +28,7 @@ VOCAB = 96
 def _tiny_config(family: str):
     import transformers
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        eos_token_id=3,
-        initializer_range=0.1,  # larger than default so the logits are far from uniform
-    )
+    common = tiny_config_fields(vocab_size=VOCAB, num_hidden_layers=3, eos_token_id=3)
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=100000.0),
         "llama_bias": lambda: transformers.LlamaConfig(
@@ -203,9 +193,9 @@ def test_linear_backends_match_reference_on_odd_shapes(dtype, fused):
     if fused == "swiglu":
         kw = {"swiglu": True}
     width = 2 * I if fused == "swiglu" else I
-    ref = pack_linear(w, bias, backend="reference", dtype=dtype, **kw)
+    ref = PackedLinear(w, bias, backend="reference", dtype=dtype, **kw)
     for backend in sorted(LINEAR_BACKENDS):
-        lin = pack_linear(w, bias, backend=backend, dtype=dtype, **kw)
+        lin = PackedLinear(w, bias, backend=backend, dtype=dtype, **kw)
         for M in (1, 2, 5, 12, 13, 30):
             x = torch.randn(M, width, generator=g)
             residual = torch.randn(M, O, generator=g) if fused == "bias+residual" else None

@@ -40,7 +40,7 @@ if _MISSING:
         allow_module_level=True,
     )
 
-from test_serve import launch, metric, ready, scrape, stop, wait_idle  # noqa: E402
+from test_serve import metric, running, scrape, wait_idle  # noqa: E402
 
 pytestmark = pytest.mark.slow  # lm-eval itself takes ~30-60 s to start on 2 busy cores
 
@@ -56,14 +56,8 @@ def server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lm-eval")
     checkpoint = save_tiny_checkpoint(root / "tiny", tokenizer=byte_tokenizer())
-    proc = launch(checkpoint, root / "server.log", "--drafter", "default", "--max-num-seqs", "4")
-    try:
-        s = ready(proc, checkpoint, root / "server.log")
-    except BaseException:
-        proc.kill()
-        raise
-    yield s
-    stop(s)
+    with running(checkpoint, root / "server.log", "--drafter", "default", "--max-num-seqs", "4") as s:
+        yield s
 
 
 def test_lm_eval_runs_every_task_type_with_no_failed_request(server, tmp_path):

@@ -93,6 +93,17 @@ def test_the_product_is_the_dequantised_weight_times_the_dequantised_activations
         _close(pg.packed_linear(x, rows.pack(isa, act8=True)), want.float())
 
 
+def _fused_options(fused: str, O: int, I: int, gen: torch.Generator) -> tuple[dict, torch.Tensor | None]:
+    """The keyword arguments of the transform ``fused`` names (RMSNorm weights, SwiGLU), and a bias
+    for ``bias+residual``."""
+    kw = {}
+    if fused == "norm":
+        kw = {"norm_weight_I": torch.rand(I, generator=gen) + 0.5, "norm_eps": 1e-5}
+    elif fused == "swiglu":
+        kw = {"swiglu": True}
+    return kw, torch.randn(O, generator=gen) if fused == "bias+residual" else None
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["int8", "Q4_1"])
 @pytest.mark.parametrize("fused", ["plain", "bias+residual", "norm", "swiglu"])
@@ -102,12 +113,7 @@ def test_a_rows_output_does_not_depend_on_the_other_rows(isa, fmt, fused):
     O, I = 200, 128
     packed = _rows(fmt, O, I, gen).pack(isa, act8=True)
     width = 2 * I if fused == "swiglu" else I
-    kw = {}
-    if fused == "norm":
-        kw = {"norm_weight_I": torch.rand(I, generator=gen) + 0.5, "norm_eps": 1e-5}
-    elif fused == "swiglu":
-        kw = {"swiglu": True}
-    bias = torch.randn(O, generator=gen) if fused == "bias+residual" else None
+    kw, bias = _fused_options(fused, O, I, gen)
     x_1I = torch.randn(1, width, generator=gen)
     res_1O = torch.randn(1, O, generator=gen)
 
@@ -131,20 +137,15 @@ def test_fused_transforms_equal_the_pytorch_backend(isa, fused, monkeypatch):
     """``PackedLinear`` with act8: the packed kernel against the ``reference`` backend (the oracle with
     PyTorch's RMSNorm and SiLU). SiLU differs in the last bits (the kernel's own exp), which can move
     an activation across a rounding boundary: the tolerance allows one quantisation step there."""
-    from specdec.targets.linear import pack_linear
+    from specdec.targets.linear import PackedLinear
 
     monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
     gen = torch.Generator().manual_seed(5)
     O, I = 70, 96
     rows = quantize_int4(torch.randn(O, I, generator=gen), 32)
-    kw = {}
-    if fused == "norm":
-        kw = {"norm_weight_I": torch.rand(I, generator=gen) + 0.5, "norm_eps": 1e-5}
-    elif fused == "swiglu":
-        kw = {"swiglu": True}
-    bias = torch.randn(O, generator=gen) if fused == "bias+residual" else None
-    fast = pack_linear(rows, bias, backend="packed", act8=True, **kw)
-    slow = pack_linear(rows, bias, backend="reference", act8=True, **kw)
+    kw, bias = _fused_options(fused, O, I, gen)
+    fast = PackedLinear(rows, bias, backend="packed", act8=True, **kw)
+    slow = PackedLinear(rows, bias, backend="reference", act8=True, **kw)
     assert fast.packed_weight.isa == isa and fast.format == "q4a8"
     for M in (1, 6, 30):
         x = torch.randn(M, 2 * I if fused == "swiglu" else I, generator=gen) * 3
@@ -171,10 +172,10 @@ def test_bad_input_raises_valueerror():
         quantize_activations(torch.randn(2, 64), 48)
     with pytest.raises(ValueError, match="x_MI"):
         pg.quantize_a8(torch.randn(2, 64).double(), 32)
-    from specdec.targets.linear import pack_linear
+    from specdec.targets.linear import PackedLinear
 
     with pytest.raises(ValueError, match="act8"):
-        pack_linear(torch.randn(8, 64), act8=True)
+        PackedLinear(torch.randn(8, 64), act8=True)
 
 
 @pytest.mark.slow  # compiles the source for every ISA path: ~50 s on 2 busy cores

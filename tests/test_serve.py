@@ -9,12 +9,14 @@ One server for the module (started once, ~5-15 s), one more for the SIGTERM test
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +92,23 @@ def stop(server: Server) -> None:
         server.proc.wait(10)
 
 
+@contextlib.contextmanager
+def running(checkpoint: Path, log: Path, *extra: str, meanwhile: Callable[[], object] = lambda: None):
+    """A ready server from :func:`launch` for the ``with`` block, killed after it; ``meanwhile()`` runs
+    while the server starts (a fixture that loads the target in this process, say)."""
+    proc = launch(checkpoint, log, *extra)
+    try:
+        meanwhile()
+        s = ready(proc, checkpoint, log)
+    except BaseException:
+        proc.kill()
+        raise
+    try:
+        yield s
+    finally:
+        stop(s)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", tokenizer=byte_tokenizer())
@@ -104,15 +123,8 @@ def target(checkpoint):
 def server(checkpoint, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     extra = f"--gamma 3 --max-num-seqs {SLOTS} --max-waiting {MAX_WAITING} --api-key {KEY}".split()
-    proc = launch(checkpoint, log, *extra)
-    try:
-        request.getfixturevalue("target")  # loads here while the server starts
-        s = ready(proc, checkpoint, log)
-    except BaseException:
-        proc.kill()
-        raise
-    yield s
-    stop(s)
+    with running(checkpoint, log, *extra, meanwhile=lambda: request.getfixturevalue("target")) as s:
+        yield s
 
 
 def plain_text(target: Any, ids: list[int], n: int) -> tuple[str, list[int]]:
@@ -490,8 +502,7 @@ def test_sigterm_refuses_new_requests_aborts_late_ones_exits_0(checkpoint, tmp_p
     is aborted (its stream ends with an error and [DONE]); the process exits 0."""
     log = tmp_path / "server.log"
     extra = ["--drafter", "none", "--gamma", "0", "--shutdown-timeout", "0.5"]
-    s = ready(launch(checkpoint, log, *extra), checkpoint, log)
-    try:
+    with running(checkpoint, log, *extra) as s:
         http = s.http(None)
         response = _long_stream(http)  # plain decoding of 1,900 tokens: seconds, far past the 0.5 s
         lines = sse_lines(response)
@@ -503,5 +514,3 @@ def test_sigterm_refuses_new_requests_aborts_late_ones_exits_0(checkpoint, tmp_p
         assert rest[-1] == "[DONE]" and "shutting down" in rest[-2] and '"error"' in rest[-2]
         assert s.proc.wait(30) == 0, s.log.read_text()
         assert "Traceback" not in s.log.read_text()
-    finally:
-        stop(s)

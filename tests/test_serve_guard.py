@@ -15,7 +15,6 @@ import importlib.util
 import json
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,8 +28,9 @@ if _MISSING:
     )
 
 import httpx  # noqa: E402
-from _tiny import CHAT_TEMPLATE, byte_tokenizer, save_tiny_checkpoint  # noqa: E402
-from test_serve import KEY, Server, launch, ready, stop  # noqa: E402
+import test_serve  # noqa: E402
+from _tiny import CHAT_TEMPLATE, byte_tokenizer  # noqa: E402
+from test_serve import KEY, Server, running  # noqa: E402
 
 MAX_MODEL_LEN = 512
 LONGEST_TOKEN = 13  # len("<|endoftext|>")
@@ -43,23 +43,15 @@ quiet machine the gaps are tens of milliseconds, but on a 2-core CI machine shar
 the baseline alone reached 0.9 s, hence this bound."""
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("guard") / "tiny", tokenizer=byte_tokenizer())
+checkpoint = test_serve.checkpoint  # the same fixture: a tiny checkpoint
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("guard-log") / "server.log"
     extra = f"--gamma 3 --max-num-seqs 2 --max-model-len {MAX_MODEL_LEN} --api-key {KEY}".split()
-    proc = launch(checkpoint, log, *extra)
-    try:
-        s = ready(proc, checkpoint, log)
-    except BaseException:
-        proc.kill()
-        raise
-    yield s
-    stop(s)
+    with running(checkpoint, log, *extra) as s:
+        yield s
     text = log.read_text(errors="replace")
     assert "Traceback" not in text and "internal error" not in text, text
 

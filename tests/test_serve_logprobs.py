@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import test_serve
 import torch
-from test_serve import KEY, PROMPT, launch, metric, ready, scrape, sse_lines, stop, wait_idle
+from test_serve import KEY, PROMPT, metric, running, scrape, sse_lines, wait_idle
 
-import specdec
 from specdec.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,30 +23,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 GAMMA = 3
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from _tiny import byte_tokenizer, save_tiny_checkpoint
-
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("serve-lp") / "tiny", tokenizer=byte_tokenizer())
-
-
-@pytest.fixture(scope="module")
-def target(checkpoint):
-    return specdec.load_target(str(checkpoint))
+checkpoint, target = test_serve.checkpoint, test_serve.target  # the same fixtures: a tiny checkpoint, loaded
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("serve-lp-log") / "server.log"
-    proc = launch(checkpoint, log, *f"--gamma {GAMMA} --max-num-seqs 4 --api-key {KEY}".split())
-    try:
-        request.getfixturevalue("target")  # loads here while the server starts
-        s = ready(proc, checkpoint, log)
-    except BaseException:
-        proc.kill()
-        raise
-    yield s
-    stop(s)
+    extra = f"--gamma {GAMMA} --max-num-seqs 4 --api-key {KEY}".split()
+    with running(checkpoint, log, *extra, meanwhile=lambda: request.getfixturevalue("target")) as s:
+        yield s
 
 
 def plain(target, ids: list[int], n: int, *, k: int, prompt: bool = False):

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny import tiny_config_fields
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.quant import quantize_int4, quantize_int8
-from specdec.targets.linear import pack_linear, resolve_backend
+from specdec.targets.linear import PackedLinear, resolve_backend
 from specdec.targets.llama import LlamaTarget
 from specdec.targets.llama_config import LlamaConfig
 from specdec.targets.placement import resolve_placement
@@ -30,17 +31,7 @@ def tiny():
     """A tiny Llama (untied head) and a Qwen3 (q/k norms, tied): configs and float32 states."""
     import transformers
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        initializer_range=0.1,
-    )
+    common = tiny_config_fields(vocab_size=VOCAB)
     out = {}
     for name, hf_config in {
         "llama": transformers.LlamaConfig(**common, tie_word_embeddings=False, attention_bias=True),
@@ -124,9 +115,9 @@ def test_quantised_rows_are_dequantised_on_the_device_into_the_dtype():
     asked dtype (the weight equals the CPU dequantisation, rounded to it)."""
     w = torch.randn(40, 64, generator=torch.Generator().manual_seed(2))
     for rows in (quantize_int8(w), quantize_int4(w, 32)):
-        on_cpu = pack_linear(rows, backend="reference", dtype=torch.bfloat16)
+        on_cpu = PackedLinear(rows, backend="reference", dtype=torch.bfloat16)
         assert torch.equal(on_cpu.weight_float(), rows.dequantize().to(torch.bfloat16).float())
-        on_dev = pack_linear(rows, backend="reference", dtype=torch.bfloat16, device="meta")
+        on_dev = PackedLinear(rows, backend="reference", dtype=torch.bfloat16, device="meta")
         assert on_dev._weight_OI().device.type == "meta" and on_dev._weight_OI().dtype == torch.bfloat16
         assert on_dev.nbytes == 40 * 64 * 2
 

@@ -20,15 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from experiments.catalog.specdec_runs import (
+    PLAIN,
     TINY_TARGET,
     InterleavedRunConfig,
-    Method,
-    drafter_options,
-    drafter_unavailable,
+    available_drafters,
+    drafter_method,
     method_rows,
-    open_run_target,
-    prompt_runs,
-    run_methods,
+    run_on_prompts,
 )
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
@@ -73,7 +71,7 @@ def plan(*, smoke: bool = False) -> Sweep:
         )
         return Sweep(base, {"drafter": ["ngram"]})
     base = GammaSweepConfig()
-    return Sweep(base, {"drafter": [d for d in DRAFTERS if drafter_unavailable(d, base.target) is None]})
+    return Sweep(base, {"drafter": list(available_drafters(DRAFTERS, base.target)[0])})
 
 
 def theory_curve(
@@ -104,14 +102,10 @@ def run_gamma_sweep(config: GammaSweepConfig, ctx: RunContext) -> dict:
     """Plain decoding and the drafter at each γ; bench-style rows per γ, and the theory curve."""
     from specdec.metrics import merge_metrics
 
-    target = open_run_target(config, ctx)
-    prompts = prompt_runs(target, config.prompt_sets, config.num_prompts, chat=config.chat)
-    options = drafter_options(config.drafter, lm_corpus_chars=config.lm_corpus_chars)
-    methods = [Method(label="ours/none", drafter="none", gamma=0)] + [
-        Method(label=f"ours/{config.drafter}@{g}", drafter=config.drafter, gamma=g, drafter_options=options)
-        for g in config.gammas
+    methods = [PLAIN] + [
+        drafter_method(config, config.drafter, g, label=f"ours/{config.drafter}@{g}") for g in config.gammas
     ]
-    results, threads = run_methods(config, target, prompts, methods, ctx)
+    results, threads = run_on_prompts(config, ctx, config.prompt_sets, methods)
     rows = [
         r for r in method_rows(results, config.temperature, config.prompt_sets) if r["prompt_set"] == "all"
     ]

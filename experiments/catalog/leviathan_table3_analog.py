@@ -23,13 +23,10 @@ from dataclasses import dataclass
 from experiments.catalog.specdec_runs import (
     TINY_TARGET,
     InterleavedRunConfig,
-    Method,
-    drafter_options,
-    drafter_unavailable,
+    available_drafters,
+    drafter_method,
     method_rows,
-    open_run_target,
-    prompt_runs,
-    run_methods,
+    run_on_prompts,
 )
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
@@ -98,14 +95,6 @@ class AcceptanceConfig(InterleavedRunConfig):
         self.at_least(gamma=1, num_prompts=1)
 
 
-def _drafters(target: str) -> tuple[list[str], list[str]]:
-    available, pending = [], []
-    for name in DRAFTERS:
-        reason = drafter_unavailable(name, target)
-        (pending if reason else available).append(reason or name)
-    return available, pending
-
-
 def plan(*, smoke: bool = False) -> Sweep:
     """Each available drafter at T = 0 and T = 1 (the smoke: tiny random target, a few tokens)."""
     if smoke:
@@ -113,25 +102,17 @@ def plan(*, smoke: bool = False) -> Sweep:
         pairs = [("unigram", 0.0), ("bigram", 1.0), ("ngram", 0.0), ("layerskip", 1.0)]
         return Sweep(base, {"drafter,temperature": pairs})
     base = AcceptanceConfig()
-    available, _ = _drafters(base.target)
-    return Sweep(base, {"drafter": available, "temperature": list(TEMPERATURES)})
+    available, _ = available_drafters(DRAFTERS, base.target)
+    return Sweep(base, {"drafter": list(available), "temperature": list(TEMPERATURES)})
 
 
 def run_acceptance(config: AcceptanceConfig, ctx: RunContext) -> dict:
     """Decode every prompt with the drafter at γ; α pooled over prompts (and per prompt set)."""
     from specdec.metrics import merge_metrics
 
-    target = open_run_target(config, ctx)
-    prompts = prompt_runs(target, config.prompt_sets, config.num_prompts, chat=config.chat)
-    label = f"ours/{config.drafter}"
-    method = Method(
-        label=label,
-        drafter=config.drafter,
-        gamma=config.gamma,
-        drafter_options=drafter_options(config.drafter, lm_corpus_chars=config.lm_corpus_chars),
-    )
-    results, threads = run_methods(config, target, prompts, [method], ctx)
-    m = merge_metrics([r.metrics for r in results[label]])
+    method = drafter_method(config, config.drafter, config.gamma)
+    results, threads = run_on_prompts(config, ctx, config.prompt_sets, [method])
+    m = merge_metrics([r.metrics for r in results[method.label]])
     rows = method_rows(results, config.temperature, config.prompt_sets)
     n = m.num_accepted + m.num_rejections
     return {
@@ -160,7 +141,7 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
     order = [d for d in DRAFTERS if any(k[0] == d for k in by)]
     order += sorted({d for d, _ in by} - set(order))
     targets = sorted({r.config.target for r in records})
-    _, pending = _drafters(targets[0]) if targets else ([], [])
+    _, pending = available_drafters(DRAFTERS, targets[0]) if targets else ((), [])
     cfg = records[0].config if records else AcceptanceConfig()
     sizes = (
         f"{cfg.num_prompts} prompt(s) each from {', '.join(cfg.prompt_sets)}, "

@@ -21,12 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from experiments.catalog.specdec_runs import (
+    PLAIN,
     TINY_TARGET,
     InterleavedRunConfig,
-    Method,
     PromptRun,
-    drafter_options,
-    drafter_unavailable,
+    available_drafters,
+    drafter_method,
     method_rows,
     open_run_target,
     run_methods,
@@ -94,8 +94,8 @@ def plan(*, smoke: bool = False) -> Sweep:
         )
         return Sweep(base, {"drafter,temperature": [("bigram", 0.0), ("ngram", 1.0)]})
     base = LossyQualityConfig()
-    drafters = [d for d in DRAFTERS if drafter_unavailable(d, base.target) is None]
-    return Sweep(base, {"drafter": drafters, "temperature": [0.0, 1.0]})
+    drafters, _ = available_drafters(DRAFTERS, base.target)
+    return Sweep(base, {"drafter": list(drafters), "temperature": [0.0, 1.0]})
 
 
 def _label(drafter: str, lenience: float) -> str:
@@ -114,13 +114,12 @@ def run_lossy(config: LossyQualityConfig, ctx: RunContext) -> dict:
         PromptRun("humaneval", i, encode_prompt(target.tokenizer, style.prompt(p), chat=style.chat))
         for i, p in enumerate(problems)
     ]
-    options = drafter_options(config.drafter, lm_corpus_chars=config.lm_corpus_chars)
-    methods = [Method(label="ours/none", drafter="none", gamma=0)] + [
-        Method(
+    methods = [PLAIN] + [
+        drafter_method(
+            config,
+            config.drafter,
+            config.gamma,
             label=_label(config.drafter, lenience),
-            drafter=config.drafter,
-            gamma=config.gamma,
-            drafter_options=options,
             verify="lenient",
             verify_options={"lenience": lenience},
         )

@@ -130,28 +130,16 @@ class ServingLoadConfig(DecodeRunConfig):
 
 
 def bench_config(config: ServingLoadConfig, base_url: str, *, out: Path) -> Any:
-    """The ``specdec bench-serve`` config that loads the server at ``base_url`` at every rate."""
+    """The ``specdec bench-serve`` config that loads the server at ``base_url`` at every rate: each
+    field of it this config has, from the field of its name (not ``gamma``: the server's, on its own
+    command line)."""
+    import dataclasses
+
     from specdec.bench.serve_command import BenchServeConfig
 
-    return BenchServeConfig(
-        base_url=base_url,
-        target=config.target,
-        endpoint=config.endpoint,
-        prompt_sets=config.prompt_sets,
-        num_prompts=config.num_prompts,
-        max_tokens=config.max_tokens,
-        temperature=config.temperature,
-        seed=config.seed,
-        request_rates=config.request_rates,
-        burstiness=config.burstiness,
-        goodput=config.goodput,
-        threads=config.threads,
-        max_num_seqs=config.max_num_seqs,
-        warmup_requests=config.warmup_requests,
-        request_timeout_s=config.request_timeout_s,
-        startup_timeout_s=config.startup_timeout_s,
-        out=str(out),
-    )
+    ours = {f.name for f in dataclasses.fields(config)} - {"gamma"}
+    names = [f.name for f in dataclasses.fields(BenchServeConfig) if f.name in ours]
+    return BenchServeConfig(base_url=base_url, out=str(out), **{n: getattr(config, n) for n in names})
 
 
 def plan(*, smoke: bool = False) -> Sweep:

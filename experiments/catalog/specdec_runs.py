@@ -41,14 +41,18 @@ __all__ = [
     "InterleavedRunConfig",
     "tiny_checkpoint",
     "drafter_unavailable",
+    "available_drafters",
     "category_prompts",
     "encode",
     "prompt_runs",
     "drafter_options",
     "Method",
+    "PLAIN",
+    "drafter_method",
     "PromptRun",
     "run_interleaved",
     "run_methods",
+    "run_on_prompts",
     "method_rows",
     "sequence_log_likelihood",
     "torch_threads",
@@ -282,6 +286,10 @@ class Method:
     verify_options: Mapping[str, Any] = field(default_factory=dict)
 
 
+PLAIN = Method(label="ours/none", drafter="none", gamma=0)
+"""Plain decoding through the same engine: the baseline of every speedup."""
+
+
 PromptRun = Prompt
 """One prompt of a category (``set``), its index there, and its token ids."""
 
@@ -376,6 +384,16 @@ def run_methods(
     return results, threads
 
 
+def run_on_prompts(
+    config: Any, ctx: Any, prompt_sets: Sequence[str], methods: Sequence[Method]
+) -> tuple[dict[str, list], int]:
+    """:func:`run_methods` on the config's target (:func:`open_run_target`) over ``config.num_prompts``
+    prompts of each of ``prompt_sets`` (``config.chat``: in the chat template)."""
+    target = open_run_target(config, ctx)
+    prompts = prompt_runs(target, prompt_sets, config.num_prompts, chat=config.chat)
+    return run_methods(config, target, prompts, methods, ctx)
+
+
 def method_rows(results: Mapping[str, list], temperature: float, prompt_sets: Sequence[str]) -> list[dict]:
     """Per (prompt set and ``all``, method): :func:`specdec.bench.report.summarize`'s row (speedup against
     ``ours/none`` when it ran, α, τ, predicted speedup, exact-match rate when greedy)."""
@@ -409,6 +427,24 @@ def sequence_log_likelihood(target: Any, prompt_ids: Sequence[int], generated_id
 def drafter_options(drafter: str, *, lm_corpus_chars: int) -> dict[str, Any]:
     """Drafter options an experiment sets: the corpus size of the count-based ``unigram`` and ``bigram``."""
     return {"max_chars": lm_corpus_chars} if drafter in ("unigram", "bigram") else {}
+
+
+def drafter_method(
+    config: InterleavedRunConfig, drafter: str, gamma: int, *, label: str | None = None, **rule: Any
+) -> Method:
+    """``drafter`` at ``gamma`` with the options an experiment sets (:func:`drafter_options`), labelled
+    ``ours/<drafter>`` unless ``label`` says otherwise; ``rule``: ``verify`` and ``verify_options``."""
+    options = drafter_options(drafter, lm_corpus_chars=config.lm_corpus_chars)
+    return Method(
+        label=label or f"ours/{drafter}", drafter=drafter, gamma=gamma, drafter_options=options, **rule
+    )
+
+
+def available_drafters(names: Sequence[str], target: str) -> tuple[tuple[str, ...], list[str]]:
+    """The drafters of ``names`` that can run against ``target`` now, and why each other one cannot
+    (:func:`drafter_unavailable`)."""
+    reasons = {d: drafter_unavailable(d, target) for d in names}
+    return tuple(d for d, r in reasons.items() if r is None), [r for r in reasons.values() if r]
 
 
 def prompt_runs(target: Any, categories: Sequence[str], num_prompts: int, *, chat: bool) -> list[PromptRun]:

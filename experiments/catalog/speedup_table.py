@@ -17,15 +17,13 @@ from dataclasses import dataclass
 
 from experiments.catalog.specdec_runs import (
     CATEGORIES,
+    PLAIN,
     TINY_TARGET,
     InterleavedRunConfig,
-    Method,
-    drafter_options,
-    drafter_unavailable,
+    available_drafters,
+    drafter_method,
     method_rows,
-    open_run_target,
-    prompt_runs,
-    run_methods,
+    run_on_prompts,
 )
 from experiments.experiment import Experiment
 from experiments.runner import RunContext
@@ -57,11 +55,6 @@ class SpeedupConfig(InterleavedRunConfig):
         self.at_least(gamma=1, num_prompts=1)
 
 
-def _available(target: str) -> tuple[tuple[str, ...], list[str]]:
-    reasons = {d: drafter_unavailable(d, target) for d in DRAFTERS}
-    return tuple(d for d, r in reasons.items() if r is None), [r for r in reasons.values() if r]
-
-
 def plan(*, smoke: bool = False) -> Sweep:
     """One run per category (HumanEval + 8 MT-Bench categories); every available drafter inside it."""
     if smoke:
@@ -69,24 +62,14 @@ def plan(*, smoke: bool = False) -> Sweep:
             target=TINY_TARGET, drafters=("ngram", "bigram"), max_new_tokens=6, lm_corpus_chars=20_000
         )
         return Sweep(base, {"category": ["humaneval", "mtbench/coding"]})
-    drafters, _ = _available("smollm2-135m")
+    drafters, _ = available_drafters(DRAFTERS, "smollm2-135m")
     return Sweep(SpeedupConfig(drafters=drafters), {"category": list(CATEGORIES)})
 
 
 def run_speedup(config: SpeedupConfig, ctx: RunContext) -> dict:
     """Plain decoding and each drafter on the category's prompts; bench-style rows per method."""
-    target = open_run_target(config, ctx)
-    prompts = prompt_runs(target, [config.category], config.num_prompts, chat=config.chat)
-    methods = [Method(label="ours/none", drafter="none", gamma=0)] + [
-        Method(
-            label=f"ours/{d}",
-            drafter=d,
-            gamma=config.gamma,
-            drafter_options=drafter_options(d, lm_corpus_chars=config.lm_corpus_chars),
-        )
-        for d in config.drafters
-    ]
-    results, threads = run_methods(config, target, prompts, methods, ctx)
+    methods = [PLAIN] + [drafter_method(config, d, config.gamma) for d in config.drafters]
+    results, threads = run_on_prompts(config, ctx, [config.category], methods)
     rows = [
         r for r in method_rows(results, config.temperature, [config.category]) if r["prompt_set"] == "all"
     ]
@@ -132,7 +115,7 @@ def summarize(records: Sequence[RunRecord]) -> Summary:
     )
     drafters = list(dict.fromkeys(d for r in records for d in r.config.drafters))
     cfg = records[0].config if records else SpeedupConfig()
-    _, pending = _available(cfg.target)
+    _, pending = available_drafters(DRAFTERS, cfg.target)
     sizes = (
         f"{cfg.num_prompts} prompt(s) per category, {cfg.max_new_tokens} new tokens, greedy, "
         f"$\\gamma = {cfg.gamma}$, {cfg.num_threads} torch thread(s); "

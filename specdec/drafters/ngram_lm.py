@@ -240,16 +240,6 @@ def _check_k(k: Any) -> float:
     return float(k)
 
 
-def _tokenizer_of(target: Target, tokenizer: Any, name: str) -> Any:
-    tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
-    if tokenizer is None:
-        raise ValueError(
-            f"drafter {name!r} counts text tokenized with the target's tokenizer: the target has no "
-            "`tokenizer` attribute, so pass one with tokenizer=..."
-        )
-    return tokenizer
-
-
 def _sample(
     probs_BV: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
 ) -> torch.Tensor:
@@ -265,7 +255,40 @@ def _empty(state: DecodeState, V: int) -> Proposal:
     )
 
 
-class UnigramDrafter:
+class _CountDrafter:
+    """What the unigram and bigram drafters share: the token counts of a corpus tokenised with the
+    target's tokenizer (or ``tokenizer``), and no state per row (``begin`` and ``observe`` do nothing)."""
+
+    def _load_counts(
+        self,
+        target: Target,
+        name: str,
+        k: float,
+        sources: Sequence[str] | str,
+        max_chars: int,
+        tokenizer: Any,
+        cache: bool,
+    ) -> NGramCounts:
+        self.k = _check_k(k)
+        self.vocab_size = V = int(target.vocab_size)
+        tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError(
+                f"drafter {name!r} counts text tokenized with the target's tokenizer: the target has no "
+                "`tokenizer` attribute, so pass one with tokenizer=..."
+            )
+        counts = load_counts(tokenizer, V, sources=sources, max_chars=max_chars, cache=cache)
+        self.num_tokens = counts.num_tokens
+        return counts
+
+    def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
+        pass
+
+    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
+        pass
+
+
+class UnigramDrafter(_CountDrafter):
     """A :class:`specdec.protocols.Drafter` that samples every draft token from one unigram law.
 
     Options: ``k`` (add-k pseudo-count, default 0.1), ``sources`` (corpus sources, see
@@ -283,13 +306,7 @@ class UnigramDrafter:
         tokenizer: Any = None,
         cache: bool = True,
     ) -> None:
-        self.k = _check_k(k)
-        V = int(target.vocab_size)
-        counts = load_counts(
-            _tokenizer_of(target, tokenizer, "unigram"), V, sources=sources, max_chars=max_chars, cache=cache
-        )
-        self.vocab_size = V
-        self.num_tokens = counts.num_tokens
+        counts = self._load_counts(target, "unigram", k, sources, max_chars, tokenizer, cache)
         self.log_draft_V = (counts.unigram_V.double() + self.k).log().float()
         self.log_draft_V -= torch.logsumexp(self.log_draft_V, 0)
         self._probs: tuple[SamplingParams, torch.Tensor] | None = None
@@ -301,9 +318,6 @@ class UnigramDrafter:
             self._probs = (sampling, probs_V)
         return self._probs[1]
 
-    def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
-        pass
-
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
         """γ independent draws per row from the unigram law (the context is ignored)."""
         if gamma <= 0:
@@ -313,11 +327,8 @@ class UnigramDrafter:
         tokens_BK = _sample(probs_BKV, state.sampling, generator).to(state.tokens_BL)
         return Proposal(tokens_BK=tokens_BK, probs_BKV=probs_BKV)
 
-    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
-        pass
 
-
-class BigramDrafter:
+class BigramDrafter(_CountDrafter):
     """A :class:`specdec.protocols.Drafter` that drafts each token from the bigram law of the previous one.
 
     Options: ``k`` (add-k pseudo-count spread like the unigram, default 0.005, i.e. ~250 pseudo-counts
@@ -337,14 +348,9 @@ class BigramDrafter:
         tokenizer: Any = None,
         cache: bool = True,
     ) -> None:
-        self.k = _check_k(k)
         unigram_k = _check_k(unigram_k)
-        V = int(target.vocab_size)
-        counts = load_counts(
-            _tokenizer_of(target, tokenizer, "bigram"), V, sources=sources, max_chars=max_chars, cache=cache
-        )
-        self.vocab_size = V
-        self.num_tokens = counts.num_tokens
+        counts = self._load_counts(target, "bigram", k, sources, max_chars, tokenizer, cache)
+        V = self.vocab_size
         unigram_V = (counts.unigram_V.double() + unigram_k) / (counts.num_tokens + unigram_k * V)
         self.base_V = (self.k * V * unigram_V).float()  # pseudo-counts of every context
         self.indptr_V1, self.next_N = counts.indptr_V1, counts.next_N
@@ -366,9 +372,6 @@ class BigramDrafter:
             weights_BV.index_put_((rows, self.next_N[idx]), self.count_N[idx], accumulate=True)
         return weights_BV.log()
 
-    def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
-        pass
-
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
         """γ tokens per row, each drawn from the processed bigram law of the token before it."""
         if gamma <= 0:
@@ -385,6 +388,3 @@ class BigramDrafter:
         return Proposal(
             tokens_BK=torch.stack(tokens, dim=1).to(device), probs_BKV=torch.stack(probs, dim=1).to(device)
         )
-
-    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
-        pass

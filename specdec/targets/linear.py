@@ -43,7 +43,7 @@ from kernels.packed_gemm import PackedWeight, pack_weight, packed_gemm_available
 from kernels.q8_reference import linear_a8_reference
 from kernels.quant import QuantizedRows
 
-__all__ = ["PackedLinear", "LINEAR_BACKENDS", "WEIGHT_FORMATS", "pack_linear", "resolve_backend"]
+__all__ = ["PackedLinear", "LINEAR_BACKENDS", "WEIGHT_FORMATS", "resolve_backend"]
 
 WEIGHT_FORMATS = ("f32", "bf16", "f16", "q8", "q4", "q8a8", "q4a8")
 _FLOAT_FORMAT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -60,14 +60,15 @@ class PackedLinear:
     quantised on the packed kernel and are dequantised into ``dtype`` (default float32) on the
     PyTorch backends, on ``device`` (default: the weight's own; the CPU for quantised rows).
     ``act8``: quantised rows run with 8-bit activations (a packed ``q8a8`` / ``q4a8`` weight implies it).
-    Call it as ``lin(x)`` or ``lin(x, residual)``.
+    ``backend``: ``auto`` (:func:`resolve_backend`) or a ``LINEAR_BACKENDS`` name. Call it as ``lin(x)``
+    or ``lin(x, residual)``.
     """
 
     def __init__(
         self,
         weight: Weight,
-        bias_O: torch.Tensor | None,
-        backend: str,
+        bias_O: torch.Tensor | None = None,
+        backend: str = "auto",
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -76,9 +77,9 @@ class PackedLinear:
         swiglu: bool = False,
         act8: bool = False,
     ) -> None:
-        self.backend = backend
         if device is None:
             device = weight.device if isinstance(weight, torch.Tensor) else "cpu"
+        self.backend = backend = resolve_backend(backend, device)
         self.device = torch.device(device)
         self.dtype = dtype  # float storage; None: the weight's own (float32 for quantised rows)
         if isinstance(weight, PackedWeight):  # already in a layout (a cache of packed weights)
@@ -289,33 +290,3 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
             f"linear backend 'packed' runs on the CPU, got device {str(device)!r}; use 'reference' or 'auto'"
         )
     return backend
-
-
-def pack_linear(
-    weight: Weight,
-    bias_O: torch.Tensor | None = None,
-    *,
-    backend: str = "auto",
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    norm_weight_I: torch.Tensor | None = None,
-    norm_eps: float = 1e-6,
-    swiglu: bool = False,
-    act8: bool = False,
-) -> PackedLinear:
-    """Build a :class:`PackedLinear`; ``backend``: ``auto`` or a ``LINEAR_BACKENDS`` name; ``device``:
-    where the PyTorch backends keep the weight (default: the weight's own, the CPU for quantised
-    rows); ``act8``: 8-bit activations (quantised weights only)."""
-    if device is None:
-        device = weight.device if isinstance(weight, torch.Tensor) else "cpu"
-    return PackedLinear(
-        weight,
-        bias_O,
-        resolve_backend(backend, device),
-        dtype=dtype,
-        device=device,
-        norm_weight_I=norm_weight_I,
-        norm_eps=norm_eps,
-        swiglu=swiglu,
-        act8=act8,
-    )

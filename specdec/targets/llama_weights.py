@@ -38,7 +38,7 @@ from kernels.llama_forward import LayerSpec, LinearSpec, NativeDecoder, native_f
 from kernels.q8_reference import ACT8_BLOCK
 from kernels.quant import GGUF_KINDS, QuantizedRows, quantize_int4, quantize_int8
 from specdec.targets.checkpoint_contract import check_checkpoint, describe_tensor
-from specdec.targets.linear import PackedLinear, pack_linear
+from specdec.targets.linear import PackedLinear
 from specdec.targets.llama_config import LlamaConfig
 from specdec.targets.placement import FLOAT_FORMATS
 
@@ -184,7 +184,7 @@ def build_weights(
     c, s = config, _State(state, weights, device)
     check_checkpoint(config, state)
     storage = FLOAT_FORMATS.get(weights, dtype)  # float matrices in the format's dtype, rows into dtype
-    pack = lambda w, b=None, **kw: pack_linear(
+    pack = lambda w, b=None, **kw: PackedLinear(
         w, b, backend=backend, dtype=storage, device=device, act8=s.act8, **kw
     )
     eps = c.rms_norm_eps
@@ -330,7 +330,7 @@ def requantized(weights: ModelWeights, mode: str, *, backend: str) -> ModelWeigh
     def copy(lin: PackedLinear) -> PackedLinear:
         w = lin.packed_weight.dequantize() if hasattr(lin, "packed_weight") else lin.weight_float()
         q = quantize_int8(w) if mode == "int8" else quantize_int4(w, INT4_GROUP_SIZE)
-        return pack_linear(
+        return PackedLinear(
             q,
             lin.bias_O,
             backend=backend,

@@ -193,13 +193,17 @@ class EagleDrafter:
             return raw_BTI
         return self.head.project(raw_BTI[..., A * D :], raw_BTI[..., : A * D].unflatten(-1, (A, D)))
 
-    @torch.inference_mode()
-    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
-        """Draft ``gamma`` tokens per row (the head's argmax when greedy, else sampled)."""
+    def _check_propose(self, gamma: int) -> None:
+        """``ValueError`` for a negative ``gamma`` or a call before :meth:`begin`."""
         if gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {gamma}")
         if self.cache is None:
             raise ValueError("propose() called before begin()")
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
+        """Draft ``gamma`` tokens per row (the head's argmax when greedy, else sampled)."""
+        self._check_propose(gamma)
         B = state.batch_size
         if gamma == 0:  # a plain step: the committed tokens stay queued (lazy catch-up)
             return Proposal(torch.zeros(B, 0, dtype=torch.long, device=self.head.device), None)

@@ -31,7 +31,7 @@ import torch
 
 from kernels.quant import quantize_int8
 from specdec.drafters.eagle.model import EagleHead, RopeTable, check_aux, fc_inputs, fc_scales
-from specdec.targets.linear import pack_linear
+from specdec.targets.linear import PackedLinear
 from specdec.targets.rope import apply_rope_flipped, flip_sin
 
 __all__ = ["PackedEagleHead"]
@@ -53,7 +53,7 @@ class PackedEagleHead:
         c = self.config = head.config
         dtype = weight_dtype or head.fc.weight.dtype
         w = lambda m: m.weight.detach()
-        pack = lambda weight, bias=None, **kw: pack_linear(weight, bias, backend=backend, dtype=dtype, **kw)
+        pack = lambda weight, bias=None, **kw: PackedLinear(weight, bias, backend=backend, dtype=dtype, **kw)
         D = c.hidden_size
         scale_I = torch.cat([torch.full((D,), x) for x in fc_scales(c)]).to(head.fc.weight.device)
         self.fc = pack(w(head.fc).float() * scale_I, head.fc.bias.detach())  # folded in float32
@@ -71,7 +71,7 @@ class PackedEagleHead:
         )
         self.down_proj = layer(w(head.down_proj), swiglu=True)
         if int8:  # int8 rows, 8-bit activations: the target's own LM-head precision
-            self.lm_head = pack_linear(
+            self.lm_head = PackedLinear(
                 quantize_int8(head.head_ND.detach().float()),
                 norm_weight_I=head.norm_D,
                 norm_eps=head.norm_eps,

@@ -113,10 +113,7 @@ class EagleTreeDrafter(EagleDrafter):
     @torch.inference_mode()
     def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
         """Draft a tree (depth ≤ ``gamma``); the proposal's chain is its first-candidate path."""
-        if gamma < 0:
-            raise ValueError(f"gamma must be >= 0, got {gamma}")
-        if self.cache is None:
-            raise ValueError("propose() called before begin()")
+        self._check_propose(gamma)
         room = int(state.tokens_BL.shape[1] - (state.lengths_B.max() - 1))
         tree = self.tree.truncate(gamma, room) if gamma > 0 else None
         if tree is None or tree.num_nodes == 1:  # a plain step: the committed tokens stay queued
