@@ -131,7 +131,7 @@ def validate_keyed_inputs(
     device and ``positions_BK`` is an integer ``[B, K1]`` tensor of positions >= 0 on that device."""
     B, K1 = target_probs_BKV.shape[:2]
     if not isinstance(noise, PositionNoise):
-        raise ValueError(f"noise must be a specdec.noise.PositionNoise, got {type(noise).__name__}")
+        raise ValueError(f"noise must be a specdec.verify.noise.PositionNoise, got {type(noise).__name__}")
     if noise.num_rows != B:
         raise ValueError(f"noise has {noise.num_rows} rows (seeds), the batch has B={B}")
     if not isinstance(positions_BK, torch.Tensor) or tuple(positions_BK.shape) != (B, K1):
@@ -151,7 +151,7 @@ def need_noise(rule: str, noise: PositionNoise | None, positions: torch.Tensor |
     if noise is None or positions is None:
         raise ValueError(
             f"verification rule {rule!r} draws from public randomness keyed by seed and position: call it "
-            "with noise= (a specdec.noise.PositionNoise, one seed per row) and positions_BK= (the sequence "
+            "with noise= (a specdec.verify.noise.PositionNoise, one seed per row) and positions_BK= (the sequence "
             "position of the token each target row decides); greedy runs need neither"
         )
 
