@@ -164,9 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = TrainConfig()
     root = dataset_dir(cfg.data)
     if not (root / "manifest.json").exists():
-        raise ValueError(
-            f"no drafter data cache at {root}: build it with specdec train-head"
-        )
+        raise ValueError(f"no drafter data cache at {root}: build it with specdec train-head")
     model = load_hf_model(cfg.data.target)
     head, _ = load_eagle_head(a.weights, hf_parts(model))
     data = load_dataset(root, head.config.aux_layers)

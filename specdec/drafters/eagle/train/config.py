@@ -184,4 +184,3 @@ def resolve_for_target(cfg: TrainConfig) -> TrainConfig:
             f"{cfg.data.target!r}, got {layers}"
         )
     return replace(cfg, aux_layers=layers)
-

@@ -404,5 +404,3 @@ def load_dataset(path: Path, aux_layers: tuple[int, ...] = ()) -> FeatureData:
                 aux_parts.append(f.get_tensor("aux"))
         aux = torch.cat(aux_parts)
     return FeatureData.join(**{k: torch.cat(v) for k, v in parts.items()}, names=names, aux=aux)
-
-

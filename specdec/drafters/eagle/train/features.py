@@ -118,5 +118,3 @@ def extract_layer_features(
     finally:
         for h in hooks:
             h.remove()
-
-

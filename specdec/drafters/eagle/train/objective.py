@@ -190,4 +190,3 @@ def unrolled_losses(
         out["loss"] = out["loss"] + cfg.step_decay ** (s - 1) * (cfg.reg_weight * reg + cfg.ce_weight * ce)
         out[f"reg{s}"], out[f"ce{s}"], out[f"acc{s}"] = reg.detach(), ce.detach(), acc.detach()
     return out
-

@@ -358,4 +358,3 @@ def generate_continuations(
             f"{made} tokens, {el:.0f}s ({made / el:.0f} tok/s)"
         )
     return out
-
