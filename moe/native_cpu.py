@@ -10,10 +10,9 @@ Legend: T tokens, D model dim, E experts, K slots per token, M = T*K slots.
     y_TD      = kernels.combine_blocks_cpu(blocks, route)   (weighted sum read from the blocks in place)
 
 The general path (router -> plan -> LocalDispatcher) computes the same numbers; this one skips the
-~15 small PyTorch ops of routing and the copy of every expert's output into one [M, D] buffer. On the
-2-core dev CPU (E = 8, top-2, D = 576, H = 1536, fp32; the two paths alternating in one process) that
-measured 0.59 -> 0.39 ms per call at T = 1, 1.91 -> 1.62 ms at T = 8 and 14.1 -> 13.5 ms at T = 512.
-Same routing and statistics; outputs equal up to the float rounding of the combine's sum order.
+~15 small PyTorch ops of routing and the copy of every expert's output into one [M, D] buffer (what
+that saves: docs/kernels.md). Same routing and statistics; outputs equal up to the float rounding of
+the combine's sum order.
 
 :func:`native_forward` takes it only when nothing could tell the difference: float32 on a CPU, no
 autograd and no tracing, eval mode, dropless, a router whose own ``Config`` gives its rule as

@@ -82,8 +82,8 @@ class EngineWorker:
     thread that starts it, and its workers spin between the many small parallel regions of a
     forward. A target that ran anything on the main thread (loading, the engine's cost-model
     forwards) leaves that thread's team behind, and with more OpenMP threads than cores libgomp
-    throttles the spinning, so every region wakes sleeping threads: on a 2-core Xeon one token took
-    13.6 ms instead of 3.4 ms on a thread that did not build the engine. Given a builder, the worker
+    throttles the spinning, so every region wakes sleeping threads (a token several times slower:
+    docs/serving.md). Given a builder, the worker
     loads and measures on the thread that decodes.
     """
 

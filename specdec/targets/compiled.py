@@ -4,7 +4,7 @@ Legend: B block rows, T block tokens, Bb / Tb a bucket's rows / tokens (B <= Bb,
 D model dim, L cache slots (``max_len``), G query heads per key/value head.
 
 A one-token forward of a small model on a GPU is bound by the host: hundreds of kernel launches and
-the Python between them, not the GPU's work (the 135M target: 10.6-13 ms a token on an H200).
+the Python between them, not the GPU's work (docs/gpu.md).
 gpt-fast (``torch.compile`` over a static KV cache) and vLLM (CUDA graphs for its decode batch
 sizes) remove that cost by recording the launches once and replaying them. This module does the same
 for :class:`specdec.targets.llama.LlamaTarget`, as a transformation of a plain target

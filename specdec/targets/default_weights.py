@@ -31,13 +31,10 @@ __all__ = ["Q8_DEFAULT_ISAS", "default_weights", "gguf_q8_runnable"]
 
 Q8_DEFAULT_ISAS = frozenset({"avx512-vnni", "avx2-vnni", "avx512", "avx2"})
 """ISA paths on which a GGUF model defaults to ``gguf-q8``: every path with an integer dot product
-instruction (``vpdpbusd`` on the ``-vnni`` paths, ``vpmaddubsw`` + ``vpmaddwd`` on ``avx512`` / ``avx2``).
-Measured (docs/kernels.md, "Which format is the default"): on ``avx512-vnni``, ``avx512`` and ``avx2``
-the 8-bit-activation products stream a Q4_1 matrix as fast as ``gguf``'s or faster at one row and
-2-4x faster at 7 rows, and SmolLM2's 7-token verify block costs ~1.5x one token against ~2.9x
-(AVX-512 VNNI). ``avx2-vnni`` is ``avx2`` with ``vpdpbusd`` in place of two instructions (not measured:
-no such CPU here). ``generic`` (plain C) keeps ``gguf``: there the single-token forward of ``gguf-q8``
-measured 2.4x slower."""
+instruction (``vpdpbusd`` on the ``-vnni`` paths, ``vpmaddubsw`` + ``vpmaddwd`` on ``avx512`` / ``avx2``),
+where the 8-bit-activation products make a verify block cheaper; ``generic`` (plain C, no such
+instruction) keeps ``gguf``. The measurements behind the choice: docs/kernels.md, "Which format is
+the default"."""
 
 
 def gguf_q8_runnable(source: str | Path) -> bool:

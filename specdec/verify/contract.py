@@ -151,8 +151,8 @@ def need_noise(rule: str, noise: PositionNoise | None, positions: torch.Tensor |
     if noise is None or positions is None:
         raise ValueError(
             f"verification rule {rule!r} draws from public randomness keyed by seed and position: call it "
-            "with noise= (a specdec.verify.noise.PositionNoise, one seed per row) and positions_BK= (the sequence "
-            "position of the token each target row decides); greedy runs need neither"
+            "with noise= (a specdec.verify.noise.PositionNoise, one seed per row) and positions_BK= "
+            "(the sequence position of the token each target row decides); greedy runs need neither"
         )
 
 

@@ -28,10 +28,8 @@ Why not one ``torch.Generator`` per (seed, position, stream): the CPU generator 
 only the low 32 bits of its seed (``manual_seed(1)`` and ``manual_seed(1 + 2**40)`` draw the same
 numbers), so hashed keys would collide after ~65,000 positions; CUDA's Philox draws different numbers
 than the CPU for the same seed; and a generator cannot give the noise of 50 top-k tokens without
-drawing all V. The price: on a shared 2-core EPYC (AVX2, one thread, V = 49152, 64 positions;
-``tests/test_noise.py`` prints it) a dense keyed sample takes 1.2-1.5x the time of seeding a generator
-and ``torch.rand`` (0.5-1.2 ms per position on that loaded machine; int64 multiplies have no AVX2
-instruction), and a top-k 50 row 0.3x (only its 50 weights are hashed). The rules draw full-V noise
+drawing all V. The price: a dense keyed sample hashes all V weights (int64 multiplies, which AVX2
+has no instruction for), a top-k row only its k (timings: docs/randomness.md). The rules draw full-V noise
 only where they need it (``exact``: one row per request and step; ``gumbel``: up to the first
 mismatch). Uniforms: float64 from the top 52 bits, float32 from the
 top 23 bits, both ``(m + ½)·2^-bits``, in the open interval (0, 1).
