@@ -24,11 +24,25 @@ REPO = Path(__file__).resolve().parents[1]
 CONSOLE_SCRIPT = Path(sys.executable).parent / "specdec"
 
 
+# A command started from a terminal has SIGINT at its default; one started in the background of a
+# shell inherits it ignored, and Python then installs no handler. Reset it before exec, so the command
+# meets Ctrl-C as a user's would, whatever started the tests.
+_AS_FROM_A_TERMINAL = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
 def _interrupt_during_torch_import(argv: list[str]) -> tuple[int, list[str]]:
     """Run ``argv``, send SIGINT while it imports torch; its exit status and non-import stderr lines."""
     env = dict(os.environ, PYTHONPROFILEIMPORTTIME="1", PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
-        argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-c", _AS_FROM_A_TERMINAL, *argv],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         lines = []
