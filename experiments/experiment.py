@@ -16,8 +16,9 @@ Writing one takes three small functions::
                             runners={RowConfig: run_row}, summarize=summarize)
 
 and one line in ``experiments.registry`` (or an entry point in the ``specdec.experiments`` group).
-Several experiments can share a config type and its run function (e.g. one speculative-decoding run
-function behind the γ sweep, the speedup table and the batch sweep); they differ in plan and summary.
+Several experiments can share a config type and its run function; they then differ in plan and
+summary. The decode-run experiments share a config base and run helpers instead
+(:mod:`experiments.catalog.specdec_runs`).
 """
 
 from __future__ import annotations
