@@ -160,26 +160,39 @@ def test_bad_input_raises():
         tree_rejection_sample(-target, tree, tokens, None)
 
 
+def _assert_greedy_tree_matches_plain(
+    model: MarkovModel, tree: TokenTree, mode: str, prompts: list[list[int]], max_new_tokens: int
+) -> None:
+    """Greedy tree decoding (drafts from ``model`` itself, candidates picked by ``mode``) emits what
+    plain greedy decoding emits, and accepts a whole depth-3 path (3 drafts + bonus) every step."""
+    ref = specdec.generate(
+        TreeMarkovTarget(model),
+        prompts,
+        drafter="none",
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+    )
+    out = specdec.generate(
+        TreeMarkovTarget(model),
+        prompts,
+        drafter=TreeMarkovDrafter(model, tree, mode=mode),
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        gamma=3,
+        ignore_eos=True,
+    )
+    assert out.token_ids == ref.token_ids
+    assert out.metrics.mean_accepted_tokens > 3.5
+
+
 def test_loop_with_trees_greedy_and_seeded():
     """Through specdec.generate: greedy equals plain decoding, drafts from the target's own model are
     accepted deep into the tree, and a seed fixes the sampled tokens."""
     model = MarkovModel.random(7, order=2, seed=3)
     tree = TokenTree.from_paths(PATHS)
     prompts = [[1, 2, 3], [4], [5, 6]]
-    ref = specdec.generate(
-        TreeMarkovTarget(model), prompts, drafter="none", max_new_tokens=20, temperature=0.0, ignore_eos=True
-    )
-    out = specdec.generate(
-        TreeMarkovTarget(model),
-        prompts,
-        drafter=TreeMarkovDrafter(model, tree, mode="top"),
-        max_new_tokens=20,
-        temperature=0.0,
-        gamma=3,
-        ignore_eos=True,
-    )
-    assert out.token_ids == ref.token_ids
-    assert out.metrics.mean_accepted_tokens > 3.5  # the draft is the target: every path accepted
+    _assert_greedy_tree_matches_plain(model, tree, "top", prompts, 20)  # the draft is the target
     other = MarkovModel.random(7, order=2, seed=4)
     runs = [
         specdec.generate(
@@ -204,17 +217,4 @@ def test_non_first_candidates_are_accepted_and_compacted():
     model = MarkovModel.random(7, order=2, seed=5)
     tree = TokenTree.from_paths([(0,), (1,), (1, 0), (1, 1), (1, 1, 0), (1, 1, 1)])
     prompts = [[1, 2], [3]]
-    ref = specdec.generate(
-        TreeMarkovTarget(model), prompts, drafter="none", max_new_tokens=24, temperature=0.0, ignore_eos=True
-    )
-    out = specdec.generate(
-        TreeMarkovTarget(model),
-        prompts,
-        drafter=TreeMarkovDrafter(model, tree, mode="second"),
-        max_new_tokens=24,
-        temperature=0.0,
-        gamma=3,
-        ignore_eos=True,
-    )
-    assert out.token_ids == ref.token_ids
-    assert out.metrics.mean_accepted_tokens > 3.5  # the whole rank-1 path (3 drafts) + bonus
+    _assert_greedy_tree_matches_plain(model, tree, "second", prompts, 24)  # the whole rank-1 path

@@ -47,6 +47,19 @@ def _random_probs(shape, seed: int) -> torch.Tensor:
     return torch.softmax(torch.randn(shape, generator=_gen(seed)) * 2, dim=-1)
 
 
+def _drafts_from(draft_probs_BKV: torch.Tensor, seed: int) -> torch.Tensor:
+    """One draft token per row and position, sampled from ``draft_probs_BKV``."""
+    B, K, V = draft_probs_BKV.shape
+    return torch.multinomial(draft_probs_BKV.reshape(-1, V), 1, generator=_gen(seed)).reshape(B, K)
+
+
+def _random_chain(B: int, K: int, V: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random target probs [B, K+1, V], draft probs [B, K, V] and drafts sampled from them (seeds
+    ``seed``, ``seed + 1``, ``seed + 2``)."""
+    draft_probs = _random_probs((B, K, V), seed + 1)
+    return _random_probs((B, K + 1, V), seed), draft_probs, _drafts_from(draft_probs, seed + 2)
+
+
 def _max_diff(a: dict, b: dict) -> float:
     return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
@@ -59,7 +72,7 @@ def test_all_accepted_plus_bonus():
     draft_probs = _random_probs((B, K, V), 0)
     bonus = torch.tensor([5, 0, 2])
     target_probs = torch.cat([draft_probs, _one_hot(bonus, V).unsqueeze(1)], dim=1)  # p == q: always accepted
-    draft_tokens = torch.multinomial(draft_probs.reshape(-1, V), 1, generator=_gen(1)).reshape(B, K)
+    draft_tokens = _drafts_from(draft_probs, 1)
     for seed in range(5):
         out = rejection_sample(target_probs, draft_tokens, draft_probs, generator=_gen(seed))
         assert isinstance(out, VerifyResult)
@@ -116,7 +129,7 @@ def test_p_equal_q_accepts_everything_without_nan():
     probs = _random_probs((B, K + 1, V), 3)
     probs[:, :, ::7] = 0.0  # zeros in both
     probs = probs / probs.sum(-1, keepdim=True)
-    draft_tokens = torch.multinomial(probs[:, :K].reshape(-1, V), 1, generator=_gen(4)).reshape(B, K)
+    draft_tokens = _drafts_from(probs[:, :K], 4)
     tokens, num_accepted = rejection_sample(probs, draft_tokens, probs[:, :K].clone(), generator=_gen(5))
     assert (num_accepted == K).all()
     assert (tokens >= 0).all() and (tokens < V).all()
@@ -204,9 +217,7 @@ def test_greedy_verify_rejects_bad_shapes():
 
 def test_seeded_determinism():
     B, K, V = 32, 3, 10
-    target_probs = _random_probs((B, K + 1, V), 8)
-    draft_probs = _random_probs((B, K, V), 9)
-    draft_tokens = torch.multinomial(draft_probs.reshape(-1, V), 1, generator=_gen(10)).reshape(B, K)
+    target_probs, draft_probs, draft_tokens = _random_chain(B, K, V, 8)
     a = rejection_sample(target_probs, draft_tokens, draft_probs, generator=_gen(123))
     b = rejection_sample(target_probs, draft_tokens, draft_probs, generator=_gen(123))
     c = rejection_sample(target_probs, draft_tokens, draft_probs, generator=_gen(124))
@@ -216,9 +227,7 @@ def test_seeded_determinism():
 
 def test_validate_false_skips_checks_and_gives_the_same_result():
     B, K, V = 16, 2, 8
-    target_probs = _random_probs((B, K + 1, V), 11)
-    draft_probs = _random_probs((B, K, V), 12)
-    draft_tokens = torch.multinomial(draft_probs.reshape(-1, V), 1, generator=_gen(13)).reshape(B, K)
+    target_probs, draft_probs, draft_tokens = _random_chain(B, K, V, 11)
     a = rejection_sample(target_probs, draft_tokens, draft_probs, generator=_gen(1))
     b = rejection_sample(target_probs, draft_tokens, draft_probs, generator=_gen(1), validate=False)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)

@@ -16,41 +16,26 @@ verify call, so these checks are sized for DESIGN_TV = 0.03.
 """
 
 import pytest
+from _stat_checks import Design
 
 import specdec.verify.rule
 from specdec import generate
 from specdec.testing import (
-    GoodnessOfFit,
     MarkovModel,
-    goodness_of_fit,
-    required_sample_size,
     sample_output_distribution,
     target_sequence_distribution,
-    total_variation,
 )
 from specdec.verify import VerifyResult, rejection_sample
 from specdec.verify.noise import sample_keyed
 
 pytestmark = pytest.mark.statistical
 
-ALPHA = 1e-6
-BETA = 1e-6
-DESIGN_TV = 0.03
+DESIGN = Design(tv=0.03)
+sample_size, check = DESIGN.sample_size, DESIGN.check
 EOS = 3
 
 TARGET = MarkovModel.random(4, order=2, seed=51, eos_token_ids=(EOS,))
 DRAFTER = MarkovModel.random(4, order=1, seed=52)
-
-
-def sample_size(expected: dict) -> int:
-    return required_sample_size(DESIGN_TV, num_cells=max(len(expected), 2), alpha=ALPHA, beta=BETA)
-
-
-def check(counts, expected, label: str) -> GoodnessOfFit:
-    result = goodness_of_fit(counts, expected, alpha=ALPHA, label=label)
-    print(result)
-    print(f"  TV(empirical, expected) = {total_variation(counts, expected):.4f} (design TV {DESIGN_TV})")
-    return result
 
 
 CASES = {

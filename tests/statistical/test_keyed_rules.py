@@ -33,14 +33,13 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from _stat_checks import Design
 
 from specdec.sampling import SamplingParams
 from specdec.testing import (
     GoodnessOfFit,
     MarkovModel,
     expected_output_distribution,
-    goodness_of_fit,
-    required_sample_size,
     target_sequence_distribution,
     total_variation,
 )
@@ -50,27 +49,20 @@ from specdec.verify.noise import PositionNoise, draft_keyed, sample_keyed
 
 pytestmark = pytest.mark.statistical
 
-ALPHA = 1e-6
-BETA = 1e-6
-DESIGN_TV = 0.02
+DESIGN = Design(tv=0.02)
+sample_size = DESIGN.sample_size
 
 Rule = Callable[..., VerifyResult]
 
 
-def sample_size(expected: dict) -> int:
-    return required_sample_size(DESIGN_TV, num_cells=max(len(expected), 2), alpha=ALPHA, beta=BETA)
-
-
 def check(counts: Counter, expected: dict, label: str, exact: bool) -> GoodnessOfFit:
-    result = goodness_of_fit(counts, expected, alpha=ALPHA, label=label)
-    tv = total_variation(counts, expected)
-    print(result)
-    print(f"  TV(empirical, expected) = {tv:.4f} (design TV {DESIGN_TV})")
+    result = DESIGN.check(counts, expected, label)
     if exact:
         assert result.passed, f"a keyed rule failed a distribution test:\n{result}"
     else:
         # The planted bug must be at least as large as the size every check is built to catch.
-        assert tv >= DESIGN_TV, f"planted bug too small to test at this N (TV {tv:.4f})"
+        tv = total_variation(counts, expected)
+        assert tv >= DESIGN.tv, f"planted bug too small to test at this N (TV {tv:.4f})"
         assert not result.passed, f"a planted bug went undetected:\n{result}"
     return result
 

@@ -17,6 +17,7 @@ peaked Markov drafter, a 6-node tree of depth 2 with 3 candidates at the root):
 from __future__ import annotations
 
 import pytest
+from _stat_checks import ALPHA, BETA
 from _tree_toys import TreeMarkovDrafter, TreeMarkovTarget, complete, exact_step_law, model_fn
 
 from specdec.sampling import SamplingParams
@@ -36,7 +37,6 @@ pytestmark = pytest.mark.statistical
 V = 4
 CONTEXT = (1, 0)
 TREE = TokenTree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)])
-ALPHA = 1e-6
 NUM_SAMPLES = 60_000
 # Tokens per run: the first comes from the prefill, the next up to 3 from one tree step.
 NUM_TOKENS = 4
@@ -116,7 +116,7 @@ def test_planted_residual_bug_is_caught():
         for seq, pr in complete(step, tf, CONTEXT + (x,), NUM_TOKENS - 1).items():
             biased[(x,) + seq] = biased.get((x,) + seq, 0.0) + px * pr
     tv = total_variation(biased, expected)
-    assert required_sample_size(tv, num_cells=len(expected), alpha=ALPHA, beta=1e-6) < NUM_SAMPLES
+    assert required_sample_size(tv, num_cells=len(expected), alpha=ALPHA, beta=BETA) < NUM_SAMPLES
     counts = _engine_counts("without", sp, seed=11, verify_replacement=True)
     result = goodness_of_fit(counts, expected, alpha=ALPHA)
     assert not result.passed, f"planted bug (TV {tv:.3f}) not detected: {result}"

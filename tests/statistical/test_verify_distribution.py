@@ -11,7 +11,8 @@ Every check compares counts of what the real code emitted with an exact distribu
 The same check then runs on test-local mutants (wrappers around the real code with one planted bug,
 never a change to product code) and must reject each of them at the same N and seed.
 
-False-alarm arithmetic (the statistical suite of specdec.testing: this file,
+False-alarm arithmetic (ALPHA, BETA and the sizing N are in tests/_stat_checks.py; DESIGN_TV is
+``DESIGN.tv`` of each file) for the statistical suite of specdec.testing (this file,
 test_generate_distribution.py, test_tree_distribution.py and the three calibration tests in
 tests/test_testing_module.py):
 - a check on correct code rejects with probability ALPHA = 1e-6 (the nominal G-test level; the
@@ -35,18 +36,16 @@ Every test prints its p-value and worst cells (``pytest -m statistical -rA`` or 
 
 import pytest
 import torch
+from _stat_checks import Design
 
 from specdec.sampling import SamplingParams, sample_from_probs
 from specdec.testing import (
     GoodnessOfFit,
     MarkovModel,
     expected_output_distribution,
-    goodness_of_fit,
     marginalize,
-    required_sample_size,
     sample_output_distribution,
     target_sequence_distribution,
-    total_variation,
     with_generator,
 )
 from specdec.verify import VerifyResult
@@ -58,20 +57,8 @@ rejection_sample = with_generator(keyed_rejection_sample)
 
 pytestmark = pytest.mark.statistical
 
-ALPHA = 1e-6  # per-test false-alarm rate
-BETA = 1e-6  # per-mutant miss rate at DESIGN_TV
-DESIGN_TV = 0.02  # smallest total-variation bias every check is sized to catch
-
-
-def sample_size(expected: dict) -> int:
-    return required_sample_size(DESIGN_TV, num_cells=max(len(expected), 2), alpha=ALPHA, beta=BETA)
-
-
-def check(counts, expected, label: str) -> GoodnessOfFit:
-    result = goodness_of_fit(counts, expected, alpha=ALPHA, label=label)
-    print(result)
-    print(f"  TV(empirical, expected) = {total_variation(counts, expected):.4f} (design TV {DESIGN_TV})")
-    return result
+DESIGN = Design(tv=0.02)  # smallest total-variation bias every check is sized to catch
+sample_size, check = DESIGN.sample_size, DESIGN.check
 
 
 def expect(result: GoodnessOfFit, exact: bool) -> None:
