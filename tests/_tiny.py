@@ -12,26 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def byte_tokenizer():
-    """A byte-level BPE tokenizer with no merges: 256 byte tokens + 3 specials (EOS ``<|im_end|>`` = 258)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>")
-    hf.chat_template = CHAT_TEMPLATE
-    return hf
+from experiments.catalog.specdec_runs import byte_tokenizer  # the tiny-random target's tokenizer
 
 
 def tiny_config_fields(**changes) -> dict:

@@ -12,12 +12,12 @@ Legend: B rows in a block, T tokens per row, V vocabulary, N new tokens per requ
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
+from _engine_drive import Arrival, drive
 from _tiny import TableTarget, byte_tokenizer, random_table, save_tiny_checkpoint
 
 import specdec
@@ -71,53 +71,6 @@ def make_engine(target: Any, drafter: str = "ngram", **options: Any) -> Engine:
     """An engine for the tiny model (fixed γ = 3 unless told; nothing timed)."""
     settings = {"gamma": 3, "max_num_seqs": 4, "max_model_len": MAX_LEN, "measure_cost": False}
     return Engine(target, drafter=drafter, **{**settings, **options})
-
-
-@dataclass
-class Arrival:
-    step: int  # the engine step before which it is added
-    key: Any
-    prompt: list[int]
-    settings: dict[str, Any] = field(default_factory=dict)
-
-
-def drive(
-    engine: Engine,
-    arrivals: list[Arrival],
-    *,
-    before_step: Callable[[int], None] | None = None,
-    after_step: Callable[[int, list[RequestOutput]], list[RequestOutput] | None] | None = None,
-    max_steps: int = 2000,
-) -> dict[Any, RequestOutput]:
-    """Run the engine until every arrival has finished; the final output per key. Checks the
-    streaming contract on the way: one output per request per step, ``new_token_ids`` adding up to
-    ``token_ids``, nothing after ``finished``. ``after_step`` may return outputs of its own
-    (``engine.abort``'s), taken as that step's."""
-    pending = sorted(arrivals, key=lambda a: a.step)
-    keys: dict[str, Any] = {}
-    finals: dict[Any, RequestOutput] = {}
-    streams: dict[Any, list[int]] = {}
-    step = 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0].step <= step:
-            a = pending.pop(0)
-            keys[engine.add_request(a.prompt, **a.settings)] = a.key
-        if before_step is not None:
-            before_step(step)
-        outputs = engine.step()
-        assert len({o.request_id for o in outputs}) == len(outputs), "two outputs for one request"
-        extra = after_step(step, outputs) if after_step is not None else None
-        for o in outputs + (extra or []):
-            key = keys[o.request_id]
-            assert key not in finals, f"request {key} changed after it finished"
-            streams.setdefault(key, []).extend(o.new_token_ids)
-            assert o.token_ids == streams[key]
-            if o.finished:
-                finals[key] = o
-        step += 1
-        assert step < max_steps, "the engine did not finish"
-    assert set(finals) == {a.key for a in arrivals}
-    return finals
 
 
 @dataclass
@@ -712,8 +665,7 @@ def smol_gguf():
 
 
 def real_engine(target: Any, drafter: str, **options: Any) -> Engine:
-    settings = {"gamma": 4, "max_num_seqs": 3, "max_model_len": 128, "measure_cost": False}
-    return Engine(target, drafter=drafter, **{**settings, **options})
+    return make_engine(target, drafter, **{"gamma": 4, "max_num_seqs": 3, "max_model_len": 128, **options})
 
 
 @needs_smollm2

@@ -15,12 +15,12 @@ Legend: B rows, T block tokens, L cache slots, N new tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _engine_drive import Arrival, drive
 from _tiny import byte_tokenizer, save_tiny_checkpoint, tiny_llama
 
 import specdec
@@ -40,40 +40,12 @@ LENGTHS = [24, 8, 20]  # new tokens per request
 MAX_LEN = 96
 
 
-@dataclass
-class Arrival:
-    step: int  # the engine step before which it is added
-    key: int
-    prompt: list[int]
-    settings: dict[str, Any] = field(default_factory=dict)
-
-
 def greedy(n: int) -> dict[str, Any]:
     return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
 
 
 def sampled(seed: int, n: int = 16) -> dict[str, Any]:
     return {"max_new_tokens": n, "temperature": 0.8, "top_k": 20, "seed": seed, "ignore_eos": True}
-
-
-def drive(engine: Engine, arrivals: list[Arrival], after_step=None) -> dict[int, RequestOutput]:
-    """Step the engine until every arrival has finished; the final output per key."""
-    pending = sorted(arrivals, key=lambda a: a.step)
-    keys: dict[str, int] = {}
-    finals: dict[int, RequestOutput] = {}
-    step = 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0].step <= step:
-            a = pending.pop(0)
-            keys[engine.add_request(a.prompt, **a.settings)] = a.key
-        for out in engine.step():
-            if out.finished:
-                finals[keys[out.request_id]] = out
-        if after_step is not None:
-            after_step(engine)
-        step += 1
-        assert step < 500, "the engine did not finish"
-    return finals
 
 
 def dead_last_layer_checkpoint(path: Path, *, seed: int) -> Path:
@@ -152,13 +124,13 @@ def test_greedy_under_load_equals_solo_with_shared_draft_parts(target, paths, so
     engine = make_engine(target, paths, which)
     drafters, slots = {}, set()
 
-    def after_step(e: Engine) -> None:
-        for r in e.running:
+    def after_step(step: int, outputs: list[RequestOutput]) -> None:
+        for r in engine.running:
             if r.drafter is not None:
                 drafters[r.request_id] = r.drafter
                 slots.add((r.request_id, r.slot))
 
-    finals = drive(engine, staggered([greedy(n) for n in LENGTHS]), after_step)
+    finals = drive(engine, staggered([greedy(n) for n in LENGTHS]), after_step=after_step)
     for i in range(3):
         assert finals[i].token_ids == solo[i], f"request {i}"
     assert len(drafters) == 3 and len({id(d) for d in drafters.values()}) == 3
@@ -205,8 +177,8 @@ def test_layerskip_draft_slots_are_overwritten_by_verify(target, paths):
     fresh = LlamaTarget.from_pretrained(paths["target"])
     checked = []
 
-    def after_step(e: Engine) -> None:
-        for r in e.running:
+    def after_step(step: int, outputs: list[RequestOutput]) -> None:
+        for r in engine.running:
             if r.drafter is None:
                 continue
             n = int(r.state.lengths_B[0]) - 1
@@ -220,7 +192,8 @@ def test_layerskip_draft_slots_are_overwritten_by_verify(target, paths):
                 torch.testing.assert_close(cache[:, r.slot, :, :n], ref[:, 0, :, :n], atol=1e-5, rtol=1e-4)
             checked.append(n)
 
-    drive(make_engine(target, paths, "layerskip"), staggered([greedy(n) for n in LENGTHS]), after_step)
+    engine = make_engine(target, paths, "layerskip")
+    drive(engine, staggered([greedy(n) for n in LENGTHS]), after_step=after_step)
     assert len(checked) > 10
 
 

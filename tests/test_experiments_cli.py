@@ -125,23 +125,9 @@ def test_bad_flags_exit_with_a_message(capsys):
 @pytest.mark.slow
 def test_run_then_summarize_from_the_command_line(tmp_path, capsys):
     out = tmp_path / "out"
+    argv = ["run", "moe-verify-cost", "--smoke", "--out", str(out), "--shard", "0/2"]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments",
-            "run",
-            "moe-verify-cost",
-            "--smoke",
-            "--out",
-            str(out),
-            "--shard",
-            "0/2",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-m", "experiments", *argv], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
     summary_path = out / "moe-verify-cost" / "summary.json"

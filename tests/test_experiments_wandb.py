@@ -39,18 +39,9 @@ def test_leviathan_table1_cli_writes_the_table_and_offline_wandb_runs(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     env.pop("WANDB_API_KEY", None)
     out = tmp_path / "out"
+    argv = ["run", "leviathan-table1", "--out", str(out), "--wandb", "--smoke"]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments",
-            "run",
-            "leviathan-table1",
-            "--out",
-            str(out),
-            "--wandb",
-            "--smoke",
-        ],
+        [sys.executable, "-m", "experiments", *argv],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -119,11 +119,17 @@ def target(checkpoint):
     return specdec.load_target(str(checkpoint))
 
 
+def serving(checkpoint: Path, tmp_path_factory, request, flags: str):
+    """:func:`running` for a module's ``server`` fixture: ``flags`` as typed after ``specdec serve``,
+    the log in a fresh folder, the module's ``target`` fixture loaded while the server starts."""
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    return running(checkpoint, log, *flags.split(), meanwhile=lambda: request.getfixturevalue("target"))
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory, request):
-    log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    extra = f"--gamma 3 --max-num-seqs {SLOTS} --max-waiting {MAX_WAITING} --api-key {KEY}".split()
-    with running(checkpoint, log, *extra, meanwhile=lambda: request.getfixturevalue("target")) as s:
+    flags = f"--gamma 3 --max-num-seqs {SLOTS} --max-waiting {MAX_WAITING} --api-key {KEY}"
+    with serving(checkpoint, tmp_path_factory, request, flags) as s:
         yield s
 
 

@@ -29,8 +29,10 @@ if _MISSING:
 
 import httpx  # noqa: E402
 import test_serve  # noqa: E402
-from _tiny import CHAT_TEMPLATE, byte_tokenizer  # noqa: E402
+from _tiny import byte_tokenizer  # noqa: E402
 from test_serve import KEY, Server, running  # noqa: E402
+
+from experiments.catalog.specdec_runs import CHAT_TEMPLATE  # noqa: E402
 
 MAX_MODEL_LEN = 512
 LONGEST_TOKEN = 13  # len("<|endoftext|>")

@@ -14,7 +14,7 @@ import json
 import pytest
 import test_serve
 import torch
-from test_serve import KEY, PROMPT, metric, running, scrape, sse_lines, wait_idle
+from test_serve import KEY, PROMPT, metric, scrape, serving, sse_lines, wait_idle
 
 from specdec.engine import Engine
 
@@ -28,9 +28,8 @@ checkpoint, target = test_serve.checkpoint, test_serve.target  # the same fixtur
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory, request):
-    log = tmp_path_factory.mktemp("serve-lp-log") / "server.log"
-    extra = f"--gamma {GAMMA} --max-num-seqs 4 --api-key {KEY}".split()
-    with running(checkpoint, log, *extra, meanwhile=lambda: request.getfixturevalue("target")) as s:
+    flags = f"--gamma {GAMMA} --max-num-seqs 4 --api-key {KEY}"
+    with serving(checkpoint, tmp_path_factory, request, flags) as s:
         yield s
 
 

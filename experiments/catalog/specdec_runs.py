@@ -39,6 +39,8 @@ __all__ = [
     "check_placement",
     "DecodeRunConfig",
     "InterleavedRunConfig",
+    "CHAT_TEMPLATE",
+    "byte_tokenizer",
     "tiny_checkpoint",
     "drafter_unavailable",
     "available_drafters",
@@ -73,7 +75,7 @@ CATEGORIES = ("humaneval", *(f"mtbench/{c}" for c in MTBENCH_CATEGORIES))
 """Prompt categories: HumanEval (code completion) and the eight MT-Bench question categories."""
 
 _TINY_VERSION = "v1"
-_CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -83,6 +85,23 @@ _TARGETS: dict[tuple[str, str, str | None], Any] = {}
 # --- targets --------------------------------------------------------------------------------------
 
 
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges: 256 byte tokens + 3 specials (EOS ``<|im_end|>`` = 258),
+    with :data:`CHAT_TEMPLATE`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
 def tiny_checkpoint() -> Path:
     """A random-init 2-layer Llama (dim 64, 259-token byte-level tokenizer) in the specdec cache."""
     from specdec.targets.loading import cache_dir
@@ -90,19 +109,9 @@ def tiny_checkpoint() -> Path:
     out = cache_dir() / f"experiments-tiny-random-{_TINY_VERSION}"
     if (out / "model.safetensors").is_file():
         return out
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>"
-    )
-    tokenizer.chat_template = _CHAT_TEMPLATE
+    tokenizer = byte_tokenizer()
     config = LlamaConfig(
         vocab_size=259,
         hidden_size=64,
