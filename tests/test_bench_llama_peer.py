@@ -249,6 +249,7 @@ def test_specdec_bench_puts_llama_bench_beside_every_method(monkeypatch, tmp_pat
         drafters=("none", "model"),
         draft_model=target,  # the target drafts for itself: every draft accepted, blocks of γ + 1
         gamma=3,
+        gamma_policy="fixed",  # blocks of exactly γ + 1 (auto chooses depths from timings: flaky under load)
         hf_baselines=(),
         peers=("llama.cpp",),
         backend="hf",
