@@ -410,8 +410,16 @@ def test_a_drafter_proposing_unknown_token_ids_is_a_value_error(tiny, tok, tempe
         def observe(self, state, num_accepted_B, verify_out):
             pass
 
+    # Seeded, EOS ignored: an unseeded sampled run could draw EOS as its first token and end before step 1.
     with pytest.raises(ValueError, match=r"step 1: drafter OutOfVocab: tokens_BK must hold token ids in \["):
-        specdec.generate(target, [tok("hi").input_ids], drafter=OutOfVocab(), temperature=temperature)
+        specdec.generate(
+            target,
+            [tok("hi").input_ids],
+            drafter=OutOfVocab(),
+            temperature=temperature,
+            seed=0,
+            ignore_eos=True,
+        )
 
 
 # --- metrics from a run --------------------------------------------------------------------------------
