@@ -355,12 +355,12 @@ class Engine(DecodeSteps):
 
     def _release(self, request: Request) -> None:
         """Free a finishing request's row and drafter (it leaves ``running`` at the step's end)."""
+        self.drafters.give_back(request.drafter, request.slot)
+        request.drafter = None
         if request.slot is not None:
             heapq.heappush(self._free_heap, request.slot)
             request.slot = None
         request.status = RequestStatus.FINISHED
-        self.drafters.give_back(request.drafter)
-        request.drafter = None
         request.prefill_parts = []
         request.metrics.finished_s = self.now()
 
@@ -480,7 +480,12 @@ class Engine(DecodeSteps):
         if not rows:
             return
         t0 = self.now()
-        if self.drafters.batched:
+        if self.drafters.slots is not None:  # one drafter: each row's slot added
+            for r in rows:
+                self.drafters.slots.add(r.slot, r.prompt_ids, join_outputs(r.prefill_parts))
+                r.drafter = self.drafters.slots
+                r.prefill_parts = []
+        elif self.drafters.batched:
             drafter = self.drafters.fresh(0)
             parts = [r.prefill_parts[-1] for r in rows]
             drafter.begin(
