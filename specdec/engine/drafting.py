@@ -1,5 +1,5 @@
 """Drafters per request: each request gets its own drafter instance, added when it starts decoding
-and dropped when it leaves.
+and dropped when it leaves; or one slot drafter for the engine, holding state per slot.
 
 Legend: B = 1 (a drafter instance sees its request as a batch of one), L sequence capacity.
 
