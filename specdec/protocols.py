@@ -22,17 +22,25 @@ What a target must offer, by capability (each checked with ``isinstance``):
 - feature-level drafters (EAGLE): :class:`FeatureTarget`, ``forward`` returns ``hidden_BTD``,
   ``parts()`` gives the embedding, final norm and LM head, ``capture_layers`` adds layer outputs;
 - self-speculation (``layerskip``): :class:`LayerTarget`, ``forward_layers`` runs a sub-network.
+
+Drafters come in two kinds: a :class:`Drafter` serves one generation (the engine gives each request
+an instance of its own); a :class:`SlotDrafter` is one instance per engine that keeps state per
+engine cache row (slot), adds and drops slots as requests come and go, and drafts every row of a
+step in one call (``eagle``: one head forward per draft position for all drafting rows).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from specdec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.verify.noise import PositionNoise
 
 __all__ = [
     "TargetOutput",
@@ -44,6 +52,8 @@ __all__ = [
     "Proposal",
     "DecodeState",
     "Drafter",
+    "SlotProposal",
+    "SlotDrafter",
 ]
 
 
@@ -253,4 +263,91 @@ class Drafter(Protocol):
         """After verification: ``state`` already holds the newly committed tokens; ``target_out``
         is the verify block's output along the committed path (for drafters that read target
         features): for a tree, the root and the accepted nodes in path order."""
+        ...
+
+
+@dataclass
+class SlotProposal:
+    """A :class:`SlotDrafter`'s ragged chains, one per proposed row in the order asked.
+
+    ``tokens_T``: every row's draft tokens back to back (row i's are ``tokens_T[offsets[i] :
+    offsets[i] + counts_B[i]]``, ``offsets`` the running sum of ``counts_B``); ``counts_B``: each
+    row's number of drafts (at most its depth, 0 allowed); ``probs_TV``: float32 full-vocabulary draft
+    probabilities of each token, or None when every row is greedy (point-mass proposals); a greedy
+    row's entries in a mixed proposal are zeros, to be ignored.
+    """
+
+    tokens_T: torch.Tensor
+    counts_B: list[int]
+    probs_TV: torch.Tensor | None = None
+
+    def chains(self, index: Sequence[int], greedy: bool) -> Proposal:
+        """Rows ``index`` (of equal counts) as one chain :class:`Proposal` ``[G, K]`` (a point mass
+        where ``greedy``)."""
+        K = self.counts_B[index[0]]
+        if any(self.counts_B[i] != K for i in index):
+            raise ValueError(
+                f"index must select rows of equal counts, got {[self.counts_B[i] for i in index]}"
+            )
+        starts = [sum(self.counts_B[:i]) for i in index]
+        at = torch.tensor([s + k for s in starts for k in range(K)], dtype=torch.long)
+        tokens_GK = self.tokens_T[at.to(self.tokens_T.device)].view(len(index), K)
+        if greedy or self.probs_TV is None:
+            return Proposal(tokens_GK, None)
+        return Proposal(tokens_GK, self.probs_TV[at.to(self.probs_TV.device)].view(len(index), K, -1))
+
+
+@runtime_checkable
+class SlotDrafter(Protocol):
+    """One drafter for every row of an engine: state per engine cache row (slot), rows drafted together.
+
+    Call order per request at slot s: ``add(s, ...)`` once its prompt is prefilled (and its first token
+    committed), then per step ``propose`` → (target verifies) → ``observe`` over the slots decoding in
+    that step, and ``drop(s)`` when it leaves (finished, aborted); the slot may then be added again for
+    another request. A row's proposal must depend only on that row (its tokens, its features, its
+    seed), never on the other rows of the call: the engine's outputs must not depend on neighbours.
+    As for :class:`Drafter`, exactness never depends on the drafter, only speed.
+
+    ``DecodeState`` arguments hold the rows in the order of ``slots``
+    (:func:`specdec.engine.units.group_state`).
+    """
+
+    num_slots: int
+    """Rows of state (the engine's ``max_num_seqs``)."""
+
+    catch_up_s: float
+    """Seconds spent on work owed for committed tokens (not on drafting), summed; 0 if none."""
+
+    catch_up_tokens: int
+    """Positions of that work, summed (the longest row's per call)."""
+
+    def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: TargetOutput) -> None:
+        """A request enters at cache row ``slot``: its prompt and the prompt's prefill output
+        (``hidden_BTD [1, P, D]`` and ``aux_hidden_BTD`` where the target gives them)."""
+        ...
+
+    def drop(self, slot: int) -> None:
+        """The request at ``slot`` leaves; what the drafter kept for it is forgotten."""
+        ...
+
+    def propose(
+        self,
+        slots: Sequence[int],
+        depths: Sequence[int],
+        *,
+        state: DecodeState,
+        sampling: Sequence[SamplingParams],
+        noise: PositionNoise | None = None,
+    ) -> SlotProposal:
+        """Up to ``depths[i]`` draft tokens for row ``slots[i]`` continuing ``state``'s row i;
+        ``sampling[i]`` its settings; ``noise`` (one seed per row, stream ``"draft"``, keyed by output
+        position) its randomness for sampled rows."""
+        ...
+
+    def observe(
+        self, slots: Sequence[int], num_accepted: Sequence[int], features: TargetOutput, *, state: DecodeState
+    ) -> None:
+        """After verification: ``state`` already holds the rows' newly committed tokens (accepted
+        drafts + 1 each, ``num_accepted``); ``features`` is the verify block's output along each row's
+        committed path (row i for ``slots[i]``)."""
         ...

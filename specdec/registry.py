@@ -18,7 +18,7 @@ from typing import Any
 
 from kernels import Registry
 
-__all__ = ["Registry", "DRAFTERS", "TARGETS", "create_drafter"]
+__all__ = ["Registry", "DRAFTERS", "SLOT_DRAFTERS", "TARGETS", "create_drafter", "create_slot_drafter"]
 
 DRAFTERS = Registry(
     "drafter",
@@ -42,6 +42,15 @@ DRAFTERS = Registry(
 # `default` (what `specdec generate` uses) is the trained EAGLE head for targets that have one
 # shipped (smollm2-135m), prompt lookup (`ngram`) for the others: specdec/drafters/ngram_eagle.py.
 
+SLOT_DRAFTERS = Registry(
+    "slot drafter",
+    "specdec.slot_drafters",
+    builtins={"eagle": "specdec.drafters.eagle.slots:EagleSlotDrafter"},
+)
+"""Drafter name -> the :class:`~specdec.protocols.SlotDrafter` the engine builds for it (one instance
+per engine, called as ``factory(target, num_slots=..., **options)``), where one exists; the engine
+builds every other name from :data:`DRAFTERS`, an instance per request (``specdec.engine.drafting``)."""
+
 TARGETS = Registry(
     "target",
     "specdec.targets",
@@ -55,7 +64,17 @@ TARGETS = Registry(
 def create_drafter(name: str, target: Any, **options: Any) -> Any:
     """Build the drafter registered as ``name`` for ``target``; an option the drafter does not take
     is a ``ValueError`` naming it and listing the drafter's options."""
-    factory = DRAFTERS.get(name)
+    return _build(DRAFTERS, name, target, options)
+
+
+def create_slot_drafter(name: str, target: Any, *, num_slots: int, **options: Any) -> Any:
+    """Build the slot drafter registered as ``name`` (:data:`SLOT_DRAFTERS`) for ``target`` with
+    ``num_slots`` rows of state; options as :func:`create_drafter`."""
+    return _build(SLOT_DRAFTERS, name, target, {**options, "num_slots": num_slots})
+
+
+def _build(registry: Registry, name: str, target: Any, options: dict[str, Any]) -> Any:
+    factory = registry.get(name)
     try:
         return factory(target, **options)
     except TypeError as err:

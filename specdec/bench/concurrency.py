@@ -21,7 +21,8 @@ included), per-request TPOT P50 / P99 (``(last token − first token) / (tokens 
 over the level's requests, for greedy runs the share of engine requests whose tokens equal the
 same prompt decoded alone (``= solo``), and the scheduler's share of the engine's step time
 (:func:`specdec.engine.engine.scheduler_seconds`: outside the target's forwards, the drafters and the
-verification rule).
+verification rule), and the drafters' time per engine step (``draft_s`` / ``steps``), with each
+drafter's ratio between the highest and the lowest concurrency (:func:`draft_scaling`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "from_bench_args",
     "summarize",
     "crossover",
+    "draft_scaling",
     "main",
 ]
 
@@ -93,6 +95,7 @@ def _drive(engine: Any, prompts: list[list[int]], c: int, mode: str, params: dic
         "alpha": accepted / drafted if drafted else 0.0,
         "tau": (accepted + steps) / steps if steps else 1.0,
         "scheduler_share": scheduler_seconds(delta) / delta["total_s"] if delta["total_s"] else None,
+        "draft_ms_per_step": 1e3 * delta["draft_s"] / delta["steps"] if delta["steps"] else None,
         "token_ids": {i: o.token_ids for i, o in outputs.items()},
     }
 
@@ -157,9 +160,33 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
                         f"c={c} {d:>8} {path:<17} {row['tokens_per_second']:7.1f} tok/s  "
                         f"tau {row['tau']:.2f}  = solo {same if same is None else f'{same:.0%}'}"
                         + ("" if row["scheduler_share"] is None else f"  sched {row['scheduler_share']:.1%}")
+                        + f"  draft {row['draft_ms_per_step']:.2f} ms/step"
                     )
                 _write(out_dir, payload)
+    if console is not None:
+        for line in draft_scaling(rows):
+            console.print(line)
     return payload
+
+
+def draft_scaling(rows: list[dict[str, Any]], path: str = "engine/staggered") -> list[str]:
+    """One line per drafter: its time per engine step (``Engine.stats``' ``draft_s`` / ``steps``:
+    propose, begin and observe) at the lowest and the highest concurrency of the run, and their ratio
+    (how the drafter's cost grows with the rows it drafts; 1 would be free rows)."""
+    lines = []
+    for d in dict.fromkeys(r["drafter"] for r in rows if r["drafter"] != "none"):
+        mine = sorted(
+            (r for r in rows if r["drafter"] == d and r["path"] == path), key=lambda r: r["concurrency"]
+        )
+        if len(mine) < 2 or not mine[0]["draft_ms_per_step"]:
+            continue
+        lo, hi = mine[0], mine[-1]
+        lines.append(
+            f"{d} draft ms/step ({path}): c={lo['concurrency']} {lo['draft_ms_per_step']:.2f}, "
+            f"c={hi['concurrency']} {hi['draft_ms_per_step']:.2f}, "
+            f"ratio {hi['draft_ms_per_step'] / lo['draft_ms_per_step']:.2f}x"
+        )
+    return lines
 
 
 def summarize(record: dict[str, Any]) -> Any:

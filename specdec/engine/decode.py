@@ -95,6 +95,15 @@ def _catch_up_seconds(rows: list[Request]) -> float:
     return sum(getattr(d, "catch_up_s", 0.0) for d in drafters.values())
 
 
+def _rows_of(
+    aux: dict[int, torch.Tensor] | None, index: torch.Tensor | None
+) -> dict[int, torch.Tensor] | None:
+    """Aux-layer features (``TargetOutput.aux_hidden_BTD``) at rows ``index`` (all: None)."""
+    if not aux or index is None:
+        return aux
+    return {layer: h[index] for layer, h in aux.items()}
+
+
 def _decided_by(logits_BTV: torch.Tensor, verdict: Any, i: int) -> torch.Tensor:
     """Row i's logits in the order of its committed tokens: block position j for a chain, the path's
     j-th node for a tree (each committed token was decided at its input's position)."""
@@ -169,6 +178,43 @@ class DecodeSteps:
         proposal = drafter.propose(state, K, None, **kwargs)
         return self._unit(proposal, rows, drafter, K, self.stats["steps"] + 1)
 
+    def _propose_slots(self, rows: list[Request], depths: list[int]) -> list[Unit]:
+        """The slot drafter over every decoding row at once: one ``propose`` (its randomness keyed by
+        each row's seed), its ragged chains split into units of rows sharing count and sampling."""
+        drafter = self.drafters.slots
+        units: list[Unit] = []
+        plain: dict[Any, list[Request]] = {}
+        for r, K in zip(rows, depths, strict=True):
+            if K == 0:
+                plain.setdefault(r.params.sampling, []).append(r)
+        units += [self._plain_unit(group, drafter) for group in plain.values()]
+        drafting = [(r, K) for r, K in zip(rows, depths, strict=True) if K > 0]
+        if not drafting:
+            return units
+        rows = [r for r, _ in drafting]
+        state = group_state(rows, rows[0].params.sampling, self.tokens_SL)
+        state.tree_ok = self._trees_now
+        caught, caught_tokens = drafter.catch_up_s, drafter.catch_up_tokens
+        proposal = drafter.propose(
+            [r.slot for r in rows],
+            [K for _, K in drafting],
+            state=state,
+            sampling=[r.params.sampling for r in rows],
+            noise=PositionNoise([r.params.seed for r in rows]),
+        )
+        tokens = drafter.catch_up_tokens - caught_tokens
+        if 0 < tokens <= self.gamma_max + 1:  # as in _propose: a catch-up of one step's tokens
+            spent = drafter.catch_up_s - caught
+            self.t_catch = spent if self.t_catch == 0 else 0.8 * self.t_catch + 0.2 * spent
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault((proposal.counts_B[i], r.params.sampling), []).append(i)
+        step = self.stats["steps"] + 1
+        for (count, sampling), index in groups.items():
+            chains = proposal.chains(index, sampling.greedy)
+            units.append(self._unit(chains, [rows[i] for i in index], drafter, count, step))
+        return units
+
     def _decode(self, rows: list[Request], depths: list[int], changed: dict[str, list[int]]) -> int:
         """Draft, verify and commit every decoding row; returns the tokens the target ran (padding
         and tree nodes included), which the step's budget pays for."""
@@ -176,7 +222,9 @@ class DecodeSteps:
         self._trees_now = self.tree_pays and len(rows) == 1  # a tree would take a forward of its own
         caught0 = _catch_up_seconds(rows)
         units: list[Unit] = []
-        if self.drafters.batched:
+        if self.drafters.slots is not None:
+            units = self._propose_slots(rows, depths)
+        elif self.drafters.batched:
             cohorts: dict[tuple, list[Request]] = {}
             for r, K in zip(rows, depths, strict=True):
                 cohorts.setdefault((K, r.params.sampling), []).append(r)
@@ -334,7 +382,24 @@ class DecodeSteps:
             self.target, out, verdict, start_G, torch.tensor(lengths, dtype=torch.long), rows_B=rows_G
         )
         t0 = self.now()
-        if unit.drafter is not None and not getattr(unit.drafter, "observes", True):
+        if unit.drafter is not None and unit.drafter is self.drafters.slots:
+            live = [i for i, r in enumerate(rows) if r.status is RequestStatus.DECODE]
+            if live:
+                index = torch.tensor(live)
+                every = len(live) == len(rows)
+                unit.drafter.observe(
+                    [rows[i].slot for i in live],
+                    [accepted[i] for i in live],
+                    TargetOutput(
+                        observed.logits_BTV if every else observed.logits_BTV[index],
+                        observed.hidden_BTD
+                        if every or observed.hidden_BTD is None
+                        else observed.hidden_BTD[index],
+                        _rows_of(observed.aux_hidden_BTD, None if every else index),
+                    ),
+                    state=group_state([rows[i] for i in live], sampling, self.tokens_SL),
+                )
+        elif unit.drafter is not None and not getattr(unit.drafter, "observes", True):
             pass  # a batched drafter that keeps nothing from the verified block (``none``)
         elif unit.drafter is not None:
             live = [i for i, r in enumerate(rows) if r.status is RequestStatus.DECODE]

@@ -1,5 +1,5 @@
 """Drafters per request: each request gets its own drafter instance, added when it starts decoding
-and dropped when it leaves.
+and dropped when it leaves; or one slot drafter for the engine, holding state per slot.
 
 Legend: B = 1 (a drafter instance sees its request as a batch of one), L sequence capacity.
 
@@ -17,6 +17,12 @@ same time gets a deep copy of it, and a request that leaves hands its instance b
 (``begin`` starts a drafter afresh). A drafter that declares ``batched_rows = True`` (``none``, the
 toy Markov drafters of :mod:`specdec.testing`) is one instance for every row: the engine drafts many
 rows with one call (:mod:`specdec.engine.units`).
+
+A **slot drafter** (:class:`specdec.protocols.SlotDrafter`; ``eagle`` by name, from
+:data:`specdec.registry.SLOT_DRAFTERS`, or any object passed that implements the protocol) is one
+instance for the whole engine (``slots``): the pool builds it with ``num_slots``, the engine calls ``add`` on
+a request's slot when it starts decoding and ``drop`` on it when it leaves (finished or aborted:
+:meth:`DrafterPool.give_back`), and drafts and observes all rows of a step with one call each.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from typing import Any
 
 import torch
 
-from specdec.protocols import DecodeState, Drafter, TargetOutput
-from specdec.registry import DRAFTERS, create_drafter
+from specdec.protocols import DecodeState, Drafter, SlotDrafter, TargetOutput
+from specdec.registry import DRAFTERS, SLOT_DRAFTERS, create_drafter, create_slot_drafter
 from specdec.sampling import SamplingParams
 
 __all__ = ["DrafterPool", "SHARES_HEAD", "SHARED_PARTS", "row_state"]
@@ -73,9 +79,18 @@ class DrafterPool:
         self._per_slot: Any = None  # the object's slot_factory(num_slots), if it has one
         self.batched = False  # one instance serves every row at once (``batched_rows``)
         self.keyed = False  # ... and its propose takes the rows' keyed ``noise``
+        self.slots: SlotDrafter | None = None  # one instance with state per slot (the protocol)
         if not isinstance(drafter, str):
             if options:
                 raise ValueError("drafter_options only apply when drafter is given by name")
+            if isinstance(drafter, SlotDrafter):
+                if drafter.num_slots < num_slots:
+                    raise ValueError(
+                        f"drafter has {drafter.num_slots} slots, the engine needs {num_slots} (max_num_seqs)"
+                    )
+                self.target, self.name, self.options = target, type(drafter).__name__, {}
+                self.slots = drafter
+                return
             if not isinstance(drafter, Drafter):
                 raise ValueError(
                     "drafter must be a registered name or an object with begin/propose/observe, "
@@ -96,6 +111,9 @@ class DrafterPool:
         for key in ENGINE_OPTIONS:
             if key in self.options:
                 raise ValueError(f"drafter_options must not set {key!r}: the engine sets it per request")
+        if name in SLOT_DRAFTERS:
+            self.slots = self._slot_drafter(name)
+            return
         try:
             params = inspect.signature(DRAFTERS.get(name)).parameters
         except (TypeError, ValueError):  # a factory without a readable signature takes none of them
@@ -105,6 +123,13 @@ class DrafterPool:
         first = self.fresh(0)  # bad options fail at construction, not at the first request
         if self._share(first):
             self._prototype = first
+
+    def _slot_drafter(self, name: str) -> SlotDrafter:
+        """The engine's one slot drafter ``name``, built with ``num_slots`` and the options."""
+        drafter = create_slot_drafter(name, self.target, num_slots=self.num_slots, **self.options)
+        if not isinstance(drafter, SlotDrafter):
+            raise ValueError(f"slot drafter {name!r} built {type(drafter).__name__}, not a SlotDrafter")
+        return drafter
 
     def _share(self, drafter: Drafter) -> bool:
         """Serve every row with this one instance if it says it can (``batched_rows = True``: it keeps
@@ -118,7 +143,10 @@ class DrafterPool:
         return True
 
     def fresh(self, slot: int) -> Drafter:
-        """A drafter instance for the request at cache row ``slot``."""
+        """A drafter instance for the request at cache row ``slot`` (not for a slot drafter: the
+        engine adds the slot to :attr:`slots`)."""
+        if self.slots is not None:
+            raise ValueError("a slot drafter serves every request: add the slot to DrafterPool.slots")
         if self.batched:
             return self._idle[0]
         if self._prototype is not None:
@@ -143,9 +171,13 @@ class DrafterPool:
             raise ValueError(f"drafter {self.name!r} built {type(drafter).__name__}, not a Drafter")
         return drafter
 
-    def give_back(self, drafter: Drafter | None) -> None:
+    def give_back(self, drafter: Drafter | SlotDrafter | None, slot: int | None = None) -> None:
         """A leaving request's instance: kept for the next request when the drafter was given as an
-        object without a ``slot_factory``."""
+        object without a ``slot_factory``; a slot drafter drops the request's ``slot``."""
+        if drafter is not None and drafter is self.slots:
+            if slot is not None:
+                self.slots.drop(slot)
+            return
         if (
             drafter is not None
             and self._prototype is not None

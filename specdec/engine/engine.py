@@ -10,8 +10,9 @@ Each :meth:`Engine.step`:
 2. **depths**: one controller (:mod:`specdec.engine.depth`) gives every decoding request its draft
    depth (0 = a plain step) from the measured verify cost of the whole step
    (:mod:`specdec.engine.cost_model`) and that request's own acceptance;
-3. **decode**: every decoding request's drafter proposes (one drafter instance per request,
-   :mod:`specdec.engine.drafting`); the chains go through **one** target forward, each row at its
+3. **decode**: every decoding request's drafter proposes (one drafter instance per request, or one
+   slot drafter for every row, ``eagle``: :mod:`specdec.engine.drafting`); the chains go through
+   **one** target forward, each row at its
    own cache row and position, padded to T_max (the padding lands past the row's length and is
    never attended); a token tree goes through a forward of its own (its mask is per tree); each
    row is verified by the rule with its own sampling settings and public randomness keyed by its
@@ -103,7 +104,9 @@ class Engine(DecodeSteps):
         target: a :class:`specdec.protocols.Target` whose ``forward`` / ``rollback`` take ``rows_B``
             (the native ``llama`` target and the ``hf`` target do).
         drafter: a registered drafter name; each request gets its own instance built with
-            ``drafter_options``. ``default``: the shipped EAGLE head with prompt lookup where the target
+            ``drafter_options`` (a name in :data:`specdec.registry.SLOT_DRAFTERS`, ``eagle``: one
+            :class:`~specdec.protocols.SlotDrafter` for every request). ``default``: the shipped
+            EAGLE head with prompt lookup where the target
             has one, else prompt lookup. Or a drafter object: the first request uses it, requests
             beside it deep copies (:mod:`specdec.engine.drafting`).
         gamma: ``auto`` (the default), a depth policy name (``fixed``, ``batch-table``, ``goodput``)
@@ -355,12 +358,12 @@ class Engine(DecodeSteps):
 
     def _release(self, request: Request) -> None:
         """Free a finishing request's row and drafter (it leaves ``running`` at the step's end)."""
+        self.drafters.give_back(request.drafter, request.slot)
+        request.drafter = None
         if request.slot is not None:
             heapq.heappush(self._free_heap, request.slot)
             request.slot = None
         request.status = RequestStatus.FINISHED
-        self.drafters.give_back(request.drafter)
-        request.drafter = None
         request.prefill_parts = []
         request.metrics.finished_s = self.now()
 
@@ -480,7 +483,12 @@ class Engine(DecodeSteps):
         if not rows:
             return
         t0 = self.now()
-        if self.drafters.batched:
+        if self.drafters.slots is not None:  # one drafter: each row's slot added
+            for r in rows:
+                self.drafters.slots.add(r.slot, r.prompt_ids, join_outputs(r.prefill_parts))
+                r.drafter = self.drafters.slots
+                r.prefill_parts = []
+        elif self.drafters.batched:
             drafter = self.drafters.fresh(0)
             parts = [r.prefill_parts[-1] for r in rows]
             drafter.begin(

@@ -8,6 +8,8 @@
 - :mod:`~specdec.drafters.eagle.cache`: :class:`EagleCache`, the head's KV cache and one head step;
 - :mod:`~specdec.drafters.eagle.weights`: head files (load, save, target fingerprint);
 - :mod:`~specdec.drafters.eagle.chain`: :class:`EagleDrafter`, chain drafts (``eagle``);
+- :mod:`~specdec.drafters.eagle.slots`: :class:`EagleSlotDrafter`, chain drafts for every engine slot in
+  one call (``eagle`` in the engine);
 - :mod:`~specdec.drafters.eagle.tree`: :class:`EagleTreeDrafter`, token trees (``eagle-tree``);
 - :mod:`~specdec.drafters.eagle.train`: training a head for a target (``specdec train-head``).
 """
@@ -18,6 +20,7 @@ from specdec.drafters.eagle.config import EagleConfig
 from specdec.drafters.eagle.eagle3 import Eagle3Head
 from specdec.drafters.eagle.model import EagleHead, describe
 from specdec.drafters.eagle.packed import PackedEagleHead
+from specdec.drafters.eagle.slots import EagleSlotDrafter
 from specdec.drafters.eagle.tree import EagleTreeDrafter, resolve_tree
 from specdec.drafters.eagle.weights import (
     DEFAULT_WEIGHTS,
@@ -39,6 +42,7 @@ __all__ = [
     "PackedEagleHead",
     "EagleCache",
     "EagleDrafter",
+    "EagleSlotDrafter",
     "EagleTreeDrafter",
     "draft_distribution",
     "describe",

@@ -54,3 +54,29 @@ class FeatureQueue:
         feat_BTD = self.feat_BQD[:, : self.longest]
         self.counts = [0] * len(self.counts)
         return feat_BTD, count_B
+
+    # --- by row index (one queue row per engine slot: :mod:`specdec.drafters.eagle.slots`) ---------
+    def push_rows(self, rows: list[int], feat_GTD: torch.Tensor, new_G: list[int]) -> None:
+        """Append ``new_G[i]`` features of block row i to queue row ``rows[i]`` (the others untouched)."""
+        new_B = [0] * len(self.counts)
+        for r, n in zip(rows, new_G, strict=True):
+            new_B[r] = n
+        end = max(self.counts[r] + n for r, n in zip(rows, new_G, strict=True))
+        B, Q, D = self.feat_BQD.shape
+        if end > Q:  # grow by doubling
+            grown = self.feat_BQD.new_zeros(B, max(end, 2 * Q), D)
+            grown[:, :Q] = self.feat_BQD
+            self.feat_BQD = grown
+        for i, (r, n) in enumerate(zip(rows, new_G, strict=True)):
+            if n > 0:
+                self.feat_BQD[r, self.counts[r] : self.counts[r] + n] = feat_GTD[i, :n]
+                self.counts[r] += n
+
+    def take_rows(self, rows: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Queue rows ``rows``' features ``[G, T, D]`` (a copy; T = the longest of them) and counts;
+        those rows are empty afterwards."""
+        counts = [self.counts[r] for r in rows]
+        feat_GTD = self.feat_BQD[rows, : max(counts)]
+        for r in rows:
+            self.counts[r] = 0
+        return feat_GTD, counts

@@ -1,0 +1,359 @@
+"""The EAGLE chain drafter, one instance per engine: state per engine cache row (slot), rows drafted at once.
+
+Legend: S engine slots, G rows of a call, T block length, D hidden size, H query heads, Gk key/value
+heads, d head dim, L head-cache slots, V target vocabulary, K draft length (γ).
+
+:class:`EagleSlotDrafter` is a :class:`~specdec.protocols.SlotDrafter`: the continuous-batching engine
+(:mod:`specdec.engine`) holds one for all its requests. It keeps, per engine slot, the head's KV cache
+row, the head cache's length (pairs holding true target features) and the queue of committed tokens'
+features waiting for the lazy catch-up (:mod:`specdec.drafters.eagle.queue`). A step's ``propose``
+runs **one** catch-up forward over every drafting row's queued features and then **one** head forward
+per draft position for all rows still drafting: the head's weights stream from memory once per
+position, not once per request (what per-request drafters cost: 8 head calls at batch 1 for 8 rows).
+
+Batch invariance (a seed fixes the output whatever the neighbours): a row's drafts and draft
+probabilities are bitwise those it gets proposed alone. The head's matrix products run on the packed
+CPU kernel (:mod:`specdec.targets.linear`), which adds every row's terms in one order whatever the
+number of rows; the other ops are per row or elementwise; attention, whose kernel may block its work
+by shape, runs row by row over the row's own queries and visible slots, the same call as alone
+(attention is a small part of a head step). With the ``reference`` / ``transposed`` linear backends
+(BLAS), a row's floats may change with the number of rows beside it (docs/engine.md).
+
+Randomness: a sampled row draws its draft token at output position p (the draft's index in the output
+stream) from the keyed ``noise`` it is given (:class:`specdec.verify.noise.PositionNoise`, stream
+``"draft"``), so its drafts depend on its seed and position only. Greedy rows propose the head's argmax
+as a point mass. Draft probabilities are zero outside the draft vocabulary, which never affects
+exactness (verification handles any proposal).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specdec.drafters.eagle.cache import EagleCache
+from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, EagleDrafter, draft_distribution
+from specdec.drafters.eagle.packed import PackedEagleHead
+from specdec.drafters.eagle.queue import FeatureQueue
+from specdec.protocols import DecodeState, SlotProposal, TargetOutput
+from specdec.sampling import SamplingParams
+from specdec.verify.noise import PositionNoise, sample_keyed
+
+__all__ = ["EagleSlotDrafter"]
+
+_CAPACITY = 256  # head-cache slots per row to start with (grown by doubling)
+
+
+class EagleSlotDrafter:
+    """EAGLE chain drafter over ``num_slots`` engine rows (``eagle`` in the engine; see the module doc).
+
+    Args:
+        target: a :class:`~specdec.protocols.FeatureTarget`.
+        num_slots: the engine's cache rows (``max_num_seqs``).
+        min_prob: per-row confidence stop (:mod:`specdec.drafters.confidence`): a row stops once the
+            head's running probability of its own draft is below this (0: draft the depth asked).
+        max_queued: committed tokens whose features may wait for the lazy catch-up per row.
+        weights, draft_vocab_size, dtype, linear_backend, weight_dtype, head: as
+            :class:`~specdec.drafters.eagle.EagleDrafter` (``head``: an already loaded head).
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        *,
+        num_slots: int,
+        weights: str | Path | None = None,
+        draft_vocab_size: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        linear_backend: str = "auto",
+        min_prob: float = 0.0,
+        weight_dtype: torch.dtype | str | None = None,
+        head: PackedEagleHead | str | Path | None = None,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+    ) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        # the loading, the feature plumbing and the checked logits are the per-request drafter's
+        self.eagle = EagleDrafter(
+            target,
+            weights=weights,
+            draft_vocab_size=draft_vocab_size,
+            dtype=dtype,
+            linear_backend=linear_backend,
+            min_prob=min_prob,
+            weight_dtype=weight_dtype,
+            head=head,
+            max_queued=max_queued,
+        )
+        self.head: PackedEagleHead = self.eagle.head
+        self.metadata = self.eagle.metadata
+        self.min_prob, self.max_queued = self.eagle.min_prob, self.eagle.max_queued
+        self.num_slots = num_slots
+        c, device = self.head.config, self.head.device
+        self.cache = EagleCache(self.head, num_slots, _CAPACITY)
+        self.cache_len = [0] * num_slots  # per slot: head-cache slots holding true-feature pairs
+        self.queue = FeatureQueue(num_slots, (len(c.aux_layers) + 1) * c.hidden_size, device, capacity=64)
+        self.next_feat_SD = torch.zeros(num_slots, c.hidden_size, device=device)
+        self.active = [False] * num_slots
+        self.catch_up_s = 0.0
+        self.catch_up_tokens = 0
+
+    # --- the protocol ---------------------------------------------------------------------------
+    def _check_slot(self, slot: int, name: str = "slot") -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise ValueError(f"{name} must be an int in [0, {self.num_slots}), got {slot!r}")
+        return slot
+
+    def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: TargetOutput) -> None:
+        """Queue the prompt's pairs ``(f_i, x_{i+1})`` at ``slot`` (they run when the row first drafts)."""
+        self._check_slot(slot)
+        if self.active[slot]:
+            raise ValueError(f"slot {slot} is in use: drop it before adding another request there")
+        if not prompt_ids:
+            raise ValueError("prompt_ids must be non-empty")
+        self.active[slot] = True
+        self.cache_len[slot] = 0
+        self.queue.counts[slot] = 0
+        self.next_feat_SD[slot] = 0
+        raw_1TI = self.eagle._raw_features(prefill_out)
+        self.queue.push_rows([slot], raw_1TI, [min(raw_1TI.shape[1], len(prompt_ids))])
+
+    def drop(self, slot: int) -> None:
+        """Forget ``slot``'s request (its cache row is overwritten by the next one)."""
+        self._check_slot(slot)
+        self.active[slot] = False
+        self.queue.counts[slot] = 0
+        self.cache_len[slot] = 0
+
+    def observe(
+        self, slots: Sequence[int], num_accepted: Sequence[int], features: TargetOutput, *, state: DecodeState
+    ) -> None:
+        """Queue each row's newly committed positions of the verified block (positions up to
+        ``lengths - 2`` have features); rows past ``max_queued`` catch up now."""
+        slots = self._check_slots(slots)
+        if features.hidden_BTD is None:
+            raise ValueError("features: the EAGLE drafter needs target features (hidden_BTD=None)")
+        T = features.hidden_BTD.shape[1]
+        lengths = state.lengths_B.tolist()
+        new_G = [
+            max(0, min(T, n - 1 - self.cache_len[s] - self.queue.counts[s]))
+            for s, n in zip(slots, lengths, strict=True)
+        ]
+        if max(new_G, default=0) > 0:
+            self.queue.push_rows(slots, self.eagle._raw_features(features, max(new_G)), new_G)
+        over = [i for i, s in enumerate(slots) if self.queue.counts[s] > self.max_queued]
+        if over:
+            self.catch_up(slots, state, over)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        slots: Sequence[int],
+        depths: Sequence[int],
+        *,
+        state: DecodeState,
+        sampling: Sequence[SamplingParams],
+        noise: PositionNoise | None = None,
+    ) -> SlotProposal:
+        """Up to ``depths[i]`` tokens for row ``slots[i]``: one catch-up forward over the drafting rows'
+        queued features, then one head forward per draft position over the rows still drafting."""
+        slots = self._check_slots(slots)
+        G = len(slots)
+        if len(depths) != G or len(sampling) != G or state.batch_size != G:
+            raise ValueError(
+                f"depths ({len(depths)}), sampling ({len(sampling)}) and state ({state.batch_size} rows) "
+                f"must have one entry per slot ({G})"
+            )
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in depths):
+            raise ValueError(f"depths must be ints >= 0, got {list(depths)}")
+        sampled = [i for i in range(G) if not sampling[i].greedy]
+        if sampled and (noise is None or noise.num_rows != G):
+            raise ValueError("noise: sampled rows need a PositionNoise with one seed per slot")
+        device = self.head.device
+        drafting = [i for i in range(G) if depths[i] > 0]
+        drafted: list[list[torch.Tensor]] = [[] for _ in range(G)]  # per row: [token] per position
+        probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]
+        if drafting:
+            self.catch_up(slots, state, drafting)
+            self._draft(slots, depths, state, sampling, noise, drafting, drafted, probs)
+        counts = [len(t) for t in drafted]
+        flat = [t for row in drafted for t in row]
+        tokens_T = torch.stack(flat) if flat else torch.zeros(0, dtype=torch.long, device=device)
+        probs_TV = None
+        if sampled and flat:
+            V = self.eagle.vocab_size
+            zero_V = torch.zeros(V, dtype=torch.float32, device=device)
+            probs_TV = torch.stack([zero_V if p is None else p for row in probs for p in row])
+        return SlotProposal(tokens_T, counts, probs_TV)
+
+    # --- the pieces -----------------------------------------------------------------------------
+    def _check_slots(self, slots: Sequence[int]) -> list[int]:
+        slots = [self._check_slot(s, "slots") for s in slots]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be distinct, got {slots}")
+        idle = [s for s in slots if not self.active[s]]
+        if idle:
+            raise ValueError(f"slots {idle} hold no request (add them first)")
+        return slots
+
+    def _draft(
+        self,
+        slots: list[int],
+        depths: Sequence[int],
+        state: DecodeState,
+        sampling: Sequence[SamplingParams],
+        noise: PositionNoise | None,
+        rows: list[int],
+        drafted: list[list[torch.Tensor]],
+        probs: list[list[torch.Tensor | None]],
+    ) -> None:
+        """The chain loop over ``rows`` (indices into ``slots``), each up to its depth."""
+        device = self.head.device
+        index = torch.tensor(rows, dtype=torch.long)
+        feat_GD = self.next_feat_SD[[slots[i] for i in rows]]
+        prev_G = state.last_tokens_B()[index].to(device)  # the token at the first draft pair's feature
+        position_G = (state.lengths_B - state.prompt_lengths_B)[index]  # output position of draft 1
+        start = {i: self.cache_len[slots[i]] for i in rows}  # where row i's draft pairs go
+        running = dict.fromkeys(rows, 1.0)  # confidence stop: the head's probability of its own draft
+        for k in range(max(depths[i] for i in rows)):
+            logits_GN = self.eagle.logits(feat_GD, k + 1)
+            token_G = torch.empty(len(rows), dtype=torch.long, device=device)
+            probs_G: list[torch.Tensor | None] = [None] * len(rows)
+            groups: dict[SamplingParams, list[int]] = {}
+            for j, i in enumerate(rows):
+                groups.setdefault(sampling[i], []).append(j)
+            for params, js in groups.items():
+                at = torch.tensor(js, dtype=torch.long, device=device)
+                if params.greedy:
+                    token_G[at] = self.head.draft_vocab_N[logits_GN[at].argmax(dim=-1)]
+                    continue
+                probs_JV = draft_distribution(
+                    logits_GN[at], self.head.draft_vocab_N, self.eagle.vocab_size, params
+                )
+                sub = PositionNoise(noise.seeds_B[[rows[j] for j in js]], device=device)
+                token_G[at] = sample_keyed(probs_JV, sub, position_G[js].to(device) + k, stream="draft")
+                for n, j in enumerate(js):
+                    probs_G[j] = probs_JV[n]
+            keep = self._confident(rows, sampling, running, logits_GN, token_G, probs_G)
+            go_on = []
+            for j, i in enumerate(rows):
+                if not keep[j]:
+                    continue
+                drafted[i].append(token_G[j])
+                probs[i].append(probs_G[j])
+                if k + 1 < depths[i] and (sampling[i].greedy or running[i] >= self.min_prob):
+                    go_on.append(j)
+            if not go_on:
+                return
+            at = torch.tensor(go_on, dtype=torch.long, device=device)
+            rows = [rows[j] for j in go_on]
+            out_G1D = self._head_block(
+                [slots[i] for i in rows],
+                feat_GD[at].unsqueeze(1),
+                token_G[at].unsqueeze(1),
+                [start[i] + k for i in rows],
+                [1] * len(rows),
+                prev_G[at].unsqueeze(1),
+            )
+            feat_GD, prev_G, position_G = out_G1D[:, 0], token_G[at], position_G[go_on]
+
+    def _confident(
+        self,
+        rows: list[int],
+        sampling: Sequence[SamplingParams],
+        running: dict[int, float],
+        logits_GN: torch.Tensor,
+        token_G: torch.Tensor,
+        probs_G: list[torch.Tensor | None],
+    ) -> list[bool]:
+        """Per row, keep this draft? (:class:`~specdec.drafters.confidence.ConfidenceStop`'s rule, row
+        by row: greedy rows drop the token that takes the product below ``min_prob``; sampled rows
+        keep it and stop after it.)"""
+        if self.min_prob <= 0.0:
+            return [True] * len(rows)
+        keep = []
+        for j, i in enumerate(rows):
+            if sampling[i].greedy:
+                p = float(torch.softmax(logits_GN[j].float(), dim=-1).max())
+            else:
+                p = float(probs_G[j][token_G[j]])
+            running[i] *= p
+            keep.append(not sampling[i].greedy or running[i] >= self.min_prob)
+        return keep
+
+    def catch_up(self, slots: list[int], state: DecodeState, rows: list[int]) -> None:
+        """Run rows ``rows``' (indices into ``slots`` and ``state``) queued pairs in one head forward.
+
+        Row b's queued pairs fill head-cache slots ``cache_len .. lengths - 2``: the feature at slot s
+        (from the queue, which starts at ``cache_len``) with committed token s + 1."""
+        rows = [i for i in rows if self.queue.counts[slots[i]] > 0]
+        if not rows:
+            return
+        t0 = time.perf_counter()
+        rows_G = [slots[i] for i in rows]
+        raw_GTI, counts_G = self.queue.take_rows(rows_G)
+        self.catch_up_tokens += max(counts_G)
+        feats_GTD = self.eagle._project(raw_GTI)  # EAGLE-3: the aux layers fused for the block
+        T, device = feats_GTD.shape[1], feats_GTD.device
+        start_G = [self.cache_len[s] for s in rows_G]
+        # committed tokens at slots s .. s + T: x_s each pair's previous token, x_{s+1} its token
+        tokens_GL = state.tokens_BL[rows]
+        at_GT1 = (torch.tensor(start_G).unsqueeze(1) + torch.arange(T + 1)).clamp(max=tokens_GL.shape[1] - 1)
+        window_GT1 = tokens_GL.gather(1, at_GT1).to(device)
+        out_GTD = self._head_block(
+            rows_G, feats_GTD, window_GT1[:, 1:], start_G, counts_G, window_GT1[:, :-1]
+        )
+        last_G = torch.tensor(counts_G, device=device) - 1
+        self.next_feat_SD[rows_G] = out_GTD[torch.arange(len(rows_G), device=device), last_G]
+        for s, n in zip(rows_G, counts_G, strict=True):
+            self.cache_len[s] += n
+        self.catch_up_s += time.perf_counter() - t0
+
+    def _head_block(
+        self,
+        rows_G: list[int],
+        feature_GTD: torch.Tensor,
+        tokens_GT: torch.Tensor,
+        start_G: list[int],
+        counts_G: list[int],
+        prev_GT: torch.Tensor,
+    ) -> torch.Tensor:
+        """The head layer on a block of pairs: row i's ``counts_G[i]`` pairs at head-cache row
+        ``rows_G[i]``, slots (and RoPE positions) ``start_G[i] + t``; returns the predicted features
+        ``[G, T, D]`` (past a row's count: padding, and its keys/values land on slots never visible).
+
+        The products run over all G·T positions at once; attention row by row, each row's query
+        block against its own visible slots, so a row's numbers do not depend on the others."""
+        head, cache, c = self.head, self.cache, self.head.config
+        G, T = tokens_GT.shape
+        device = tokens_GT.device
+        slots_GT = torch.tensor(start_G, device=device).unsqueeze(1) + torch.arange(T, device=device)
+        cache.ensure(int(slots_GT.max()) + 1)
+        h_GTD = head.fuse(feature_GTD, tokens_GT, prev_GT)
+        q, k, v = head.qkv(h_GTD, slots_GT)
+        rows_GT = torch.tensor(rows_G, device=device).unsqueeze(1).expand(G, T)
+        cache.k_BGLd[rows_GT, :, slots_GT] = k.transpose(1, 2)
+        cache.v_BGLd[rows_GT, :, slots_GT] = v.transpose(1, 2)
+        H, Gk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        attn_GHTd = q.new_zeros(G, H, T, d)
+        for i, (r, s, n) in enumerate(zip(rows_G, start_G, counts_G, strict=True)):
+            L = s + n
+            mask = None
+            if n > 1:  # query t (slot s + t) sees slots 0 .. s + t; grouped heads stacked as rows
+                visible_nL = torch.arange(L, device=device) <= (s + torch.arange(n, device=device)).unsqueeze(
+                    1
+                )
+                mask = visible_nL.repeat(H // Gk, 1)[None, None]
+            attn = F.scaled_dot_product_attention(
+                q[i : i + 1, :, :n].reshape(1, Gk, (H // Gk) * n, d),
+                cache.k_BGLd[r : r + 1, :, :L],
+                cache.v_BGLd[r : r + 1, :, :L],
+                attn_mask=mask,
+            )
+            attn_GHTd[i, :, :n] = attn.reshape(H, n, d)
+        return head.feature(head.finish(h_GTD, attn_GHTd))
