@@ -19,7 +19,7 @@ its export. With ``--ours`` the same requests go to ``specdec serve --drafter ea
 well (our engine's drafts of a row do not depend on its neighbours).
 
     LLAMA_SERVER=/work/llama-build/bin/llama-server python -m experiments.llama_eagle3_slots \\
-        --num-prompts 4 --neighbours 3 --out paper/results/llama-eagle3-slots.json --ours
+        --num-prompts 4 --neighbours 3 --out /tmp/llama-eagle3-slots.json --ours
 """
 
 from __future__ import annotations
