@@ -160,7 +160,11 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
                         f"c={c} {d:>8} {path:<17} {row['tokens_per_second']:7.1f} tok/s  "
                         f"tau {row['tau']:.2f}  = solo {same if same is None else f'{same:.0%}'}"
                         + ("" if row["scheduler_share"] is None else f"  sched {row['scheduler_share']:.1%}")
-                        + f"  draft {row['draft_ms_per_step']:.2f} ms/step"
+                        + (
+                            ""
+                            if row["draft_ms_per_step"] is None
+                            else f"  draft {row['draft_ms_per_step']:.2f} ms/step"
+                        )
                     )
                 _write(out_dir, payload)
     if console is not None:

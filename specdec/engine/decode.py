@@ -33,6 +33,7 @@ from specdec.engine.units import (
     group_state,
     merge_chains,
     row_output,
+    select_rows,
     slice_output,
 )
 from specdec.host_sync import avoids_host
@@ -95,15 +96,6 @@ def _catch_up_seconds(rows: list[Request]) -> float:
     return sum(getattr(d, "catch_up_s", 0.0) for d in drafters.values())
 
 
-def _rows_of(
-    aux: dict[int, torch.Tensor] | None, index: torch.Tensor | None
-) -> dict[int, torch.Tensor] | None:
-    """Aux-layer features (``TargetOutput.aux_hidden_BTD``) at rows ``index`` (all: None)."""
-    if not aux or index is None:
-        return aux
-    return {layer: h[index] for layer, h in aux.items()}
-
-
 def _decided_by(logits_BTV: torch.Tensor, verdict: Any, i: int) -> torch.Tensor:
     """Row i's logits in the order of its committed tokens: block position j for a chain, the path's
     j-th node for a tree (each committed token was decided at its input's position)."""
@@ -144,13 +136,17 @@ class DecodeSteps:
         caught = getattr(drafter, "catch_up_s", None)
         caught_tokens = getattr(drafter, "catch_up_tokens", 0)
         proposal = drafter.propose(request.state, K, generator)
-        tokens = getattr(drafter, "catch_up_tokens", 0) - caught_tokens
-        if caught is not None and 0 < tokens <= self.gamma_max + 1:
-            # a catch-up of one step's committed tokens: what every step of a row drafting on pays
-            # (after idle or lookup steps it is larger, once: not a cost of drafting on)
-            spent = drafter.catch_up_s - caught
-            self.t_catch = spent if self.t_catch == 0 else 0.8 * self.t_catch + 0.2 * spent
+        if caught is not None:
+            tokens = getattr(drafter, "catch_up_tokens", 0) - caught_tokens
+            self._learn_catch_up(drafter.catch_up_s - caught, tokens)
         return self._unit(proposal, [request], None, K, request.metrics.num_steps + 1)
+
+    def _learn_catch_up(self, spent: float, tokens: int) -> None:
+        """Fold a propose's lazy catch-up (``spent`` s over ``tokens`` positions) into ``t_catch`` when
+        it caught up one step's committed tokens: what every step of a row drafting on pays (after
+        idle or lookup steps it is larger, once: not a cost of drafting on)."""
+        if 0 < tokens <= self.gamma_max + 1:
+            self.t_catch = spent if self.t_catch == 0 else 0.8 * self.t_catch + 0.2 * spent
 
     def _unit(self, proposal: Any, rows: list[Request], drafter: Any, K: int, step: int) -> Unit:
         """The unit of a drafter's proposal, checked: on the host now, or, for a proposal on the
@@ -202,10 +198,7 @@ class DecodeSteps:
             sampling=[r.params.sampling for r in rows],
             noise=PositionNoise([r.params.seed for r in rows]),
         )
-        tokens = drafter.catch_up_tokens - caught_tokens
-        if 0 < tokens <= self.gamma_max + 1:  # as in _propose: a catch-up of one step's tokens
-            spent = drafter.catch_up_s - caught
-            self.t_catch = spent if self.t_catch == 0 else 0.8 * self.t_catch + 0.2 * spent
+        self._learn_catch_up(drafter.catch_up_s - caught, drafter.catch_up_tokens - caught_tokens)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(rows):
             groups.setdefault((proposal.counts_B[i], r.params.sampling), []).append(i)
@@ -385,18 +378,10 @@ class DecodeSteps:
         if unit.drafter is not None and unit.drafter is self.drafters.slots:
             live = [i for i, r in enumerate(rows) if r.status is RequestStatus.DECODE]
             if live:
-                index = torch.tensor(live)
-                every = len(live) == len(rows)
                 unit.drafter.observe(
                     [rows[i].slot for i in live],
                     [accepted[i] for i in live],
-                    TargetOutput(
-                        observed.logits_BTV if every else observed.logits_BTV[index],
-                        observed.hidden_BTD
-                        if every or observed.hidden_BTD is None
-                        else observed.hidden_BTD[index],
-                        _rows_of(observed.aux_hidden_BTD, None if every else index),
-                    ),
+                    select_rows(observed, live),
                     state=group_state([rows[i] for i in live], sampling, self.tokens_SL),
                 )
         elif unit.drafter is not None and not getattr(unit.drafter, "observes", True):
