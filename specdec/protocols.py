@@ -274,12 +274,14 @@ class SlotProposal:
     offsets[i] + counts_B[i]]``, ``offsets`` the running sum of ``counts_B``); ``counts_B``: each
     row's number of drafts (at most its depth, 0 allowed); ``probs_TV``: float32 full-vocabulary draft
     probabilities of each token, or None when every row is greedy (point-mass proposals); a greedy
-    row's entries in a mixed proposal are zeros, to be ignored.
+    row's entries in a mixed proposal are zeros, to be ignored. ``tree``: for a call of one row, a
+    token-tree :class:`Proposal` instead of its chain (``tokens_T`` then holds the tree's main path).
     """
 
     tokens_T: torch.Tensor
     counts_B: list[int]
     probs_TV: torch.Tensor | None = None
+    tree: Proposal | None = None
 
     def chains(self, index: Sequence[int], greedy: bool) -> Proposal:
         """Rows ``index`` (of equal counts) as one chain :class:`Proposal` ``[G, K]`` (a point mass

@@ -45,7 +45,11 @@ DRAFTERS = Registry(
 SLOT_DRAFTERS = Registry(
     "slot drafter",
     "specdec.slot_drafters",
-    builtins={"eagle": "specdec.drafters.eagle.slots:EagleSlotDrafter"},
+    builtins={
+        "eagle": "specdec.drafters.eagle.slots:EagleSlotDrafter",
+        "ngram-eagle": "specdec.drafters.ngram_eagle_slots:ngram_eagle_slots",
+        "ngram-eagle-auto": "specdec.drafters.ngram_eagle_slots:ngram_eagle_auto_slots",
+    },
 )
 """Drafter name -> the :class:`~specdec.protocols.SlotDrafter` the engine builds for it (one instance
 per engine, called as ``factory(target, num_slots=..., **options)``), where one exists; the engine

@@ -68,3 +68,27 @@ def test_crossover_interpolates_in_log_concurrency():
 def test_scheduler_seconds_is_what_the_measured_parts_leave():
     stats = {"total_s": 1.0, "forward_s": 0.5, "draft_s": 0.2, "rule_s": 0.1, "verify_s": 0.15}
     assert scheduler_seconds(stats) == pytest.approx(0.2)
+
+
+def test_repeats_take_the_median_repeat_and_the_median_ratio():
+    """``--repeats 3``: each (level, drafter, path) is reported as its median repeat, and each drafter's
+    ratio to none as the median of the per-repeat ratios (each repeat an alternation)."""
+
+    def row(c: int, d: str, rep: int, tps: float) -> dict:
+        return {
+            "concurrency": c,
+            "drafter": d,
+            "path": "engine/staggered",
+            "repeat": rep,
+            "tokens_per_second": tps,
+        }
+
+    rows = [row(1, "none", 0, 100.0), row(1, "default", 0, 150.0)]
+    rows += [row(1, "none", 1, 50.0), row(1, "default", 1, 60.0)]  # a slow repeat: ratio 1.2
+    rows += [row(1, "none", 2, 110.0), row(1, "default", 2, 99.0)]  # ratio 0.9
+    picked = {r["drafter"]: r for r in concurrency.median_rows(rows)}
+    assert picked["none"]["tokens_per_second"] == 100.0 and picked["none"]["repeats"] == 3
+    assert picked["default"]["tokens_per_second"] == 99.0
+    assert concurrency.ratio_lines(rows) == [
+        "default / none (engine/staggered, median of repeats): c=1 1.20x"
+    ]

@@ -721,18 +721,23 @@ def test_ngram_eagle_auto_drafts_the_tree_only_at_steps_where_the_engine_says_it
     """In the engine a tree takes a forward of its own: ``auto`` drafts it only where the engine sets
     ``DecodeState.tree_ok`` (one decoding row, trees paying on the cost model), the chain at the
     other steps, and the output is plain decoding's either way."""
+    from specdec.drafters.eagle.slots import EagleSlotDrafter
     from specdec.engine import Engine
 
     calls: list[tuple[str, bool]] = []
-    for cls, kind in ((EagleTreeDrafter, "tree"), (EagleDrafter, "chain")):
-        original = cls.propose
+    tree_propose, chain_propose = EagleTreeDrafter.propose, EagleSlotDrafter.propose
 
-        def spy(self, state, gamma, generator=None, _original=original, _kind=kind):
-            if type(self) is not EagleDrafter or _kind == "chain":  # the tree's super() call is not a draft
-                calls.append((_kind, state.tree_ok))
-            return _original(self, state, gamma, generator)
+    def tree_spy(self, state, gamma, generator=None):
+        calls.append(("tree", state.tree_ok))
+        return tree_propose(self, state, gamma, generator)
 
-        monkeypatch.setattr(cls, "propose", spy)
+    def chain_spy(self, slots, depths, *, state, **kwargs):  # the engine's one slot drafter's chains
+        if any(depths):
+            calls.append(("chain", state.tree_ok))
+        return chain_propose(self, slots, depths, state=state, **kwargs)
+
+    monkeypatch.setattr(EagleTreeDrafter, "propose", tree_spy)
+    monkeypatch.setattr(EagleSlotDrafter, "propose", chain_spy)
     target, prompts = tiny["target"], _prompts()
     options = {"weights": str(tiny["weights"]), "tree_width": 3}
 

@@ -113,6 +113,55 @@ def test_batched_propose_equals_each_slot_alone_bitwise(tiny):
     assert batched[0].probs_TV[: depths[0]].abs().sum() == 0  # the greedy row: point mass, zeros here
 
 
+def test_lookup_first_slots_equal_each_slot_alone(tiny):
+    """``ngram-eagle``'s slot drafter: rows whose text repeats take the lookup's tokens (point masses),
+    the others the head's chain, all in one call; every row's tokens and probabilities equal its solo
+    proposal, and the lookup rows are exactly the lookup's tokens."""
+    from specdec.drafters.ngram import lookup
+    from specdec.drafters.ngram_eagle_slots import ngram_eagle_slots
+
+    target = tiny["target"]
+    prompts, first = [PROMPTS[0], PROMPTS[2], PROMPTS[1], [9, 40, 17, 3, 250]], [1, 5, 20, 6]
+    slots, depths = [2, 0, 3, 1], [3, 3, 2, 4]
+    sampling, seeds = [GREEDY, HOT, HOT, GREEDY], [1, 2, 3, 4]
+    together = ngram_eagle_slots(target, num_slots=4, weights=tiny["weights"])
+    assert isinstance(together, SlotDrafter)
+    outs = [prefill(target, p) for p in prompts]
+    for s, p, o in zip(slots, prompts, outs, strict=True):
+        together.add(s, p, o)
+    state = rows_state(prompts, first)
+    call = together.propose(slots, depths, state=state, sampling=sampling, noise=PositionNoise(seeds))
+    assert together.counts["lookup"] == 2 and together.counts["head"] == 2  # rows 0, 2 repeat
+    for i in range(4):
+        alone = ngram_eagle_slots(target, num_slots=4, head=together.head)
+        alone.add(slots[i], prompts[i], outs[i])
+        one = rows_state([prompts[i]], [first[i]])
+        solo = alone.propose(
+            [slots[i]], [depths[i]], state=one, sampling=[sampling[i]], noise=PositionNoise([seeds[i]])
+        )
+        start, n = sum(call.counts_B[:i]), call.counts_B[i]
+        assert solo.counts_B == [n] and torch.equal(solo.tokens_T, call.tokens_T[start : start + n])
+        if not sampling[i].greedy:
+            assert torch.equal(solo.probs_TV, call.probs_TV[start : start + n])
+        if i in (0, 2):
+            found = lookup(
+                one.tokens_BL[0, : len(prompts[i]) + 1], depths[i], max_ngram=3, min_ngram=2, search="latest"
+            )
+            assert n > 0 and torch.equal(call.tokens_T[start : start + n], found)
+    row2 = call.probs_TV[sum(call.counts_B[:2]) : sum(call.counts_B[:3])]  # a sampled lookup row
+    assert torch.equal(row2.sum(-1), torch.ones(len(row2))) and row2.max() == 1
+
+
+def test_auto_drafts_trees_for_a_lone_greedy_row(tiny):
+    """``ngram-eagle-auto``: a request alone in the engine (trees pay: no cost model) drafts token trees
+    on its slot of the shared head cache, and emits what plain decoding does."""
+    e = engine(tiny, "ngram-eagle-auto")
+    settings = greedy(0, 24)
+    got = drive(e, [Arrival(0, "a", PROMPTS[2], settings)])["a"].token_ids
+    assert e.drafters.slots.counts["tree"] > 0
+    assert got == specdec.generate(tiny["target"], [PROMPTS[2]], drafter="none", **settings).token_ids[0]
+
+
 def test_one_head_forward_per_draft_position_for_all_rows(tiny, monkeypatch):
     """Three rows at depth 3: one catch-up forward and two chain forwards, each over every row."""
     target = tiny["target"]
@@ -147,6 +196,11 @@ def test_protocol_boundary_checks(tiny):
     drafter.add(0, PROMPTS[4], out)  # a dropped slot takes the next request
 
 
+def _eagle_of(drafter: Any) -> EagleSlotDrafter:
+    """The EAGLE slot drafter itself, or the one inside a lookup-first slot drafter."""
+    return getattr(drafter, "eagle", None) if not isinstance(drafter, EagleSlotDrafter) else drafter
+
+
 def churn(settings) -> list[Arrival]:
     """Five requests on three rows, arriving at steps 0..4 with different lengths: every step some
     request joins or leaves, and rows are reused."""
@@ -162,9 +216,9 @@ def sampled(i: int, n: int) -> dict[str, Any]:
     return {"max_new_tokens": n, "temperature": 0.8, "top_k": 20, "seed": 100 + i, "ignore_eos": True}
 
 
-def engine(tiny, **options: Any) -> Engine:
+def engine(tiny, drafter: str = "eagle", **options: Any) -> Engine:
     settings = dict(
-        drafter="eagle",
+        drafter=drafter,
         drafter_options={"weights": tiny["weights"]},
         gamma=3,
         max_num_seqs=3,
@@ -174,19 +228,20 @@ def engine(tiny, **options: Any) -> Engine:
     return Engine(tiny["target"], **{**settings, **options})
 
 
+@pytest.mark.parametrize("drafter", ["eagle", "ngram-eagle", "ngram-eagle-auto"])
 @pytest.mark.parametrize("settings", [greedy, sampled])
-def test_requests_arriving_and_leaving_every_step_get_their_solo_tokens(tiny, settings):
+def test_requests_arriving_and_leaving_every_step_get_their_solo_tokens(tiny, settings, drafter):
     """The engine's one slot drafter, slots added and dropped at every step: greedy requests equal
     plain decoding alone, seeded sampled requests equal themselves alone in an engine of their own."""
-    together = engine(tiny)
+    together = engine(tiny, drafter)
     assert together.drafters.slots is not None
     finals = drive(together, churn(settings))
-    assert not any(together.drafters.slots.active)  # every slot dropped
+    assert not any(_eagle_of(together.drafters.slots).active)  # every slot dropped
     for a in churn(settings):
         if settings is greedy:
             alone = specdec.generate(tiny["target"], [a.prompt], drafter="none", **a.settings).token_ids[0]
         else:
-            alone = drive(engine(tiny), [Arrival(0, a.key, a.prompt, a.settings)])[a.key].token_ids
+            alone = drive(engine(tiny, drafter), [Arrival(0, a.key, a.prompt, a.settings)])[a.key].token_ids
         assert finals[a.key].token_ids == alone, a.key
         assert len(alone) == a.settings["max_new_tokens"]
 
@@ -203,3 +258,16 @@ def test_aborted_request_gives_back_its_slot(tiny):
     second = drive(e, [Arrival(0, "b", PROMPTS[1], greedy(1, 6))])["b"].token_ids
     alone = specdec.generate(tiny["target"], [PROMPTS[1]], drafter="none", **greedy(1, 6)).token_ids[0]
     assert second == alone
+
+
+def test_the_engine_measures_batched_drafting_before_the_first_request(tiny):
+    """With a cost model, the engine times its slot drafter once at every row count of the verify grid
+    (slots added, drafted, dropped; the target's rows rolled back), and requests then decode as alone."""
+    e = engine(tiny, "ngram-eagle", measure_cost=True, gamma="auto")
+    assert set(e.draft_cost.position) == set(e.cost.rows) == {1, 2, 3}
+    assert all(v > 0 for v in e.draft_cost.position.values())
+    assert not any(_eagle_of(e.drafters.slots).active)
+    finals = drive(e, churn(greedy))
+    for a in churn(greedy):
+        alone = specdec.generate(tiny["target"], [a.prompt], drafter="none", **a.settings).token_ids[0]
+        assert finals[a.key].token_ids == alone, a.key

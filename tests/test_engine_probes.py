@@ -19,6 +19,7 @@ from _tiny import TableTarget, random_table
 from specdec.engine import Engine
 from specdec.engine.cost_model import VerifyCostModel
 from specdec.engine.depth import DepthPolicy, RowView
+from specdec.engine.draft_cost import PerTokenDraftCost
 from specdec.engine.engine import PROBE_ACCEPTANCE, PROBE_COST_RATIO, PROBE_EVERY
 from specdec.engine.request import RequestStatus
 from specdec.protocols import DecodeState, Proposal, TargetOutput
@@ -62,7 +63,7 @@ def test_rows_half_way_to_a_probe_probe_with_the_row_that_is_due():
     B = len(rows)
     pays = (1 + PROBE_ACCEPTANCE) / 1.1 - 1  # extra tokens per unit of time beyond a plain step
     for t_catch, want in ((1.2 * pays * 1.1 / B, [0] * 5), (0.8 * pays * 1.1 / B, [1, 1, 0, 0, 0])):
-        engine.t_draft, engine.t_catch = 0.0, t_catch
+        engine.draft_cost = PerTokenDraftCost(0.0, overhead=t_catch)  # each drafting row's catch-up
         assert engine._depths(rows) == want, t_catch
 
 
@@ -106,12 +107,13 @@ def _run_slow(catch_up: float, caught: int) -> Engine:
 @pytest.mark.parametrize("catch_up", [0.0, 0.5])
 def test_the_draft_cost_per_token_leaves_out_the_catch_up(catch_up):
     engine = _run_slow(catch_up, caught=2)
-    assert engine.t_draft == pytest.approx(0.01)
-    assert engine.t_catch == pytest.approx(catch_up)  # the catch-up a drafting step pays, apart
+    assert engine.draft_cost.position == {1: pytest.approx(0.01)}  # one row: per draft position
+    # the catch-up a drafting step pays, apart (none learned where it took no time)
+    assert engine.draft_cost.catch == ({1: pytest.approx(catch_up)} if catch_up else {})
 
 
 def test_a_long_catch_up_is_not_the_cost_of_drafting_on():
     """A catch-up of more positions than one step commits (after idle or lookup steps) is paid once:
     it does not count as what each drafting step costs."""
     engine = _run_slow(0.5, caught=9)  # gamma 3: at most 4 positions per step
-    assert engine.t_catch == 0.0 and engine.t_draft == pytest.approx(0.01)
+    assert engine.draft_cost.catch == {} and engine.draft_cost.position == {1: pytest.approx(0.01)}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -138,7 +139,8 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
         "rows": rows,
         "cost_models": {d: (e.cost.to_dict() if e.cost else None) for d, e in engines.items()},
     }
-    for c in levels:
+    repeats = getattr(args, "repeats", 1)
+    for rep, c in ((rep, c) for rep in range(repeats) for c in levels):
         for d, engine in engines.items():
             runs = {
                 "engine/together": lambda e=engine, c=c: _drive(e, prompts, c, "together", params),
@@ -154,10 +156,13 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
                 if args.temperature == 0 and d in solo:
                     same = sum(ids[i] == solo[d][i] for i in ids) / len(ids)
                 row = {"concurrency": c, "drafter": d, "path": path, "equal_solo": same, **figures}
+                if repeats > 1:
+                    row["repeat"] = rep
                 rows.append(row)
                 if console is not None:
                     console.print(
-                        f"c={c} {d:>8} {path:<17} {row['tokens_per_second']:7.1f} tok/s  "
+                        ("" if repeats == 1 else f"[{rep + 1}/{repeats}] ")
+                        + f"c={c} {d:>8} {path:<17} {row['tokens_per_second']:7.1f} tok/s  "
                         f"tau {row['tau']:.2f}  = solo {same if same is None else f'{same:.0%}'}"
                         + ("" if row["scheduler_share"] is None else f"  sched {row['scheduler_share']:.1%}")
                         + (
@@ -168,9 +173,44 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
                     )
                 _write(out_dir, payload)
     if console is not None:
-        for line in draft_scaling(rows):
+        for line in draft_scaling(median_rows(rows)) + ratio_lines(rows):
             console.print(line)
     return payload
+
+
+def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (concurrency, drafter, path): of a run with ``--repeats``, the repeat of median
+    throughput (the lower middle one of an even count); rows without repeats as they are."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["concurrency"], r["drafter"], r["path"]), []).append(r)
+    picked = []
+    for group in groups.values():
+        ordered = sorted(group, key=lambda r: r["tokens_per_second"])
+        picked.append({**ordered[(len(ordered) - 1) // 2], "repeats": len(group)})
+    return picked
+
+
+def ratio_lines(rows: list[dict[str, Any]], base: str = "none") -> list[str]:
+    """Per drafter and path: its throughput over ``base``'s at each concurrency, the median over
+    repeats of the ratio within each repeat (an alternation: both measured back to back)."""
+    by_key = {
+        (r["concurrency"], r["drafter"], r["path"], r.get("repeat", 0)): r["tokens_per_second"] for r in rows
+    }
+    lines = []
+    for d, path in dict.fromkeys((r["drafter"], r["path"]) for r in rows if r["drafter"] != base):
+        parts = []
+        for c in dict.fromkeys(r["concurrency"] for r in rows):
+            ratios = sorted(
+                v / by_key[(c, base, path, rep)]
+                for (cc, dd, pp, rep), v in by_key.items()
+                if (cc, dd, pp) == (c, d, path) and (c, base, path, rep) in by_key
+            )
+            if ratios:
+                parts.append(f"c={c} {statistics.median(ratios):.2f}x")
+        if parts:
+            lines.append(f"{d} / {base} ({path}, median of repeats): " + ", ".join(parts))
+    return lines
 
 
 def draft_scaling(rows: list[dict[str, Any]], path: str = "engine/staggered") -> list[str]:
@@ -197,13 +237,10 @@ def summarize(record: dict[str, Any]) -> Any:
     """The results-schema summary of a record: one table, a row per (concurrency, drafter, path)."""
     from specdec.summary import Summary, table_from_rows
 
-    base = {
-        (r["concurrency"], r["path"]): r["tokens_per_second"]
-        for r in record["rows"]
-        if r["drafter"] == "none"
-    }
+    picked = median_rows(record["rows"])
+    base = {(r["concurrency"], r["path"]): r["tokens_per_second"] for r in picked if r["drafter"] == "none"}
     rows = []
-    for r in record["rows"]:
+    for r in picked:
         ref = base.get((r["concurrency"], r["path"]))
         rows.append(
             {
@@ -234,10 +271,10 @@ def summarize(record: dict[str, Any]) -> Any:
         ("tau", "tau", ".2f"),
         ("equal_solo", "= solo", ".2f"),
     ]
-    if any("scheduler_share" in r for r in record["rows"]):  # records before the column have none
+    if any("scheduler_share" in r for r in picked):  # records before the column have none
         columns.append(("scheduler_pct", "sched %", ".1f"))
     # records measured before the static-batch path was removed compare against it
-    against = " against the static batch" if any(r["path"] == "static" for r in record["rows"]) else ""
+    against = " against the static batch" if any(r["path"] == "static" for r in picked) else ""
     curves = _curves(rows)
     crossovers = {
         f"{d} {path}": crossover([(r["concurrency"], r["x_none"]) for r in curve])
@@ -342,12 +379,13 @@ def _write(out_dir: Path, payload: dict[str, Any]) -> None:
         "| scheduler % of step |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    base = {
-        (r["concurrency"], r["path"]): r["tokens_per_second"]
-        for r in payload["rows"]
-        if r["drafter"] == "none"
-    }
-    for r in payload["rows"]:
+    picked = median_rows(payload["rows"])
+    if any(r["repeats"] > 1 for r in picked):
+        lines[2] += (
+            " Each row: the repeat of median throughput; " + "; ".join(ratio_lines(payload["rows"])) + "."
+        )
+    base = {(r["concurrency"], r["path"]): r["tokens_per_second"] for r in picked if r["drafter"] == "none"}
+    for r in picked:
         ref = base.get((r["concurrency"], r["path"]))
         ratio = f"{r['tokens_per_second'] / ref:.2f}" if ref else "–"
         p50 = "–" if r["tpot_p50_s"] is None else f"{1e3 * r['tpot_p50_s']:.1f}"
@@ -375,6 +413,12 @@ def add_concurrency_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=csv(positive_int), default=(1, 2, 4, 8))
     p.add_argument("--engine-gamma", default="auto", help="the engine's depth policy (auto, fixed, ...)")
     p.add_argument("--out", default="results/concurrency")
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="alternations of the whole run in one process; tables give the median repeat",
+    )
 
 
 def from_bench_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -397,6 +441,7 @@ def from_bench_args(args: argparse.Namespace) -> argparse.Namespace:
         concurrency=args.concurrency,
         engine_gamma="auto",
         out=args.out,
+        repeats=getattr(args, "repeats", 1),
     )
 
 

@@ -133,20 +133,16 @@ class DecodeSteps:
         )
         request.state.tree_ok = self._trees_now
         drafter = request.drafter
-        caught = getattr(drafter, "catch_up_s", None)
         caught_tokens = getattr(drafter, "catch_up_tokens", 0)
         proposal = drafter.propose(request.state, K, generator)
-        if caught is not None:
-            tokens = getattr(drafter, "catch_up_tokens", 0) - caught_tokens
-            self._learn_catch_up(drafter.catch_up_s - caught, tokens)
+        self._note_catch_up(getattr(drafter, "catch_up_tokens", 0) - caught_tokens)
         return self._unit(proposal, [request], None, K, request.metrics.num_steps + 1)
 
-    def _learn_catch_up(self, spent: float, tokens: int) -> None:
-        """Fold a propose's lazy catch-up (``spent`` s over ``tokens`` positions) into ``t_catch`` when
-        it caught up one step's committed tokens: what every step of a row drafting on pays (after
-        idle or lookup steps it is larger, once: not a cost of drafting on)."""
-        if 0 < tokens <= self.gamma_max + 1:
-            self.t_catch = spent if self.t_catch == 0 else 0.8 * self.t_catch + 0.2 * spent
+    def _note_catch_up(self, tokens: int) -> None:
+        """A propose caught up ``tokens`` positions: more than one step's committed tokens (after idle
+        or lookup steps) is owed once, not a cost of drafting on, so the step's catch-up is not learned."""
+        if tokens > self.gamma_max + 1:
+            self._steady = False
 
     def _unit(self, proposal: Any, rows: list[Request], drafter: Any, K: int, step: int) -> Unit:
         """The unit of a drafter's proposal, checked: on the host now, or, for a proposal on the
@@ -190,7 +186,7 @@ class DecodeSteps:
         rows = [r for r, _ in drafting]
         state = group_state(rows, rows[0].params.sampling, self.tokens_SL)
         state.tree_ok = self._trees_now
-        caught, caught_tokens = drafter.catch_up_s, drafter.catch_up_tokens
+        caught_tokens = drafter.catch_up_tokens
         proposal = drafter.propose(
             [r.slot for r in rows],
             [K for _, K in drafting],
@@ -198,11 +194,13 @@ class DecodeSteps:
             sampling=[r.params.sampling for r in rows],
             noise=PositionNoise([r.params.seed for r in rows]),
         )
-        self._learn_catch_up(drafter.catch_up_s - caught, drafter.catch_up_tokens - caught_tokens)
+        self._note_catch_up(drafter.catch_up_tokens - caught_tokens)
+        step = self.stats["steps"] + 1
+        if proposal.tree is not None:  # one row's token tree (a step of one row where trees pay)
+            return units + [self._unit(proposal.tree, rows, drafter, drafting[0][1], step)]
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(rows):
             groups.setdefault((proposal.counts_B[i], r.params.sampling), []).append(i)
-        step = self.stats["steps"] + 1
         for (count, sampling), index in groups.items():
             chains = proposal.chains(index, sampling.greedy)
             units.append(self._unit(chains, [rows[i] for i in index], drafter, count, step))
@@ -213,7 +211,7 @@ class DecodeSteps:
         and tree nodes included), which the step's budget pays for."""
         t0 = self.now()
         self._trees_now = self.tree_pays and len(rows) == 1  # a tree would take a forward of its own
-        caught0 = _catch_up_seconds(rows)
+        caught0, self._steady = _catch_up_seconds(rows), True
         units: list[Unit] = []
         if self.drafters.slots is not None:
             units = self._propose_slots(rows, depths)
@@ -225,10 +223,12 @@ class DecodeSteps:
         else:
             units = [self._propose(r, K) for r, K in zip(rows, depths, strict=True)]
         t1 = self.now()
-        drafted = sum(u.block.num_drafted * u.size for u in units)
-        if drafted:  # a lazy catch-up is owed for committed tokens whatever the depth: not a draft cost
-            per_token = max(0.0, t1 - t0 - (_catch_up_seconds(rows) - caught0)) / drafted
-            self.t_draft = per_token if self.t_draft == 0 else 0.8 * self.t_draft + 0.2 * per_token
+        G = sum(1 for K in depths if K > 0)
+        if G:  # the drafting cost of G rows at this depth, apart from the catch-up owed for committed tokens
+            caught = _catch_up_seconds(rows) - caught0
+            self.draft_cost.learn(G, max(depths), max(0.0, t1 - t0 - caught))
+            if caught > 0 and self._steady:
+                self.draft_cost.learn_catch_up(G, caught)
         self.stats["draft_s"] += t1 - t0
         units = merge_chains(units)
         chains = [u for u in units if isinstance(u.block, ChainBlock)]

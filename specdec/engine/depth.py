@@ -6,16 +6,18 @@ every earlier one was.
 
 A row drafting K tokens yields on average ``E(K) = 1 + a_1 + a_1 a_2 + … + a_1…a_K`` tokens
 (Leviathan et al. 2023, arXiv 2211.17192, §3.4, with per-position acceptance). The step's block is
-padded to the deepest row, so it costs ``c(B, K_max + 1) + t_draft · Σ K + Σ_{K_r > 0} o_r`` with
-``c`` the measured :class:`~specdec.engine.cost_model.VerifyCostModel` and ``o_r`` a drafting row's
-fixed cost (``RowView.overhead``: an EAGLE head's catch-up). Policies (:data:`DEPTH_POLICIES`):
+padded to the deepest row, so it costs ``c(B, K_max + 1) + d(G, K_max)`` with ``c`` the measured
+:class:`~specdec.engine.cost_model.VerifyCostModel` and ``d`` the drafting cost of G drafting rows
+(:class:`~specdec.engine.draft_cost.DraftCost`, learned per G: one slot drafter drafts all rows with
+one head forward per position, so ``d`` grows far less than G-fold; a policy given a float
+``t_draft`` charges ``t_draft · Σ K + Σ_{K_r > 0} o_r``, ``o_r`` a row's ``RowView.overhead``).
+Policies (:data:`DEPTH_POLICIES`):
 
 - ``fixed``: every row drafts γ (``gamma=G``).
 - ``batch-table``: γ from a table by batch size, as vLLM's ``num_speculative_tokens_per_batch_size``
   (``table={1: 5, 4: 3, 8: 1}``: the entry of the largest size ≤ B).
 - ``goodput``: SmartSpec's rule (arXiv 2406.14066): the K that maximises the step's expected tokens
-  per second, ``Σ_r E_r(min(K, cap_r)) / (c(B, K+1) + t_draft · Σ_r min(K, cap_r) + Σ_r o_r [K > 0])``,
-  over K = 0..γ;
+  per second, ``Σ_r E_r(min(K, cap_r)) / (c(B, K+1) + d(G, K))``, over K = 0..γ;
   K = 0 wins where speculation does not pay, at any load.
 - ``auto`` (the default): ``goodput``.
 
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.engine.cost_model import VerifyCostModel
+from specdec.engine.draft_cost import DraftCost, PerTokenDraftCost
 from specdec.registry import Registry
 
 __all__ = ["DepthPolicy", "DEPTH_POLICIES", "make_depth_policy", "expected_tokens", "RowView"]
@@ -57,6 +60,12 @@ class RowView:
     cap: int
     free: bool
     overhead: float = 0.0
+
+
+def as_draft_cost(t_draft: DraftCost | float) -> DraftCost:
+    """A policy's ``t_draft`` argument as a :class:`DraftCost`: the engine's learned one, or a float
+    (seconds per drafted token and row, every row drafting on its own)."""
+    return t_draft if isinstance(t_draft, DraftCost) else PerTokenDraftCost(t_draft)
 
 
 def expected_tokens(acceptance: Sequence[float], K: int) -> float:
@@ -84,7 +93,9 @@ class DepthPolicy:
     gamma: int
     local_cost: float = 0.35
 
-    def depths(self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: float) -> list[int]:
+    def depths(
+        self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: DraftCost | float
+    ) -> list[int]:
         raise NotImplementedError
 
     def _pinned(self, rows: Sequence[RowView]) -> list[int | None]:
@@ -104,7 +115,9 @@ class FixedDepth(DepthPolicy):
     def __init__(self, gamma: int = 4) -> None:
         self.gamma = _check_gamma(gamma)
 
-    def depths(self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: float) -> list[int]:
+    def depths(
+        self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: DraftCost | float
+    ) -> list[int]:
         return [min(self.gamma, r.cap) for r in rows]
 
 
@@ -122,7 +135,9 @@ class BatchTableDepth(DepthPolicy):
         sizes = [k for k in self.table if k <= batch_size]
         return self.table[max(sizes)] if sizes else self.table[min(self.table)]
 
-    def depths(self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: float) -> list[int]:
+    def depths(
+        self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: DraftCost | float
+    ) -> list[int]:
         K = min(self.depth_for(len(rows)), self.gamma)
         pinned = self._pinned(rows)
         return [min(K, r.cap) if p is None else p for r, p in zip(rows, pinned, strict=True)]
@@ -137,26 +152,28 @@ class GoodputDepth(DepthPolicy):
             raise ValueError(f"local_cost must be > 0, got {local_cost!r}")
         self.local_cost = float(local_cost)
 
-    def depths(self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: float) -> list[int]:
+    def depths(
+        self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: DraftCost | float
+    ) -> list[int]:
         pinned = self._pinned(rows)
         if cost is None:  # nothing measured: every row by the local rule
             return [min(local_depth(r, self.local_cost), r.cap) for r in rows]
         B = len(rows)
         free = [r for r, p in zip(rows, pinned, strict=True) if p is None]
+        draft = as_draft_cost(t_draft)
         fixed_tokens = sum(
             expected_tokens(r.acceptance, p) for r, p in zip(rows, pinned, strict=True) if p is not None
         )
-        fixed_drafts = sum(p for p in pinned if p is not None)
-        fixed_max = max((p for p in pinned if p is not None), default=0)
+        fixed = [p for p in pinned if p is not None]
         fixed_overhead = sum(r.overhead for r, p in zip(rows, pinned, strict=True) if p)
         best, best_k = -1.0, 0
         for K in range(self.gamma + 1):
             ks = [min(K, r.cap) for r in free]
             gains = [expected_tokens(r.acceptance, k) for r, k in zip(free, ks, strict=True)]
             tokens = fixed_tokens + sum(gains)
-            depth = max([fixed_max, *ks])
+            depth = max([*fixed, *ks])
             overhead = fixed_overhead + sum(r.overhead for r, k in zip(free, ks, strict=True) if k)
-            seconds = cost.cost(B, depth + 1) + t_draft * (fixed_drafts + sum(ks)) + overhead
+            seconds = cost.cost(B, depth + 1) + draft.step_seconds([*fixed, *ks]) + overhead
             rate = tokens / seconds
             if rate > best * (1 + 1e-9):
                 best, best_k = rate, K

@@ -18,7 +18,8 @@ same time gets a deep copy of it, and a request that leaves hands its instance b
 toy Markov drafters of :mod:`specdec.testing`) is one instance for every row: the engine drafts many
 rows with one call (:mod:`specdec.engine.units`).
 
-A **slot drafter** (:class:`specdec.protocols.SlotDrafter`; ``eagle`` by name, from
+A **slot drafter** (:class:`specdec.protocols.SlotDrafter`; ``eagle``, ``ngram-eagle`` and
+``ngram-eagle-auto`` (so ``default``) by name, from
 :data:`specdec.registry.SLOT_DRAFTERS`, or any object passed that implements the protocol) is one
 instance for the whole engine (``slots``): the pool builds it with ``num_slots``, the engine calls ``add`` on
 a request's slot when it starts decoding and ``drop`` on it when it leaves (finished or aborted:

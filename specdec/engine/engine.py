@@ -9,15 +9,16 @@ Each :meth:`Engine.step`:
    unbounded: a full engine queues, it never drops a request);
 2. **depths**: one controller (:mod:`specdec.engine.depth`) gives every decoding request its draft
    depth (0 = a plain step) from the measured verify cost of the whole step
-   (:mod:`specdec.engine.cost_model`) and that request's own acceptance;
+   (:mod:`specdec.engine.cost_model`), the drafting cost of the rows that draft
+   (:mod:`specdec.engine.draft_cost`) and that request's own acceptance;
 3. **decode**: every decoding request's drafter proposes (one drafter instance per request, or one
-   slot drafter for every row, ``eagle``: :mod:`specdec.engine.drafting`); the chains go through
-   **one** target forward, each row at its
-   own cache row and position, padded to T_max (the padding lands past the row's length and is
-   never attended); a token tree goes through a forward of its own (its mask is per tree); each
-   row is verified by the rule with its own sampling settings and public randomness keyed by its
-   seed and sequence positions (:mod:`specdec.verify.noise`), committed, cut at its stops, its cache row
-   rolled back, and its drafter observes (:mod:`specdec.engine.decode`). Rows travel in units
+   slot drafter for every row, ``eagle``, ``ngram-eagle``, ``default``: :mod:`specdec.engine.drafting`);
+   the chains go through **one** target forward, each row at its own cache row and position,
+   padded to T_max (the padding lands past the row's length and is never attended); a token tree
+   goes through a forward of its own (its mask is per tree); each row is verified by the rule with
+   its own sampling settings and public randomness keyed by its seed and sequence positions
+   (:mod:`specdec.verify.noise`), committed, cut at its stops, its cache row rolled back, and its
+   drafter observes (:mod:`specdec.engine.decode`). Rows travel in units
    (:mod:`specdec.engine.units`): a batched drafter drafts many rows in one call, and rows sharing
    depth and sampling settings are verified by one rule call and rolled back by one call, so
    thousands of rows cost no Python per row beyond their commits;
@@ -52,6 +53,7 @@ from specdec.checks import check_logits, logits_faults
 from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
 from specdec.engine.decode import DecodeSteps, mix_seed, raise_faults
 from specdec.engine.depth import DepthPolicy, FixedDepth, RowView, make_depth_policy
+from specdec.engine.draft_cost import DraftCost, measure_draft_cost
 from specdec.engine.drafting import DrafterPool, join_outputs, row_state
 from specdec.engine.logprobs import last_logits_only, prefill_logits_index
 from specdec.engine.request import Request, RequestOutput, RequestStatus, make_params
@@ -104,8 +106,9 @@ class Engine(DecodeSteps):
         target: a :class:`specdec.protocols.Target` whose ``forward`` / ``rollback`` take ``rows_B``
             (the native ``llama`` target and the ``hf`` target do).
         drafter: a registered drafter name; each request gets its own instance built with
-            ``drafter_options`` (a name in :data:`specdec.registry.SLOT_DRAFTERS`, ``eagle``: one
-            :class:`~specdec.protocols.SlotDrafter` for every request). ``default``: the shipped
+            ``drafter_options`` (a name in :data:`specdec.registry.SLOT_DRAFTERS`, ``eagle``,
+            ``ngram-eagle``, ``ngram-eagle-auto``: one :class:`~specdec.protocols.SlotDrafter` for every
+            request). ``default``: the shipped
             EAGLE head with prompt lookup where the target
             has one, else prompt lookup. Or a drafter object: the first request uses it, requests
             beside it deep copies (:mod:`specdec.engine.drafting`).
@@ -195,8 +198,10 @@ class Engine(DecodeSteps):
         self._trees_now = False  # this step's DecodeState.tree_ok
         self.drafters = DrafterPool(target, drafter, drafter_options, num_slots=self.max_num_seqs)
         self.drafter_name = self.drafters.name
-        self.t_draft = 0.0  # seconds per drafted token (exponential average), for goodput
-        self.t_catch = 0.0  # seconds of lazy catch-up per drafting step of a row drafting on (ditto)
+        # drafting seconds per step by drafting rows and depth: a slot drafter's measured at the start
+        self.draft_cost = DraftCost()
+        if self.cost is not None and self.drafters.slots is not None:
+            self.draft_cost = measure_draft_cost(target, self.drafters.slots, rows=self.cost.rows)
         self._free_heap = list(range(self.max_num_seqs))  # a heap: the lowest free row first
         # Every request's tokens (prompt, then committed), one row per slot; a request's DecodeState
         # is a view of its row. Slots past a row's length are undefined.
@@ -376,9 +381,8 @@ class Engine(DecodeSteps):
         for r in rows:
             cap = max(0, min(self.gamma_max, r.room - 1))
             acc = [r.acceptance(k, _PRIOR, _PRIOR_WEIGHT) for k in range(1, cap + 1)]
-            catches_up = hasattr(r.drafter, "catch_up_s")
-            views.append(RowView(acc, cap, self._free(r), self.t_catch if catches_up else 0.0))
-        depths = self.policy.depths(views, self.cost, self.t_draft)
+            views.append(RowView(acc, cap, self._free(r)))
+        depths = self.policy.depths(views, self.cost, self.draft_cost)
         # Probes share a step: a probe pads every row of the forward to 2 tokens, so once one row is
         # due, the rows at least half-way there probe with it (their counters then run in step).
         idle = [
@@ -396,7 +400,7 @@ class Engine(DecodeSteps):
         if self.cost is None:
             return True
         one, two = self.cost.cost(B, 1), self.cost.cost(B, 2)
-        drafting = two + B * (self.t_draft + self.t_catch)
+        drafting = two + self.draft_cost.step_seconds([1] * B)
         return two <= PROBE_COST_RATIO * one and (1 + PROBE_ACCEPTANCE) / drafting > 1 / one
 
     # --- prefill --------------------------------------------------------------------------------
