@@ -46,8 +46,8 @@ def _metrics_line(m: Any, drafter: str) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import specdec
+    from specdec.drafters.ngram_eagle import default_name
     from specdec.engine.depth import make_depth_policy
-    from specdec.engine.drafting import resolve_default
     from specdec.prompt_sets import encode_prompt
     from specdec.registry import DRAFTERS
     from specdec.sampling import validate_sampling
@@ -75,7 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     # The name reported is the drafter that runs (``default`` picks one for the target).
-    drafter = resolve_default(target) if args.drafter == "default" else args.drafter
+    drafter = default_name(target) if args.drafter == "default" else args.drafter
     drafter_name = DRAFTERS.resolve(drafter)
     out = specdec.generate(
         target,

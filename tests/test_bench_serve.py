@@ -459,3 +459,28 @@ def test_against_specdec_serve_on_a_tiny_model(tmp_path):
         if acc["drafts"]:  # the accepted tokens, position by position, add up to the accepted ones
             assert sum(rate * acc["drafts"] for rate in acc["per_position"]) == pytest.approx(acc["accepted"])
     assert sum(level["acceptance"]["drafted"] for level in entry["levels"]) > 0
+
+
+def test_a_request_on_a_connection_the_server_closed_while_idle_is_sent_again():
+    """llama-server closes kept-alive connections that sit idle: the next request fails before any
+    response (``RemoteProtocolError``) and is sent once more; a second such failure is the request's."""
+    import asyncio
+
+    import httpx
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) in (1, 3, 4):
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, content=b'data: {"choices": []}\n\ndata: [DONE]\n\n')
+
+    async def send() -> load.SSEReply:
+        async with httpx.AsyncClient(base_url="http://test", transport=httpx.MockTransport(handler)) as c:
+            return await load.post_sse(c, "/v1/completions", b"{}")
+
+    reply = asyncio.run(send())
+    assert reply.error is None and reply.events[-1][1] == "[DONE]" and len(calls) == 2
+    reply = asyncio.run(send())
+    assert reply.error.startswith("RemoteProtocolError") and len(calls) == 4

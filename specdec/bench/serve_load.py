@@ -238,11 +238,22 @@ class SSEReply:
     events: list[tuple[float, str]] = field(default_factory=list)
     cut_off: bool = False
     error: str | None = None
+    stale: bool = False  # the connection was closed before any response (sent again once)
 
 
 async def post_sse(client: httpx.AsyncClient, path: str, content: bytes, *, stop_after: int = 0) -> SSEReply:
     """``POST`` a JSON body to ``path`` and read its SSE stream; ``stop_after`` > 0 closes the connection
-    once that many events came, unless the last is ``[DONE]``. Never raises for the server's failure."""
+    once that many events came, unless the last is ``[DONE]``. Never raises for the server's failure.
+
+    A kept-alive connection that the server closed while it was idle (llama-server does) fails the
+    next request before any response: that request is sent once more, on a new connection."""
+    reply = await _post_sse_once(client, path, content, stop_after)
+    if reply.stale:
+        reply = await _post_sse_once(client, path, content, stop_after)
+    return reply
+
+
+async def _post_sse_once(client: httpx.AsyncClient, path: str, content: bytes, stop_after: int) -> SSEReply:
     reply = SSEReply()
     try:
         async with client.stream("POST", path, content=content) as response:
@@ -258,6 +269,7 @@ async def post_sse(client: httpx.AsyncClient, path: str, content: bytes, *, stop
                         break
     except (httpx.HTTPError, OSError) as err:
         reply.error = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        reply.stale = isinstance(err, httpx.RemoteProtocolError) and reply.status is None
     return reply
 
 

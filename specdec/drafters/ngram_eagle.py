@@ -41,7 +41,14 @@ from specdec.drafters.eagle.weights import DEFAULT_WEIGHTS, read_head_file, targ
 from specdec.drafters.ngram import NGramDrafter
 from specdec.protocols import DecodeState, FeatureTarget, Proposal, TargetOutput, TreeTarget
 
-__all__ = ["NGramEagleDrafter", "ngram_eagle", "ngram_eagle_tree", "ngram_eagle_auto", "default_drafter"]
+__all__ = [
+    "NGramEagleDrafter",
+    "ngram_eagle",
+    "ngram_eagle_tree",
+    "ngram_eagle_auto",
+    "default_drafter",
+    "default_name",
+]
 
 _MODES = ("chain", "tree", "auto")
 
@@ -234,17 +241,25 @@ def _shipped_head_unavailable(target: Any) -> str | None:
     return target_mismatch(meta, target.parts().embed_VD, path)
 
 
+def default_name(target: Any) -> str:
+    """What ``default`` is for ``target``: ``ngram-eagle-auto`` where the shipped head serves it, else
+    ``ngram`` (with a note on stderr saying why). The engine builds that name (a slot drafter for
+    ``ngram-eagle-auto``)."""
+    reason = _shipped_head_unavailable(target)
+    if reason is None:
+        return "ngram-eagle-auto"
+    print(f"[specdec] drafter 'default' -> 'ngram': {reason}", file=sys.stderr)
+    return "ngram"
+
+
 def default_drafter(target: Any, **options: Any) -> Any:
     """``default``: ``ngram-eagle-auto`` for a target with a shipped head (today ``smollm2-135m``), else
     prompt lookup (``ngram``, with a note on stderr). Options go to the drafter built; the returned
     drafter carries ``registry_name``, the name it was built under. How deep it drafts is the
     engine's depth controller's choice (:mod:`specdec.engine.depth`)."""
-    reason = _shipped_head_unavailable(target)
-    if reason is None:
-        drafter: Any = ngram_eagle_auto(target, **options)
-        drafter.registry_name = "ngram-eagle-auto"
-    else:
-        print(f"[specdec] drafter 'default' -> 'ngram': {reason}", file=sys.stderr)
-        drafter = NGramDrafter(target, **options)
-        drafter.registry_name = "ngram"
+    name = default_name(target)
+    drafter: Any = (
+        ngram_eagle_auto(target, **options) if name == "ngram-eagle-auto" else NGramDrafter(target, **options)
+    )
+    drafter.registry_name = name
     return drafter

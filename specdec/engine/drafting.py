@@ -30,19 +30,19 @@ from __future__ import annotations
 
 import copy
 import inspect
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from specdec.drafters.ngram_eagle import default_name
 from specdec.protocols import DecodeState, Drafter, SlotDrafter, TargetOutput
 from specdec.registry import DRAFTERS, SLOT_DRAFTERS, create_drafter, create_slot_drafter
 from specdec.sampling import SamplingParams
 
 __all__ = ["DrafterPool", "SHARES_HEAD", "SHARED_PARTS", "row_state"]
 
-SHARES_HEAD = ("eagle", "eagle-tree", "ngram-eagle", "ngram-eagle-tree", "ngram-eagle-auto")
+SHARES_HEAD = ("eagle-tree", "ngram-eagle-tree")  # per request; eagle, ngram-eagle(-auto): slot drafters
 SHARED_PARTS = {**dict.fromkeys(SHARES_HEAD, "head"), "model": "shared", "qself": "shared"}
 """Drafter name -> the attribute of its first instance that later instances get as the option of
 the same name (what is heavy to build: a packed head, a loaded draft model)."""
@@ -50,19 +50,6 @@ HEAD_LOADING_OPTIONS = ("weights", "draft_vocab_size", "dtype", "linear_backend"
 """Options that load an EAGLE head: later instances get the loaded head instead."""
 ENGINE_OPTIONS = ("slot", "num_slots")
 """Options the pool sets on drafters whose factory takes them (never the user's)."""
-
-
-def resolve_default(target: Any) -> str:
-    """What ``default`` means in the engine: ``ngram-eagle-auto`` for a target with a shipped EAGLE head
-    (trees for greedy requests on a tree target, chains otherwise; the engine's depth controller,
-    not the drafter's, decides how deep), else ``ngram``."""
-    from specdec.drafters.ngram_eagle import _shipped_head_unavailable
-
-    reason = _shipped_head_unavailable(target)
-    if reason is None:
-        return "ngram-eagle-auto"
-    print(f"[specdec] drafter 'default' -> 'ngram': {reason}", file=sys.stderr)
-    return "ngram"
 
 
 class DrafterPool:
@@ -107,7 +94,7 @@ class DrafterPool:
                 self._idle.append(drafter)
             return
         DRAFTERS.get(drafter)  # an unknown name fails now, listing the known ones
-        name = resolve_default(target) if drafter == "default" else drafter
+        name = default_name(target) if drafter == "default" else drafter
         self.target, self.name, self.options = target, name, dict(options or {})
         for key in ENGINE_OPTIONS:
             if key in self.options:
