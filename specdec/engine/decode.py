@@ -133,16 +133,21 @@ class DecodeSteps:
         )
         request.state.tree_ok = self._trees_now
         drafter = request.drafter
-        caught_tokens = getattr(drafter, "catch_up_tokens", 0)
+        caught_tokens, caught = getattr(drafter, "catch_up_tokens", 0), getattr(drafter, "catch_up_s", 0.0)
         proposal = drafter.propose(request.state, K, generator)
-        self._note_catch_up(getattr(drafter, "catch_up_tokens", 0) - caught_tokens)
+        self._note_catch_up(
+            getattr(drafter, "catch_up_tokens", 0) - caught_tokens,
+            getattr(drafter, "catch_up_s", 0.0) - caught,
+        )
         return self._unit(proposal, [request], None, K, request.metrics.num_steps + 1)
 
-    def _note_catch_up(self, tokens: int) -> None:
-        """A propose caught up ``tokens`` positions: more than one step's committed tokens (after idle
-        or lookup steps) is owed once, not a cost of drafting on, so the step's catch-up is not learned."""
+    def _note_catch_up(self, tokens: int, seconds: float) -> None:
+        """A propose caught up ``tokens`` positions in ``seconds``: more than one step's committed tokens
+        (a prompt, or tokens of idle or lookup steps) is work owed once, not a cost of drafting on: the
+        step's catch-up is not learned, and its seconds go to ``stats["owed_s"]``."""
         if tokens > self.gamma_max + 1:
             self._steady = False
+            self.stats["owed_s"] += seconds
 
     def _unit(self, proposal: Any, rows: list[Request], drafter: Any, K: int, step: int) -> Unit:
         """The unit of a drafter's proposal, checked: on the host now, or, for a proposal on the
@@ -186,7 +191,7 @@ class DecodeSteps:
         rows = [r for r, _ in drafting]
         state = group_state(rows, rows[0].params.sampling, self.tokens_SL)
         state.tree_ok = self._trees_now
-        caught_tokens = drafter.catch_up_tokens
+        caught_tokens, caught = drafter.catch_up_tokens, drafter.catch_up_s
         proposal = drafter.propose(
             [r.slot for r in rows],
             [K for _, K in drafting],
@@ -194,7 +199,7 @@ class DecodeSteps:
             sampling=[r.params.sampling for r in rows],
             noise=PositionNoise([r.params.seed for r in rows]),
         )
-        self._note_catch_up(drafter.catch_up_tokens - caught_tokens)
+        self._note_catch_up(drafter.catch_up_tokens - caught_tokens, drafter.catch_up_s - caught)
         step = self.stats["steps"] + 1
         if proposal.tree is not None:  # one row's token tree (a step of one row where trees pay)
             return units + [self._unit(proposal.tree, rows, drafter, drafting[0][1], step)]

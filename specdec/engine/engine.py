@@ -132,8 +132,10 @@ class Engine(DecodeSteps):
 
     ``stats`` (seconds, summed over every step): ``total_s`` inside :meth:`step`; ``forward_s`` the
     target's forwards (prefill chunks included, ``prefill_s``); ``draft_s`` the drafters (``propose``,
-    ``begin`` (``begin_s``) and ``observe``); ``rule_s`` the verification rule's calls; ``verify_s``
-    from a verify forward's end to its rows settled (the rule, commit, rollback, observe).
+    ``begin`` (``begin_s``) and ``observe``), of which ``owed_s`` is catch-up owed once (a prompt's, or
+    the tokens of steps a row did not draft: more than one step's tokens in a ``propose``); ``rule_s``
+    the verification rule's calls; ``verify_s`` from a verify forward's end to its rows settled (the
+    rule, commit, rollback, observe).
     :func:`scheduler_seconds` is what is left: the engine's own time.
     """
 
@@ -213,7 +215,7 @@ class Engine(DecodeSteps):
         self._ids = itertools.count()
         self.stats = {
             "steps": 0, "total_s": 0.0, "forward_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
-            "prefill_s": 0.0, "begin_s": 0.0, "rule_s": 0.0,
+            "prefill_s": 0.0, "begin_s": 0.0, "rule_s": 0.0, "owed_s": 0.0,
         }  # fmt: skip
         self.now = time.perf_counter
         self.recorder: MetricsRecorder | None = None
