@@ -49,6 +49,8 @@ SLOT_DRAFTERS = Registry(
         "eagle": "specdec.drafters.eagle.slots:EagleSlotDrafter",
         "ngram-eagle": "specdec.drafters.ngram_eagle_slots:ngram_eagle_slots",
         "ngram-eagle-auto": "specdec.drafters.ngram_eagle_slots:ngram_eagle_auto_slots",
+        "model": "specdec.drafters.model_slots:ModelSlotDrafter",
+        "qself": "specdec.drafters.model_slots:qself_slots",
     },
 )
 """Drafter name -> the :class:`~specdec.protocols.SlotDrafter` the engine builds for it (one instance

@@ -48,8 +48,8 @@ def test_model_drafter_in_the_engines_pool_lands_on_the_targets_device(checkpoin
 
     target = _meta_target(checkpoint)
     pool = DrafterPool(target, "model", {"model": str(checkpoint)}, num_slots=2)
-    drafter = pool.fresh(1)
-    assert drafter.draft.device.type == "meta" and drafter.slot == 1
+    drafter = pool.slots  # one slot drafter for the engine's rows
+    assert drafter.draft.device.type == "meta" and drafter.num_slots == 2
     assert drafter.draft.embed_tokens.weight.device.type == "meta"
 
 

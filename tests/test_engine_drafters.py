@@ -26,6 +26,7 @@ from _tiny import byte_tokenizer, save_tiny_checkpoint, tiny_llama
 import specdec
 from specdec.drafters.layerskip import LayerSkipDrafter
 from specdec.drafters.model import ModelDrafter, SharedDraftModel
+from specdec.drafters.model_slots import ModelSlotDrafter
 from specdec.engine import Engine, RequestOutput
 from specdec.engine.drafting import DrafterPool
 from specdec.protocols import DecodeState
@@ -133,17 +134,17 @@ def test_greedy_under_load_equals_solo_with_shared_draft_parts(target, paths, so
     finals = drive(engine, staggered([greedy(n) for n in LENGTHS]), after_step=after_step)
     for i in range(3):
         assert finals[i].token_ids == solo[i], f"request {i}"
-    assert len(drafters) == 3 and len({id(d) for d in drafters.values()}) == 3
     assert len({slot for _, slot in slots}) == 2  # two rows, three requests: one row reused
-    for rid, slot in slots:
-        assert drafters[rid].slot == slot
-    if which == "layerskip":
+    if which == "layerskip":  # an instance per request, at its own row of the target's cache
+        assert len(drafters) == 3 and len({id(d) for d in drafters.values()}) == 3
+        for rid, slot in slots:
+            assert drafters[rid].slot == slot
         assert all(d.target is target for d in drafters.values())
-    else:
-        shared = engine.drafters._shared["shared"]
-        assert isinstance(shared, SharedDraftModel) and shared.num_slots == 2
-        assert all(d.shared is shared and d.draft is shared.draft for d in drafters.values())
-        assert shared.draft is not target
+    else:  # model, qself: one slot drafter, one draft model with a cache row per engine slot
+        one = engine.drafters.slots
+        assert isinstance(one, ModelSlotDrafter) and all(d is one for d in drafters.values())
+        assert isinstance(one.shared, SharedDraftModel) and one.shared.num_slots == 2
+        assert one.draft is not target and not any(one.active)  # every slot dropped
     assert len(copies) == (1 if which == "qself" else 0)  # the int4 copy is built once
     drafted = sum(f.metrics.num_drafted for f in finals.values())
     accepted = sum(f.metrics.num_accepted for f in finals.values())
@@ -295,3 +296,60 @@ def test_bad_slot_options(target, paths):
         DrafterPool(target, "layerskip", {"slot": 1}, num_slots=2)
     with pytest.raises(ValueError, match="num_slots"):
         DrafterPool(target, "layerskip", None, num_slots=0)
+
+
+def _rows(prompts: list[list[int]], first: list[int], extra: list[list[int]]) -> DecodeState:
+    """Rows after their first token and ``extra[i]`` committed tokens more (prompt + first + extra)."""
+    tokens = torch.zeros(len(prompts), MAX_LEN, dtype=torch.long)
+    for i, (p, x, e) in enumerate(zip(prompts, first, extra, strict=True)):
+        tokens[i, : len(p) + 1 + len(e)] = torch.tensor(p + [x] + e)
+    P = torch.tensor([len(p) for p in prompts])
+    n = torch.tensor([len(p) + 1 + len(e) for p, e in zip(prompts, extra, strict=True)])
+    return DecodeState(tokens, P, n, torch.zeros(len(prompts), dtype=torch.bool))
+
+
+def test_model_slot_drafter_batched_equals_each_row_alone(target, paths):
+    """One draft forward per position over every row: ragged committed runs (a row 3 tokens behind),
+    mixed depths (0 to 4) and sampling settings at slots out of order give each row bitwise its solo
+    tokens and draft probabilities; ``observe`` rolls every row back; a dropped slot takes another."""
+    from specdec.verify.noise import PositionNoise
+
+    greedy_p, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20)
+    prompts, first, extra = PROMPTS, [5, 6, 7], [[], [9, 9, 9], [4]]
+    slots, depths, sampling, seeds = [2, 0, 1], [4, 3, 0], [greedy_p, hot, hot], [11, 12, 13]
+    model = str(paths["other"])
+    together = ModelSlotDrafter(target, num_slots=3, model=model, backend="llama", capacity=MAX_LEN)
+    for s, p in zip(slots, prompts, strict=True):
+        together.add(s, p, None)
+    state = _rows(prompts, first, extra)
+    call = together.propose(slots, depths, state=state, sampling=sampling, noise=PositionNoise(seeds))
+    assert call.counts_B == depths
+    for i in range(3):
+        alone = ModelSlotDrafter(target, num_slots=3, model=model, backend="llama", capacity=MAX_LEN)
+        alone.add(slots[i], prompts[i], None)
+        one = _rows([prompts[i]], [first[i]], [extra[i]])
+        solo = alone.propose(
+            [slots[i]], [depths[i]], state=one, sampling=[sampling[i]], noise=PositionNoise([seeds[i]])
+        )
+        start = sum(call.counts_B[:i])
+        assert torch.equal(solo.tokens_T, call.tokens_T[start : start + depths[i]])
+        if not sampling[i].greedy and depths[i]:
+            assert torch.equal(solo.probs_TV, call.probs_TV[start : start + depths[i]])
+    before = [together.cached[s] for s in slots]  # the drafting rows fed their drafts; row 2 lags
+    assert before[2] == len(prompts[2]) and before[0] == len(prompts[0]) + depths[0]
+    lengths = state.lengths_B + 1  # one more token committed per row: every draft rejected
+    state.lengths_B = lengths
+    together.observe(slots, [0, 0, 0], None, state=state)
+    assert [together.cached[s] for s in slots] == [
+        min(c, n - 1) for c, n in zip(before, lengths.tolist(), strict=True)
+    ]
+    with pytest.raises(ValueError, match="in use"):
+        together.add(0, PROMPTS[0], None)
+    together.drop(0)
+    together.add(0, PROMPTS[2], None)
+    with pytest.raises(ValueError, match="hold no request"):
+        ModelSlotDrafter(target, num_slots=1, model=model, backend="llama").propose(
+            [0], [1], state=_rows([PROMPTS[0]], [1], [[]]), sampling=[greedy_p]
+        )
+    with pytest.raises(ValueError, match="noise"):
+        together.propose([0], [1], state=_rows([PROMPTS[2]], [1], [[]]), sampling=[hot])

@@ -15,11 +15,12 @@ step where every draft was accepted, the last draft and the bonus token are both
 row its last ``T = max(lengths - cached)`` committed tokens in one block (a row that needs fewer
 simply recomputes slots it already had).
 
-In the continuous-batching engine (:mod:`specdec.engine`) every request has its own
-``ModelDrafter`` (``slot=``, ``num_slots=``): the instances share one draft model
-(:class:`SharedDraftModel`, loaded once) whose cache holds one row per engine slot, and each instance
-runs its request at its own row (``rows_B=[slot]``, the target's slot API), so requests join and
-leave without touching each other's rows.
+In the continuous-batching engine (:mod:`specdec.engine`) ``model`` by name is one
+:class:`~specdec.drafters.model_slots.ModelSlotDrafter` for every request (one draft forward per
+position for all rows). A ``ModelDrafter`` given to the engine as an object gives every request an
+instance of its own (``slot=``, ``num_slots=``, :meth:`ModelDrafter.slot_factory`): the instances share
+one draft model (:class:`SharedDraftModel`) whose cache holds one row per engine slot, and each runs its
+request at its own row (``rows_B=[slot]``, the target's slot API).
 """
 
 from __future__ import annotations

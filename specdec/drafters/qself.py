@@ -9,9 +9,8 @@ shared) and drafts with it as the ``model`` drafter does (its own KV cache, samp
 processed distribution, that distribution returned): verification by rejection sampling keeps the
 output exactly the target's.
 
-In the engine every request gets its own drafter (``slot=``, ``num_slots=``) and the requests share
-one copy (``shared=``, built by the first: :class:`specdec.drafters.model.SharedDraftModel`), one
-cache row per request.
+In the engine ``qself`` by name is one :class:`~specdec.drafters.model_slots.ModelSlotDrafter` over
+the copy (:func:`specdec.drafters.model_slots.qself_slots`), a cache row per engine slot.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import Any
 
 from specdec.drafters.model import ModelDrafter, SharedDraftModel
 
-__all__ = ["qself"]
+__all__ = ["qself", "quantized_copy"]
 
 
 def qself(
@@ -36,8 +35,23 @@ def qself(
     ``weights`` (``int4`` or ``int8``); the target must be a native Llama target with float weights.
     ``slot`` / ``num_slots`` / ``shared``: one request of the engine, as for ``ModelDrafter``
     (``shared`` holds a copy built before, which is used instead of building another)."""
+    if shared is not None:
+        _check_float_target(target)
+        copied = getattr(shared, "draft", None)
+        from specdec.targets.llama import LlamaTarget
+
+        if not isinstance(copied, LlamaTarget) or copied.weights != weights:
+            raise ValueError(
+                f"shared must hold the target's {weights} copy, got {type(copied).__name__} with "
+                f"weights={getattr(copied, 'weights', None)!r}"
+            )
+        return ModelDrafter(target, shared=shared, min_prob=min_prob, slot=slot, num_slots=num_slots)
+    copy = quantized_copy(target, weights)
+    return ModelDrafter(target, model=copy, min_prob=min_prob, slot=slot, num_slots=num_slots)
+
+
+def _check_float_target(target: Any) -> None:
     from specdec.targets.llama import LlamaTarget
-    from specdec.targets.llama_weights import requantized
 
     if not isinstance(target, LlamaTarget):
         raise ValueError(
@@ -48,15 +62,16 @@ def qself(
             "qself is for a target with float weights (fp32 or bf16); this one runs "
             f"weights={target.weights!r}, already quantised (load it with weights='fp32')"
         )
-    if shared is not None:
-        copied = getattr(shared, "draft", None)
-        if not isinstance(copied, LlamaTarget) or copied.weights != weights:
-            raise ValueError(
-                f"shared must hold the target's {weights} copy, got {type(copied).__name__} with "
-                f"weights={getattr(copied, 'weights', None)!r}"
-            )
-        return ModelDrafter(target, shared=shared, min_prob=min_prob, slot=slot, num_slots=num_slots)
-    copy = LlamaTarget(
+
+
+def quantized_copy(target: Any, weights: str = "int4") -> Any:
+    """The native Llama ``target`` (float weights) with its products requantised to ``weights``
+    (``int4`` or ``int8``), sharing its embedding, norms, tokenizer and device."""
+    from specdec.targets.llama import LlamaTarget
+    from specdec.targets.llama_weights import requantized
+
+    _check_float_target(target)
+    return LlamaTarget(
         target.config,
         requantized(target.packed_weights, weights, backend=target.linear_backend),
         weights=weights,
@@ -66,4 +81,3 @@ def qself(
         tokenizer=target.tokenizer,
         eos_token_ids=target.eos_token_ids,
     )
-    return ModelDrafter(target, model=copy, min_prob=min_prob, slot=slot, num_slots=num_slots)

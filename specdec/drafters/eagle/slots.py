@@ -40,6 +40,7 @@ from specdec.drafters.eagle.cache import EagleCache
 from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, EagleDrafter, draft_distribution
 from specdec.drafters.eagle.packed import PackedEagleHead
 from specdec.drafters.eagle.queue import FeatureQueue
+from specdec.drafters.slot_table import SlotTable
 from specdec.protocols import DecodeState, SlotProposal, TargetOutput
 from specdec.sampling import SamplingParams
 from specdec.verify.noise import PositionNoise, sample_keyed
@@ -65,7 +66,7 @@ def check_slot_call(
     return G
 
 
-class EagleSlotDrafter:
+class EagleSlotDrafter(SlotTable):
     """EAGLE chain drafter over ``num_slots`` engine rows (``eagle`` in the engine; see the module doc).
 
     Args:
@@ -92,8 +93,7 @@ class EagleSlotDrafter:
         head: PackedEagleHead | str | Path | None = None,
         max_queued: int = DEFAULT_MAX_QUEUED,
     ) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        super().__init__(num_slots)
         # the loading, the feature plumbing and the checked logits are the per-request drafter's
         self.eagle = EagleDrafter(
             target,
@@ -109,30 +109,18 @@ class EagleSlotDrafter:
         self.head: PackedEagleHead = self.eagle.head
         self.metadata = self.eagle.metadata
         self.min_prob, self.max_queued = self.eagle.min_prob, self.eagle.max_queued
-        self.num_slots = num_slots
         c, device = self.head.config, self.head.device
         self.cache = EagleCache(self.head, num_slots, _CAPACITY)
         self.cache_len = [0] * num_slots  # per slot: head-cache slots holding true-feature pairs
         self.queue = FeatureQueue(num_slots, (len(c.aux_layers) + 1) * c.hidden_size, device, capacity=64)
         self.next_feat_SD = torch.zeros(num_slots, c.hidden_size, device=device)
-        self.active = [False] * num_slots
         self.catch_up_s = 0.0
         self.catch_up_tokens = 0
 
     # --- the protocol ---------------------------------------------------------------------------
-    def _check_slot(self, slot: int, name: str = "slot") -> int:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
-            raise ValueError(f"{name} must be an int in [0, {self.num_slots}), got {slot!r}")
-        return slot
-
     def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: TargetOutput) -> None:
         """Queue the prompt's pairs ``(f_i, x_{i+1})`` at ``slot`` (they run when the row first drafts)."""
-        self._check_slot(slot)
-        if self.active[slot]:
-            raise ValueError(f"slot {slot} is in use: drop it before adding another request there")
-        if not prompt_ids:
-            raise ValueError("prompt_ids must be non-empty")
-        self.active[slot] = True
+        self._take(slot, prompt_ids)
         self.cache_len[slot] = 0
         self.queue.counts[slot] = 0
         self.next_feat_SD[slot] = 0
@@ -141,8 +129,7 @@ class EagleSlotDrafter:
 
     def drop(self, slot: int) -> None:
         """Forget ``slot``'s request (its cache row is overwritten by the next one)."""
-        self._check_slot(slot)
-        self.active[slot] = False
+        self._free(slot)
         self.queue.counts[slot] = 0
         self.cache_len[slot] = 0
 
@@ -201,15 +188,6 @@ class EagleSlotDrafter:
         return SlotProposal(tokens_T, counts, probs_TV)
 
     # --- the pieces -----------------------------------------------------------------------------
-    def _check_slots(self, slots: Sequence[int]) -> list[int]:
-        slots = [self._check_slot(s, "slots") for s in slots]
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"slots must be distinct, got {slots}")
-        idle = [s for s in slots if not self.active[s]]
-        if idle:
-            raise ValueError(f"slots {idle} hold no request (add them first)")
-        return slots
-
     def _draft(
         self,
         slots: list[int],

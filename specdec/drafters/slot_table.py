@@ -1,0 +1,52 @@
+"""Which engine slots hold a request: the bookkeeping and argument checks every slot drafter shares.
+
+A :class:`~specdec.protocols.SlotDrafter` keeps state per engine cache row (slot). :class:`SlotTable`
+is the part that is the same for all of them: ``num_slots``, which slots are in use (``active``), and
+the checks of ``add`` / ``drop`` / ``propose`` / ``observe`` arguments (a slot is an int in range; a
+call's slots are distinct and in use; ``add`` takes a free slot and a non-empty prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["SlotTable"]
+
+
+class SlotTable:
+    """``num_slots`` engine rows, each free or holding one request (``active``)."""
+
+    def __init__(self, num_slots: int) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        self.num_slots = num_slots
+        self.active = [False] * num_slots
+
+    def _check_slot(self, slot: int, name: str = "slot") -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise ValueError(f"{name} must be an int in [0, {self.num_slots}), got {slot!r}")
+        return slot
+
+    def _check_slots(self, slots: Sequence[int]) -> list[int]:
+        """A call's slots: in range, distinct, each holding a request."""
+        slots = [self._check_slot(s, "slots") for s in slots]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be distinct, got {slots}")
+        idle = [s for s in slots if not self.active[s]]
+        if idle:
+            raise ValueError(f"slots {idle} hold no request (add them first)")
+        return slots
+
+    def _take(self, slot: int, prompt_ids: Sequence[int]) -> None:
+        """``add``'s checks (a free slot in range, a non-empty prompt), then mark the slot in use."""
+        self._check_slot(slot)
+        if self.active[slot]:
+            raise ValueError(f"slot {slot} is in use: drop it before adding another request there")
+        if not prompt_ids:
+            raise ValueError("prompt_ids must be non-empty")
+        self.active[slot] = True
+
+    def _free(self, slot: int) -> None:
+        """``drop``: the slot (checked) holds no request any more."""
+        self._check_slot(slot)
+        self.active[slot] = False
