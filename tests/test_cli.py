@@ -149,6 +149,10 @@ def test_model_drafter_option(ckpt, capsys):
         "--drafter-option",
         "backend=hf",
         "--ignore-eos",
+        "--gamma-policy",
+        "fixed",  # under auto, a draft model as costly as the target rightly drafts nothing
+        "--gamma",
+        "3",
     )
     assert res["metrics"]["acceptance_rate"] == 1.0  # the target drafting for itself
 

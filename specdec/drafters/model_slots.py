@@ -95,6 +95,8 @@ class ModelSlotDrafter(SlotTable):
             rows_B=torch.tensor([slot]),
         )
         self.cached[slot] = P
+        # the row holds the prompt and nothing past it (whatever an earlier request left there)
+        self.draft.rollback(torch.tensor([P]), rows_B=torch.tensor([slot]))
 
     def drop(self, slot: int) -> None:
         self._free(slot)
@@ -156,7 +158,9 @@ class ModelSlotDrafter(SlotTable):
         device = getattr(self.draft, "device", "cpu")
         lengths = state.lengths_B.tolist()
         outputs = (state.lengths_B - state.prompt_lengths_B).tolist()  # output position of each row's draft 1
-        T = max(lengths[i] - self.cached[slots[i]] for i in rows)
+        # a row holds at most its committed tokens but the last (drafts past them are not verified yet,
+        # even where no observe came between two proposals)
+        T = max(lengths[i] - min(self.cached[slots[i]], lengths[i] - 1) for i in rows)
         start = [max(0, lengths[i] - T) for i in rows]
         at = torch.tensor(start).unsqueeze(1) + torch.arange(T)
         block_GT = state.tokens_BL[rows].gather(1, at.clamp(max=state.tokens_BL.shape[1] - 1))
