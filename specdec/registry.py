@@ -51,6 +51,7 @@ SLOT_DRAFTERS = Registry(
         "ngram-eagle-auto": "specdec.drafters.ngram_eagle_slots:ngram_eagle_auto_slots",
         "model": "specdec.drafters.model_slots:ModelSlotDrafter",
         "qself": "specdec.drafters.model_slots:qself_slots",
+        "layerskip": "specdec.drafters.layerskip_slots:LayerSkipSlotDrafter",
     },
 )
 """Drafter name -> the :class:`~specdec.protocols.SlotDrafter` the engine builds for it (one instance

@@ -25,6 +25,7 @@ from _tiny import byte_tokenizer, save_tiny_checkpoint, tiny_llama
 
 import specdec
 from specdec.drafters.layerskip import LayerSkipDrafter
+from specdec.drafters.layerskip_slots import LayerSkipSlotDrafter
 from specdec.drafters.model import ModelDrafter, SharedDraftModel
 from specdec.drafters.model_slots import ModelSlotDrafter
 from specdec.engine import Engine, RequestOutput
@@ -135,16 +136,14 @@ def test_greedy_under_load_equals_solo_with_shared_draft_parts(target, paths, so
     for i in range(3):
         assert finals[i].token_ids == solo[i], f"request {i}"
     assert len({slot for _, slot in slots}) == 2  # two rows, three requests: one row reused
-    if which == "layerskip":  # an instance per request, at its own row of the target's cache
-        assert len(drafters) == 3 and len({id(d) for d in drafters.values()}) == 3
-        for rid, slot in slots:
-            assert drafters[rid].slot == slot
-        assert all(d.target is target for d in drafters.values())
-    else:  # model, qself: one slot drafter, one draft model with a cache row per engine slot
-        one = engine.drafters.slots
-        assert isinstance(one, ModelSlotDrafter) and all(d is one for d in drafters.values())
+    one = engine.drafters.slots  # one slot drafter for every request
+    assert all(d is one for d in drafters.values()) and not any(one.active)  # every slot dropped
+    if which == "layerskip":  # the target's own first layers, at each request's row of its cache
+        assert isinstance(one, LayerSkipSlotDrafter) and one.target is target
+    else:  # model, qself: one draft model with a cache row per engine slot
+        assert isinstance(one, ModelSlotDrafter)
         assert isinstance(one.shared, SharedDraftModel) and one.shared.num_slots == 2
-        assert one.draft is not target and not any(one.active)  # every slot dropped
+        assert one.draft is not target
     assert len(copies) == (1 if which == "qself" else 0)  # the int4 copy is built once
     drafted = sum(f.metrics.num_drafted for f in finals.values())
     accepted = sum(f.metrics.num_accepted for f in finals.values())
@@ -353,3 +352,57 @@ def test_model_slot_drafter_batched_equals_each_row_alone(target, paths):
         )
     with pytest.raises(ValueError, match="noise"):
         together.propose([0], [1], state=_rows([PROMPTS[2]], [1], [[]]), sampling=[hot])
+
+
+def test_layerskip_slot_drafter_batched_equals_each_row_alone(target):
+    """One early-exit forward per position over every row, each at its own cache row: mixed depths and
+    sampling settings at slots out of order give each row bitwise its solo tokens and probabilities."""
+    from specdec.verify.noise import PositionNoise
+
+    greedy_p, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20)
+    prompts, first = PROMPTS, [5, 6, 7]
+    slots, depths, sampling, seeds = [2, 0, 1], [3, 2, 0], [greedy_p, hot, hot], [11, 12, 13]
+
+    def prefilled(rows: list[int], ps: list[list[int]]) -> None:
+        target.reset(3, MAX_LEN)
+        for r, p, x in zip(rows, ps, first, strict=False):
+            target.forward(
+                torch.tensor([p + [x]]), torch.zeros(1, dtype=torch.long), rows_B=torch.tensor([r])
+            )
+            target.rollback(torch.tensor([len(p)]), rows_B=torch.tensor([r]))
+
+    together = LayerSkipSlotDrafter(target, num_slots=3, num_layers=DEPTH - 1)
+    prefilled(slots, prompts)
+    for s_, p in zip(slots, prompts, strict=True):
+        together.add(s_, p, None)
+    call = together.propose(
+        slots,
+        depths,
+        state=_rows(prompts, first, [[], [], []]),
+        sampling=sampling,
+        noise=PositionNoise(seeds),
+    )
+    assert call.counts_B == depths
+    for i in range(3):
+        alone = LayerSkipSlotDrafter(target, num_slots=3, num_layers=DEPTH - 1)
+        target.reset(3, MAX_LEN)
+        target.forward(
+            torch.tensor([prompts[i] + [first[i]]]),
+            torch.zeros(1, dtype=torch.long),
+            rows_B=torch.tensor([slots[i]]),
+        )
+        target.rollback(torch.tensor([len(prompts[i])]), rows_B=torch.tensor([slots[i]]))
+        alone.add(slots[i], prompts[i], None)
+        solo = alone.propose(
+            [slots[i]],
+            [depths[i]],
+            state=_rows([prompts[i]], [first[i]], [[]]),
+            sampling=[sampling[i]],
+            noise=PositionNoise([seeds[i]]),
+        )
+        start = sum(call.counts_B[:i])
+        assert torch.equal(solo.tokens_T, call.tokens_T[start : start + depths[i]])
+        if not sampling[i].greedy and depths[i]:
+            assert torch.equal(solo.probs_TV, call.probs_TV[start : start + depths[i]])
+    with pytest.raises(ValueError, match="num_layers"):
+        LayerSkipSlotDrafter(target, num_slots=2, num_layers=DEPTH)

@@ -11,9 +11,10 @@ Cache sharing (LayerSkip's "cache reuse"): the first N layers of the target comp
 keys and values the truncated model would for the same tokens, so the drafter has no cache of its
 own. It writes its draft tokens' layer-< N keys/values into the target's cache at the slots the
 verify block is about to overwrite anyway; the target's ``rollback`` keeps both in step, and the
-drafter needs no prefill and no rollback of its own. In the engine each request's drafter runs at
-its request's cache row (``slot``: ``rows_B=[slot]``), so it writes that row only, past the row's
-length, and the row's verify block then overwrites those slots.
+drafter needs no prefill and no rollback of its own. In the engine ``layerskip`` by name is one
+:class:`~specdec.drafters.layerskip_slots.LayerSkipSlotDrafter` for every row; a ``LayerSkipDrafter``
+given as an object gives each request an instance at its cache row (``slot``: ``rows_B=[slot]``), which
+writes that row only, past the row's length, where the row's verify block then overwrites those slots.
 
 Draft tokens are sampled from ``logits_to_probs(early-exit logits, state.sampling)`` and those
 probabilities (full vocabulary, float32) are returned, so verification stays exact.

@@ -4,20 +4,20 @@ and dropped when it leaves; or one slot drafter for the engine, holding state pe
 Legend: B = 1 (a drafter instance sees its request as a batch of one), L sequence capacity.
 
 Instances share what is heavy (:data:`SHARED_PARTS`): the first instance of ``eagle-tree`` or
-``ngram-eagle-tree`` loads and packs the head once, later ones get it as ``head=``. A drafter that takes
-``slot`` / ``num_slots`` (``layerskip``) learns its request's cache row and the engine's number of
-rows, and runs its own forwards at that row only (``rows_B=[slot]``, on the target's own cache row).
-A drafter given as an object (as ``specdec.generate`` accepts) with a ``slot_factory(num_slots)``
-method (``ModelDrafter``, ``LayerSkipDrafter``) gives each request an instance at its cache row from
-that factory (built once per pool: a ``ModelDrafter``'s instances share one draft model with a cache
-row per slot, :class:`specdec.drafters.model.SharedDraftModel`); any other object serves the first
-request itself, every other request at the same time gets a deep copy of it, and a request that
-leaves hands its instance back for the next one (``begin`` starts a drafter afresh). A drafter that
-declares ``batched_rows = True`` (``none``, the toy Markov drafters of :mod:`specdec.testing`) is one
-instance for every row: the engine drafts many rows with one call (:mod:`specdec.engine.units`).
+``ngram-eagle-tree`` loads and packs the head once, later ones get it as ``head=``. A registered
+drafter whose factory takes ``slot`` / ``num_slots`` learns its request's cache row and the engine's
+number of rows. A drafter given as an object (as ``specdec.generate`` accepts) with a
+``slot_factory(num_slots)`` method (``ModelDrafter``, ``LayerSkipDrafter``) gives each request an
+instance at its cache row from that factory (built once per pool: a ``ModelDrafter``'s instances
+share one draft model with a cache row per slot, :class:`specdec.drafters.model.SharedDraftModel`);
+any other object serves the first request itself, every other request at the same time gets a deep
+copy of it, and a request that leaves hands its instance back for the next one (``begin`` starts a
+drafter afresh). A drafter that declares ``batched_rows = True`` (``none``, the toy Markov drafters
+of :mod:`specdec.testing`) is one instance for every row: the engine drafts many rows with one call
+(:mod:`specdec.engine.units`).
 
 A **slot drafter** (:class:`specdec.protocols.SlotDrafter`; ``eagle``, ``ngram-eagle``,
-``ngram-eagle-auto`` (so ``default``), ``model`` and ``qself`` by name, from
+``ngram-eagle-auto`` (so ``default``), ``model``, ``qself`` and ``layerskip`` by name, from
 :data:`specdec.registry.SLOT_DRAFTERS`, or any object passed that implements the protocol) is one
 instance for the whole engine (``slots``): the pool builds it with ``num_slots``, the engine calls ``add`` on
 a request's slot when it starts decoding and ``drop`` on it when it leaves (finished or aborted:

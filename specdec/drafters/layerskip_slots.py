@@ -1,0 +1,105 @@
+"""``layerskip`` in the engine: one drafter, one early-exit forward per draft position for all rows.
+
+Legend: S engine slots, G rows of a call, K a row's draft depth, V vocabulary.
+
+:class:`LayerSkipSlotDrafter` is a :class:`~specdec.protocols.SlotDrafter` over the target's own first
+``num_layers`` layers (:mod:`specdec.drafters.layerskip`: LayerSkip's self-speculation with cache
+reuse). It keeps nothing per slot but whether the slot holds a request: each draft position is **one**
+``forward_layers`` call over every row still drafting, each at its own row of the target's cache, past
+the row's length, where that row's verify block then overwrites the layer-< N keys and values it wrote.
+A row's drafts depend on that row only (the native target gives a row the same logits whatever the
+other rows); sampled rows draw from the keyed ``noise`` (stream ``"draft"``, by output position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdec.drafters.eagle.slots import check_slot_call
+from specdec.drafters.layerskip import LayerSkipDrafter
+from specdec.drafters.slot_table import SlotTable
+from specdec.protocols import DecodeState, SlotProposal, Target, TargetOutput
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.verify.noise import PositionNoise, sample_keyed
+
+__all__ = ["LayerSkipSlotDrafter"]
+
+
+class LayerSkipSlotDrafter(SlotTable):
+    """The target's first ``num_layers`` layers drafting for ``num_slots`` engine rows (see the module
+    doc); ``num_layers`` as :class:`~specdec.drafters.layerskip.LayerSkipDrafter` (checked there)."""
+
+    catch_up_s = 0.0  # the target's prefill and verify forwards already wrote every committed token
+    catch_up_tokens = 0
+
+    def __init__(self, target: Target, *, num_slots: int, num_layers: int | None = None) -> None:
+        super().__init__(num_slots)
+        one = LayerSkipDrafter(target, num_layers=num_layers, slot=0)  # the target's and the option's checks
+        self.target, self.num_layers = target, one.num_layers
+        self.vocab_size = int(target.vocab_size)
+
+    def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: TargetOutput) -> None:
+        self._take(slot, prompt_ids)
+
+    def drop(self, slot: int) -> None:
+        self._free(slot)
+
+    def observe(
+        self, slots: Sequence[int], num_accepted: Sequence[int], features: TargetOutput, *, state: DecodeState
+    ) -> None:
+        """Nothing to roll back: the verify block overwrote every slot the drafts wrote."""
+        self._check_slots(slots)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        slots: Sequence[int],
+        depths: Sequence[int],
+        *,
+        state: DecodeState,
+        sampling: Sequence[SamplingParams],
+        noise: PositionNoise | None = None,
+    ) -> SlotProposal:
+        """``depths[i]`` tokens for row ``slots[i]``: one early-exit forward per position over the rows
+        still drafting, at cache slots ``lengths - 1 + k``."""
+        slots = self._check_slots(slots)
+        G = check_slot_call(slots, depths, sampling, state)
+        sampled = any(not s.greedy for s in sampling)
+        if sampled and (noise is None or noise.num_rows != G):
+            raise ValueError("noise: sampled rows need a PositionNoise with one seed per slot")
+        drafted: list[list[int]] = [[] for _ in range(G)]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]
+        rows = [i for i in range(G) if depths[i] > 0]
+        lengths = state.lengths_B.tolist()
+        outputs = (state.lengths_B - state.prompt_lengths_B).tolist()
+        last = state.last_tokens_B().tolist()
+        tokens = {i: last[i] for i in rows}
+        for k in range(max((depths[i] for i in rows), default=0)):
+            rows = [i for i in rows if depths[i] > k]
+            out = self.target.forward_layers(
+                torch.tensor([[tokens[i]] for i in rows], dtype=torch.long),
+                torch.tensor([lengths[i] - 1 + k for i in rows], dtype=torch.long),
+                num_layers=self.num_layers,
+                rows_B=torch.tensor([slots[i] for i in rows]),
+            )
+            logits_GV = out.logits_BTV[:, -1].float().cpu()
+            for j, i in enumerate(rows):
+                if sampling[i].greedy:
+                    tokens[i], p = int(logits_GV[j].argmax()), None
+                else:
+                    s = sampling[i]
+                    p = logits_to_probs(logits_GV[j : j + 1], s.temperature, s.top_k, s.top_p)[0]
+                    one = PositionNoise(noise.seeds_B[[i]])
+                    tokens[i] = int(
+                        sample_keyed(p[None], one, torch.tensor([outputs[i] + k]), stream="draft")[0]
+                    )
+                drafted[i].append(tokens[i])
+                probs[i].append(p)
+        tokens_T = torch.tensor([t for d in drafted for t in d], dtype=torch.long)
+        probs_TV = None
+        if sampled and tokens_T.numel():
+            zero_V = torch.zeros(self.vocab_size)
+            probs_TV = torch.stack([zero_V if p is None else p for row in probs for p in row])
+        return SlotProposal(tokens_T, [len(d) for d in drafted], probs_TV)
