@@ -294,7 +294,7 @@ class SlotProposal:
         starts = [sum(self.counts_B[:i]) for i in index]
         at = torch.tensor([s + k for s in starts for k in range(K)], dtype=torch.long)
         tokens_GK = self.tokens_T[at.to(self.tokens_T.device)].view(len(index), K)
-        if greedy or self.probs_TV is None:
+        if greedy or self.probs_TV is None or K == 0:  # point masses, or nothing drafted
             return Proposal(tokens_GK, None)
         return Proposal(tokens_GK, self.probs_TV[at.to(self.probs_TV.device)].view(len(index), K, -1))
 

@@ -52,6 +52,7 @@ SLOT_DRAFTERS = Registry(
         "model": "specdec.drafters.model_slots:ModelSlotDrafter",
         "qself": "specdec.drafters.model_slots:qself_slots",
         "layerskip": "specdec.drafters.layerskip_slots:LayerSkipSlotDrafter",
+        "ngram": "specdec.drafters.ngram_slots:NGramSlotDrafter",
     },
 )
 """Drafter name -> the :class:`~specdec.protocols.SlotDrafter` the engine builds for it (one instance

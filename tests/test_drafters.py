@@ -99,6 +99,36 @@ def test_ngram_drafter_batch_pads_and_skips_finished_rows():
     assert d.propose(state, 3).tokens_BK.shape == (3, 0)
 
 
+def test_ngram_slot_drafter_proposes_each_rows_own_lookup_ragged():
+    """The engine's ``ngram``: one call, each row its own lookup up to its depth (no padding), point
+    masses (one-hot where a row is sampled), a miss proposing nothing; then the engine over it."""
+    from specdec.drafters.ngram_slots import NGramSlotDrafter
+    from specdec.verify.noise import PositionNoise
+
+    target = TableTarget(random_table(10, seed=0))
+    d = NGramSlotDrafter(target, num_slots=4)
+    rows = [[1, 2, 3, 1, 2], [4, 5, 6], [7, 8, 7]]
+    for slot, r in zip((3, 0, 1), rows, strict=True):
+        d.add(slot, r, None)
+    state = state_for(rows)
+    hot = SamplingParams(temperature=0.7)
+    p = d.propose(
+        [3, 0, 1],
+        [2, 3, 3],
+        state=state,
+        sampling=[SamplingParams(), hot, hot],
+        noise=PositionNoise([1, 2, 3]),
+    )
+    assert p.counts_B == [2, 0, 2] and p.tokens_T.tolist() == [3, 1, 8, 7]
+    assert p.probs_TV.shape == (4, 10) and p.probs_TV.sum().item() == 4 and p.probs_TV[2, 8] == 1
+    assert p.chains([1], False).tokens_BK.shape == (1, 0)  # a sampled miss: an empty chain
+    with pytest.raises(ValueError, match="hold no request"):
+        d.propose([2], [1], state=state_for([rows[0]]), sampling=[hot])
+    kw = {"max_new_tokens": 12, "ignore_eos": True}
+    plain = specdec.generate(target, rows, drafter="none", temperature=0.0, **kw).token_ids
+    assert specdec.generate(target, rows, drafter="ngram", temperature=0.0, **kw).token_ids == plain
+
+
 def test_ngram_options_are_validated():
     target = TableTarget(random_table(5, seed=0))
     with pytest.raises(ValueError, match="min_ngram"):

@@ -19,38 +19,23 @@ import torch
 
 from specdec.drafters.eagle.slots import check_slot_call
 from specdec.drafters.layerskip import LayerSkipDrafter
-from specdec.drafters.slot_table import SlotTable
-from specdec.protocols import DecodeState, SlotProposal, Target, TargetOutput
+from specdec.drafters.slot_table import StatelessSlots
+from specdec.protocols import DecodeState, SlotProposal, Target
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify.noise import PositionNoise, sample_keyed
 
 __all__ = ["LayerSkipSlotDrafter"]
 
 
-class LayerSkipSlotDrafter(SlotTable):
+class LayerSkipSlotDrafter(StatelessSlots):
     """The target's first ``num_layers`` layers drafting for ``num_slots`` engine rows (see the module
     doc); ``num_layers`` as :class:`~specdec.drafters.layerskip.LayerSkipDrafter` (checked there)."""
-
-    catch_up_s = 0.0  # the target's prefill and verify forwards already wrote every committed token
-    catch_up_tokens = 0
 
     def __init__(self, target: Target, *, num_slots: int, num_layers: int | None = None) -> None:
         super().__init__(num_slots)
         one = LayerSkipDrafter(target, num_layers=num_layers, slot=0)  # the target's and the option's checks
         self.target, self.num_layers = target, one.num_layers
         self.vocab_size = int(target.vocab_size)
-
-    def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: TargetOutput) -> None:
-        self._take(slot, prompt_ids)
-
-    def drop(self, slot: int) -> None:
-        self._free(slot)
-
-    def observe(
-        self, slots: Sequence[int], num_accepted: Sequence[int], features: TargetOutput, *, state: DecodeState
-    ) -> None:
-        """Nothing to roll back: the verify block overwrote every slot the drafts wrote."""
-        self._check_slots(slots)
 
     @torch.inference_mode()
     def propose(

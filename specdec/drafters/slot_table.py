@@ -9,8 +9,9 @@ call's slots are distinct and in use; ``add`` takes a free slot and a non-empty 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["SlotTable"]
+__all__ = ["SlotTable", "StatelessSlots"]
 
 
 class SlotTable:
@@ -50,3 +51,22 @@ class SlotTable:
         """``drop``: the slot (checked) holds no request any more."""
         self._check_slot(slot)
         self.active[slot] = False
+
+
+class StatelessSlots(SlotTable):
+    """A slot drafter that keeps nothing per slot but whether it holds a request (``ngram``,
+    ``layerskip``): ``add``, ``drop`` and ``observe`` only check and mark the slots."""
+
+    catch_up_s = 0.0  # nothing owed for committed tokens
+    catch_up_tokens = 0
+
+    def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: Any) -> None:
+        self._take(slot, prompt_ids)
+
+    def drop(self, slot: int) -> None:
+        self._free(slot)
+
+    def observe(
+        self, slots: Sequence[int], num_accepted: Sequence[int], features: Any, *, state: Any
+    ) -> None:
+        self._check_slots(slots)

@@ -17,7 +17,7 @@ of :mod:`specdec.testing`) is one instance for every row: the engine drafts many
 (:mod:`specdec.engine.units`).
 
 A **slot drafter** (:class:`specdec.protocols.SlotDrafter`; ``eagle``, ``ngram-eagle``,
-``ngram-eagle-auto`` (so ``default``), ``model``, ``qself`` and ``layerskip`` by name, from
+``ngram-eagle-auto`` (so ``default``), ``model``, ``qself``, ``layerskip`` and ``ngram`` by name, from
 :data:`specdec.registry.SLOT_DRAFTERS`, or any object passed that implements the protocol) is one
 instance for the whole engine (``slots``): the pool builds it with ``num_slots``, the engine calls ``add`` on
 a request's slot when it starts decoding and ``drop`` on it when it leaves (finished or aborted:
