@@ -17,12 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.drafters.eagle.slots import check_slot_call
 from specdec.drafters.layerskip import LayerSkipDrafter
-from specdec.drafters.slot_table import StatelessSlots
+from specdec.drafters.slot_table import StatelessSlots, draw_draft
 from specdec.protocols import DecodeState, SlotProposal, Target
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.verify.noise import PositionNoise, sample_keyed
+from specdec.sampling import SamplingParams
+from specdec.verify.noise import PositionNoise
 
 __all__ = ["LayerSkipSlotDrafter"]
 
@@ -49,11 +48,9 @@ class LayerSkipSlotDrafter(StatelessSlots):
     ) -> SlotProposal:
         """``depths[i]`` tokens for row ``slots[i]``: one early-exit forward per position over the rows
         still drafting, at cache slots ``lengths - 1 + k``."""
-        slots = self._check_slots(slots)
-        G = check_slot_call(slots, depths, sampling, state)
+        slots = self.check_propose(slots, depths, sampling, state, noise)
+        G = len(slots)
         sampled = any(not s.greedy for s in sampling)
-        if sampled and (noise is None or noise.num_rows != G):
-            raise ValueError("noise: sampled rows need a PositionNoise with one seed per slot")
         drafted: list[list[int]] = [[] for _ in range(G)]
         probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]
         rows = [i for i in range(G) if depths[i] > 0]
@@ -71,15 +68,7 @@ class LayerSkipSlotDrafter(StatelessSlots):
             )
             logits_GV = out.logits_BTV[:, -1].float().cpu()
             for j, i in enumerate(rows):
-                if sampling[i].greedy:
-                    tokens[i], p = int(logits_GV[j].argmax()), None
-                else:
-                    s = sampling[i]
-                    p = logits_to_probs(logits_GV[j : j + 1], s.temperature, s.top_k, s.top_p)[0]
-                    one = PositionNoise(noise.seeds_B[[i]])
-                    tokens[i] = int(
-                        sample_keyed(p[None], one, torch.tensor([outputs[i] + k]), stream="draft")[0]
-                    )
+                tokens[i], p = draw_draft(logits_GV[j], sampling[i], noise, i, outputs[i] + k)
                 drafted[i].append(tokens[i])
                 probs[i].append(p)
         tokens_T = torch.tensor([t for d in drafted for t in d], dtype=torch.long)

@@ -37,7 +37,7 @@ from specdec.drafters.confidence import ConfidenceStop, check_min_prob
 from specdec.protocols import DecodeState, Proposal, Target, TargetOutput
 from specdec.sampling import logits_to_probs, sample_from_probs
 
-__all__ = ["ModelDrafter", "SharedDraftModel", "check_same_vocab"]
+__all__ = ["ModelDrafter", "SharedDraftModel", "check_same_vocab", "fit_vocab"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,6 +74,17 @@ def check_same_vocab(target: Target, draft: Target) -> None:
             f"vocab mismatch: drafter model has vocab_size={draft.vocab_size}, target has "
             f"vocab_size={target.vocab_size} (and no tokenizers to compare)"
         )
+
+
+def fit_vocab(logits_BV: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft logits over the target's ``vocab_size`` ids (padding rows cut off or filled with −inf)."""
+    V_d = logits_BV.shape[-1]
+    if V_d == vocab_size:
+        return logits_BV
+    if V_d > vocab_size:
+        return logits_BV[..., :vocab_size]
+    pad = logits_BV.new_full((*logits_BV.shape[:-1], vocab_size - V_d), float("-inf"))
+    return torch.cat([logits_BV, pad], dim=-1)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -234,16 +245,6 @@ class ModelDrafter:
         """The ``rows_B`` keyword of this request's draft forwards and rollbacks (none alone)."""
         return {} if self.rows_B is None else {"rows_B": self.rows_B}
 
-    def _fit_vocab(self, logits_BV: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the target's vocabulary (padding rows cut off or filled with −inf)."""
-        V_d = logits_BV.shape[-1]
-        if V_d == self.vocab_size:
-            return logits_BV
-        if V_d > self.vocab_size:
-            return logits_BV[..., : self.vocab_size]
-        pad = logits_BV.new_full((*logits_BV.shape[:-1], self.vocab_size - V_d), float("-inf"))
-        return torch.cat([logits_BV, pad], dim=-1)
-
     def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
         B, capacity = state.tokens_BL.shape
         if self.shared is None:
@@ -283,7 +284,7 @@ class ModelDrafter:
             out = self.draft.forward(block_BT, start_B, logits_index_BN=last_index_BN, **self._rows())
             fed += 1
             # decided where the state lives (the host in the engine), whatever the draft model's device
-            logits_BV = self._fit_vocab(out.logits_BTV[:, -1]).to(lengths_B.device)
+            logits_BV = fit_vocab(out.logits_BTV[:, -1], self.vocab_size).to(lengths_B.device)
             draft_probs_BV = logits_to_probs(logits_BV, s.temperature, s.top_k, s.top_p)
             token_B = sample_from_probs(draft_probs_BV, generator)
             # Greedy: the draft model's own softmax at T = 1; sampled: the verified draft distribution.

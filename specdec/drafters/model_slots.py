@@ -26,12 +26,11 @@ from typing import Any
 import torch
 
 from specdec.drafters.confidence import check_min_prob
-from specdec.drafters.eagle.slots import check_slot_call
-from specdec.drafters.model import SharedDraftModel, _load_draft
-from specdec.drafters.slot_table import SlotTable
+from specdec.drafters.model import SharedDraftModel, _load_draft, fit_vocab
+from specdec.drafters.slot_table import SlotTable, draw_draft
 from specdec.protocols import DecodeState, SlotProposal, Target, TargetOutput
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.verify.noise import PositionNoise, sample_keyed
+from specdec.sampling import SamplingParams
+from specdec.verify.noise import PositionNoise
 
 __all__ = ["ModelSlotDrafter", "qself_slots"]
 
@@ -126,10 +125,8 @@ class ModelSlotDrafter(SlotTable):
     ) -> SlotProposal:
         """Up to ``depths[i]`` tokens for row ``slots[i]``: one draft forward per position over the rows
         still drafting (see the module doc)."""
-        slots = self._check_slots(slots)
-        G = check_slot_call(slots, depths, sampling, state)
-        if any(not s.greedy for s in sampling) and (noise is None or noise.num_rows != G):
-            raise ValueError("noise: sampled rows need a PositionNoise with one seed per slot")
+        slots = self.check_propose(slots, depths, sampling, state, noise)
+        G = len(slots)
         drafted: list[list[int]] = [[] for _ in range(G)]
         probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]
         rows = [i for i in range(G) if depths[i] > 0]
@@ -177,10 +174,10 @@ class ModelSlotDrafter(SlotTable):
             )
             for i in rows:
                 fed[i] += 1
-            logits_GV = self._fit_vocab(out.logits_BTV[:, -1].float().cpu())
+            logits_GV = fit_vocab(out.logits_BTV[:, -1].float().cpu(), self.vocab_size)
             go_on = []
             for j, i in enumerate(rows):
-                token, p = self._pick(logits_GV[j], sampling[i], noise, i, outputs[i] + k)
+                token, p = draw_draft(logits_GV[j], sampling[i], noise, i, outputs[i] + k)
                 keep, stop = self._confident(running, i, sampling[i], logits_GV[j], token, p)
                 if keep:
                     drafted[i].append(token)
@@ -196,22 +193,6 @@ class ModelSlotDrafter(SlotTable):
         # cached now: the committed tokens but the last, and the drafts fed back
         for i, n in fed.items():
             self.cached[slots[i]] = lengths[i] - 1 + n
-
-    def _pick(
-        self,
-        logits_V: torch.Tensor,
-        params: SamplingParams,
-        noise: PositionNoise | None,
-        row: int,
-        position: int,
-    ) -> tuple[int, torch.Tensor | None]:
-        """A row's draft token at output ``position`` (and its draft distribution where sampled)."""
-        if params.greedy:
-            return int(logits_V.argmax()), None
-        probs_1V = logits_to_probs(logits_V[None], params.temperature, params.top_k, params.top_p)
-        one = PositionNoise(noise.seeds_B[[row]])
-        token = sample_keyed(probs_1V, one, torch.tensor([position]), stream="draft")
-        return int(token[0]), probs_1V[0]
 
     def _confident(
         self,
@@ -230,14 +211,6 @@ class ModelSlotDrafter(SlotTable):
         running[row] *= p
         below = running[row] < self.min_prob
         return (not below, below) if params.greedy else (True, below)
-
-    def _fit_vocab(self, logits_GV: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the target's vocabulary (padding rows cut off or filled with −inf)."""
-        V_d = logits_GV.shape[-1]
-        if V_d >= self.vocab_size:
-            return logits_GV[..., : self.vocab_size]
-        pad = logits_GV.new_full((*logits_GV.shape[:-1], self.vocab_size - V_d), float("-inf"))
-        return torch.cat([logits_GV, pad], dim=-1)
 
 
 def qself_slots(

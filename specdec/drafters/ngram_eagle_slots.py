@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 
-from specdec.drafters.eagle.cache import EagleCache
 from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED
 from specdec.drafters.eagle.queue import FeatureQueue
-from specdec.drafters.eagle.slots import EagleSlotDrafter, check_slot_call
+from specdec.drafters.eagle.slots import EagleSlotDrafter
 from specdec.drafters.eagle.tree import EagleTreeDrafter
 from specdec.drafters.ngram import NGramDrafter
 from specdec.drafters.ngram_eagle import DEFAULT_MIN_PROB, DEFAULT_TREE_MIN_PROB
@@ -126,7 +125,7 @@ class NGramEagleSlotDrafter:
     ) -> SlotProposal:
         """Per row: the lookup's tokens where it finds ``min_tokens``, else the head's chain (all such rows
         in one call), or, for the only row of a ``tree_ok`` greedy step, the head's tree."""
-        G = check_slot_call(slots, depths, sampling, state)
+        G = len(self.eagle.check_propose(slots, depths, sampling, state, noise))
         found = self.lookup.lookups(state, max(depths, default=0))
         looked = [d > 0 and len(f[:d]) >= self.min_tokens for f, d in zip(found, depths, strict=True)]
         head_depths = [0 if hit else d for hit, d in zip(looked, depths, strict=True)]
@@ -181,10 +180,7 @@ class NGramEagleSlotDrafter:
         eagle.catch_up([slot], state, [0])
         base = eagle.cache_len[slot]
         eagle.cache.ensure(base + depth * trees.tree_width + max(trees.tree_nodes, trees.tree.num_nodes) + 2)
-        view = EagleCache.__new__(EagleCache)  # the slot's row of the shared cache, written in place
-        view.k_BGLd = eagle.cache.k_BGLd[slot : slot + 1]
-        view.v_BGLd = eagle.cache.v_BGLd[slot : slot + 1]
-        trees.cache = view
+        trees.cache = eagle.cache.row(slot)  # the slot's row of the shared cache, written in place
         trees.cache_len_B = torch.tensor([base], dtype=torch.long, device=self.head.device)
         trees._next_feat_BD = eagle.next_feat_SD[slot : slot + 1]
         proposal: Proposal = trees.propose(state, depth)

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.drafters.eagle.slots import check_slot_call
 from specdec.drafters.ngram import NGramDrafter
 from specdec.drafters.slot_table import StatelessSlots
 from specdec.protocols import DecodeState, SlotProposal, Target
@@ -52,8 +51,7 @@ class NGramSlotDrafter(StatelessSlots):
     ) -> SlotProposal:
         """Row i's lookup, up to ``depths[i]`` tokens (point masses: one-hot probabilities where a row of
         the call is sampled)."""
-        self._check_slots(slots)
-        check_slot_call(slots, depths, sampling, state)
+        self.check_propose(slots, depths, sampling, state, noise, keyed=False)  # lookups draw nothing
         found = self.lookup.lookups(state, max(depths, default=0))
         rows = [f[:k] for f, k in zip(found, depths, strict=True)]
         tokens_T = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)

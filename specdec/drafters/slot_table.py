@@ -1,9 +1,12 @@
-"""Which engine slots hold a request: the bookkeeping and argument checks every slot drafter shares.
+"""What every slot drafter shares: which slots hold a request, the argument checks, a row's keyed draft.
 
 A :class:`~specdec.protocols.SlotDrafter` keeps state per engine cache row (slot). :class:`SlotTable`
 is the part that is the same for all of them: ``num_slots``, which slots are in use (``active``), and
 the checks of ``add`` / ``drop`` / ``propose`` / ``observe`` arguments (a slot is an int in range; a
-call's slots are distinct and in use; ``add`` takes a free slot and a non-empty prompt).
+call's slots are distinct and in use; ``add`` takes a free slot and a non-empty prompt; ``propose``
+takes one depth, setting and state row per slot, and keyed noise where a row is sampled).
+:func:`draw_draft` is one row's draft token from its logits: the argmax, or a draw from the processed
+distribution keyed by the row's seed and output position (stream ``"draft"``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["SlotTable", "StatelessSlots"]
+import torch
+
+from specdec.protocols import DecodeState
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.verify.noise import PositionNoise, sample_keyed
+
+__all__ = ["SlotTable", "StatelessSlots", "draw_draft"]
+
+
+def draw_draft(
+    logits_V: torch.Tensor, params: SamplingParams, noise: PositionNoise | None, row: int, position: int
+) -> tuple[int, torch.Tensor | None]:
+    """Row ``row``'s draft token at output ``position`` from its logits ``[V]``, and the distribution it
+    was drawn from (None for a greedy row: its argmax, a point mass)."""
+    if params.greedy:
+        return int(logits_V.argmax()), None
+    probs_1V = logits_to_probs(logits_V[None], params.temperature, params.top_k, params.top_p)
+    one = PositionNoise(noise.seeds_B[[row]])
+    token = sample_keyed(probs_1V, one, torch.tensor([position]), stream="draft")
+    return int(token[0]), probs_1V[0]
 
 
 class SlotTable:
@@ -36,6 +58,32 @@ class SlotTable:
         idle = [s for s in slots if not self.active[s]]
         if idle:
             raise ValueError(f"slots {idle} hold no request (add them first)")
+        return slots
+
+    def check_propose(
+        self,
+        slots: Sequence[int],
+        depths: Sequence[int],
+        sampling: Sequence[SamplingParams],
+        state: DecodeState,
+        noise: PositionNoise | None,
+        *,
+        keyed: bool = True,
+    ) -> list[int]:
+        """``propose``'s arguments: the slots (:meth:`_check_slots`), one depth (an int >= 0), one
+        setting and one state row per slot, and, where ``keyed`` and a row is sampled, a
+        :class:`~specdec.verify.noise.PositionNoise` with one seed per slot; returns the slots."""
+        slots = self._check_slots(slots)
+        G = len(slots)
+        if len(depths) != G or len(sampling) != G or state.batch_size != G:
+            raise ValueError(
+                f"depths ({len(depths)}), sampling ({len(sampling)}) and state ({state.batch_size} rows) "
+                f"must have one entry per slot ({G})"
+            )
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in depths):
+            raise ValueError(f"depths must be ints >= 0, got {list(depths)}")
+        if keyed and any(not s.greedy for s in sampling) and (noise is None or noise.num_rows != G):
+            raise ValueError("noise: sampled rows need a PositionNoise with one seed per slot")
         return slots
 
     def _take(self, slot: int, prompt_ids: Sequence[int]) -> None:

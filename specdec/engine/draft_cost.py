@@ -122,6 +122,7 @@ def measure_draft_cost(
     seconds over its longest chain; ``catch[G]`` starts at one position's cost (a step's catch-up is one
     head forward over the rows' committed tokens) until the engine learns it."""
     from specdec.engine.cost_model import device_synchronizer
+    from specdec.engine.units import row_output
     from specdec.protocols import DecodeState
     from specdec.sampling import SamplingParams
 
@@ -137,11 +138,7 @@ def measure_draft_cost(
     try:
         for G in sorted(set(rows)):
             for s in range(G):
-                hidden = None if out.hidden_BTD is None else out.hidden_BTD[s : s + 1]
-                aux = {k: h[s : s + 1] for k, h in (out.aux_hidden_BTD or {}).items()} or None
-                drafter.add(
-                    s, prompt[s, :context].tolist(), type(out)(out.logits_BTV[s : s + 1], hidden, aux)
-                )
+                drafter.add(s, prompt[s, :context].tolist(), row_output(out, s))
             tokens = torch.zeros(G, context + depth + 8, dtype=torch.long)
             tokens[:, : context + 1] = prompt[:G]
             P = torch.full((G,), context, dtype=torch.long)

@@ -12,7 +12,8 @@ Each :meth:`Engine.step`:
    (:mod:`specdec.engine.cost_model`), the drafting cost of the rows that draft
    (:mod:`specdec.engine.draft_cost`) and that request's own acceptance;
 3. **decode**: every decoding request's drafter proposes (one drafter instance per request, or one
-   slot drafter for every row, ``eagle``, ``ngram-eagle``, ``default``: :mod:`specdec.engine.drafting`);
+   slot drafter for every row, the names in :data:`specdec.registry.SLOT_DRAFTERS`:
+   :mod:`specdec.engine.drafting`);
    the chains go through **one** target forward, each row at its own cache row and position,
    padded to T_max (the padding lands past the row's length and is never attended); a token tree
    goes through a forward of its own (its mask is per tree); each row is verified by the rule with
@@ -105,13 +106,15 @@ class Engine(DecodeSteps):
     Args:
         target: a :class:`specdec.protocols.Target` whose ``forward`` / ``rollback`` take ``rows_B``
             (the native ``llama`` target and the ``hf`` target do).
-        drafter: a registered drafter name; each request gets its own instance built with
-            ``drafter_options`` (a name in :data:`specdec.registry.SLOT_DRAFTERS`, ``eagle``,
-            ``ngram-eagle``, ``ngram-eagle-auto``: one :class:`~specdec.protocols.SlotDrafter` for every
-            request). ``default``: the shipped
-            EAGLE head with prompt lookup where the target
-            has one, else prompt lookup. Or a drafter object: the first request uses it, requests
-            beside it deep copies (:mod:`specdec.engine.drafting`).
+        drafter: a registered drafter name, built with ``drafter_options``: one
+            :class:`~specdec.protocols.SlotDrafter` for every request for a name in
+            :data:`specdec.registry.SLOT_DRAFTERS` (``eagle``, ``ngram-eagle``, ``ngram-eagle-auto``,
+            ``model``, ``qself``, ``layerskip``, ``ngram``), an instance per request for the others
+            (``eagle-tree``, ``ngram-eagle-tree``, ``unigram``, ``bigram``). ``default``: the shipped
+            EAGLE head with prompt lookup where the target has one, else prompt lookup. Or a drafter
+            object: a ``SlotDrafter`` serves every request; another serves the first request, and
+            the requests beside it get instances from its ``slot_factory`` or deep copies
+            (:mod:`specdec.engine.drafting`).
         gamma: ``auto`` (the default), a depth policy name (``fixed``, ``batch-table``, ``goodput``)
             built with ``gamma_options``, an int (every row drafts that many), or a ``DepthPolicy``.
         max_num_seqs: requests decoding at once (cache rows).

@@ -28,6 +28,13 @@ class EagleCache:
         self.k_BGLd = torch.zeros(shape, dtype=torch.float32, device=head.embed_VD.device)
         self.v_BGLd = torch.zeros_like(self.k_BGLd)
 
+    def row(self, b: int) -> EagleCache:
+        """Row ``b`` as a cache of one row whose keys and values are views of this one's: what a step
+        on it writes lands in row ``b`` (until it grows; :meth:`ensure` this cache first)."""
+        view = EagleCache.__new__(EagleCache)
+        view.k_BGLd, view.v_BGLd = self.k_BGLd[b : b + 1], self.v_BGLd[b : b + 1]
+        return view
+
     @property
     def capacity(self) -> int:
         return self.k_BGLd.shape[2]

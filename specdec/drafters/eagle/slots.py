@@ -45,25 +45,9 @@ from specdec.protocols import DecodeState, SlotProposal, TargetOutput
 from specdec.sampling import SamplingParams
 from specdec.verify.noise import PositionNoise, sample_keyed
 
-__all__ = ["EagleSlotDrafter", "check_slot_call"]
+__all__ = ["EagleSlotDrafter"]
 
 _CAPACITY = 256  # head-cache slots per row to start with (grown by doubling)
-
-
-def check_slot_call(
-    slots: Sequence[int], depths: Sequence[int], sampling: Sequence[SamplingParams], state: DecodeState
-) -> int:
-    """A slot drafter's ``propose`` arguments: one depth (an int >= 0), one setting and one state row per
-    slot; returns the number of rows."""
-    G = len(slots)
-    if len(depths) != G or len(sampling) != G or state.batch_size != G:
-        raise ValueError(
-            f"depths ({len(depths)}), sampling ({len(sampling)}) and state ({state.batch_size} rows) "
-            f"must have one entry per slot ({G})"
-        )
-    if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in depths):
-        raise ValueError(f"depths must be ints >= 0, got {list(depths)}")
-    return G
 
 
 class EagleSlotDrafter(SlotTable):
@@ -165,11 +149,9 @@ class EagleSlotDrafter(SlotTable):
     ) -> SlotProposal:
         """Up to ``depths[i]`` tokens for row ``slots[i]``: one catch-up forward over the drafting rows'
         queued features, then one head forward per draft position over the rows still drafting."""
-        slots = self._check_slots(slots)
-        G = check_slot_call(slots, depths, sampling, state)
+        slots = self.check_propose(slots, depths, sampling, state, noise)
+        G = len(slots)
         sampled = [i for i in range(G) if not sampling[i].greedy]
-        if sampled and (noise is None or noise.num_rows != G):
-            raise ValueError("noise: sampled rows need a PositionNoise with one seed per slot")
         device = self.head.device
         drafting = [i for i in range(G) if depths[i] > 0]
         drafted: list[list[torch.Tensor]] = [[] for _ in range(G)]  # per row: [token] per position
