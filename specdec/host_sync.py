@@ -3,7 +3,7 @@
 On an accelerator every read of a device tensor's values on the host (``.item()``, ``.tolist()``,
 ``.cpu()``, ``bool(t)``, a boolean-mask index, ``nonzero``, ...) waits for the device to finish all
 the work queued before it: a synchronisation. The engine does at most one per decode step, the
-step's committed tokens (``specdec.engine.decode``); the verification rules, the keyed noise and the
+step's committed tokens (``specdec.engine.runner``); the verification rules, the keyed noise and the
 samplers take **fixed-shape** paths there (no early exit on "every row has stopped", no sparse pass
 chosen by a count, no boolean-mask indexing), which compute the same tokens as their host paths.
 

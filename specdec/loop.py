@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
+from specdec.drafters.request_slots import mix_seed
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
-from specdec.engine.engine import Engine, mix_seed
+from specdec.engine.engine import Engine
 from specdec.locks import exclusive
 from specdec.metrics import MetricsRecorder, SpecMetrics
 from specdec.protocols import Drafter, Target
@@ -151,10 +152,11 @@ def generate(
     Args:
         target: a :class:`specdec.protocols.Target` with the slot API (``rows_B``).
         prompt_ids: B prompts (lists of ids, lengths may differ) or a ``[B, T]`` tensor.
-        drafter: a :class:`specdec.protocols.Drafter`, or a name in :data:`specdec.registry.DRAFTERS`
-            built as ``create_drafter(name, target, **drafter_options)`` once per prompt; an object
-            serves the first prompt and the others get copies (or one instance serves every row:
-            a drafter with ``batched_rows``, :mod:`specdec.engine.drafting`).
+        drafter: a :class:`specdec.protocols.Drafter` or :class:`~specdec.protocols.SlotDrafter`, or a
+            name in :data:`specdec.registry.DRAFTERS` built with ``drafter_options``: the engine's one
+            slot drafter (:func:`specdec.drafters.engine_drafter.make_slot_drafter`: an object
+            serves the first prompt and the others get copies, a drafter with ``batched_rows``
+            serves every row).
         gamma: the draft depth: an int (every step drafts that many), a policy name in
             :data:`specdec.engine.depth.DEPTH_POLICIES` (``fixed``, ``batch-table``, ``goodput``,
             ``auto``) built with ``gamma_options``, or a :class:`specdec.engine.depth.DepthPolicy`.

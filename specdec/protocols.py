@@ -276,12 +276,16 @@ class SlotProposal:
     probabilities of each token, or None when every row is greedy (point-mass proposals); a greedy
     row's entries in a mixed proposal are zeros, to be ignored. ``tree``: for a call of one row, a
     token-tree :class:`Proposal` instead of its chain (``tokens_T`` then holds the tree's main path).
+    ``trees``: token trees instead of the chains of some rows of a call of several, as (the rows'
+    indices in the call, a tree :class:`Proposal` over those rows, one tree shape); each is verified
+    by a forward of its own.
     """
 
     tokens_T: torch.Tensor
     counts_B: list[int]
     probs_TV: torch.Tensor | None = None
     tree: Proposal | None = None
+    trees: list[tuple[list[int], Proposal]] = field(default_factory=list)
 
     def chains(self, index: Sequence[int], greedy: bool) -> Proposal:
         """Rows ``index`` (of equal counts) as one chain :class:`Proposal` ``[G, K]`` (a point mass

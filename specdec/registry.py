@@ -57,7 +57,8 @@ SLOT_DRAFTERS = Registry(
 )
 """Drafter name -> the :class:`~specdec.protocols.SlotDrafter` the engine builds for it (one instance
 per engine, called as ``factory(target, num_slots=..., **options)``), where one exists; the engine
-builds every other name from :data:`DRAFTERS`, an instance per request (``specdec.engine.drafting``)."""
+builds every other name from :data:`DRAFTERS`, an instance per request behind a slot adapter
+(:mod:`specdec.drafters.request_slots`)."""
 
 TARGETS = Registry(
     "target",

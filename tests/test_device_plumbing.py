@@ -43,12 +43,11 @@ def test_model_drafter_loads_its_draft_on_the_targets_device_and_dtype(checkpoin
 
 
 def test_model_drafter_in_the_engines_pool_lands_on_the_targets_device(checkpoint):
-    """The engine builds drafters by name (``DrafterPool``): its draft model goes where the target is."""
-    from specdec.engine.drafting import DrafterPool
+    """The engine builds drafters by name (``make_slot_drafter``): its model goes where the target is."""
+    from specdec.drafters.engine_drafter import make_slot_drafter
 
     target = _meta_target(checkpoint)
-    pool = DrafterPool(target, "model", {"model": str(checkpoint)}, num_slots=2)
-    drafter = pool.slots  # one slot drafter for the engine's rows
+    drafter = make_slot_drafter(target, "model", {"model": str(checkpoint)}, num_slots=2)  # one for all rows
     assert drafter.draft.device.type == "meta" and drafter.num_slots == 2
     assert drafter.draft.embed_tokens.weight.device.type == "meta"
 

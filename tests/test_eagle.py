@@ -743,7 +743,7 @@ def test_ngram_eagle_auto_drafts_the_tree_only_at_steps_where_the_engine_says_it
 
     def run(rows: list[list[int]], trees_pay: bool) -> list[list[int]]:
         engine = Engine(target, drafter="ngram-eagle-auto", drafter_options=options, gamma=3, max_num_seqs=3)
-        engine.tree_pays = trees_pay
+        engine.scheduler.tree_pays = trees_pay
         ids = [engine.add_request(p, max_new_tokens=16, temperature=0.0, ignore_eos=True) for p in rows]
         done = {}
         while engine.has_unfinished():

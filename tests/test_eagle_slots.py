@@ -158,7 +158,7 @@ def test_auto_drafts_trees_for_a_lone_greedy_row(tiny):
     e = engine(tiny, "ngram-eagle-auto")
     settings = greedy(0, 24)
     got = drive(e, [Arrival(0, "a", PROMPTS[2], settings)])["a"].token_ids
-    assert e.drafters.slots.counts["tree"] > 0
+    assert e.drafter.counts["tree"] > 0
     assert got == specdec.generate(tiny["target"], [PROMPTS[2]], drafter="none", **settings).token_ids[0]
 
 
@@ -234,9 +234,9 @@ def test_requests_arriving_and_leaving_every_step_get_their_solo_tokens(tiny, se
     """The engine's one slot drafter, slots added and dropped at every step: greedy requests equal
     plain decoding alone, seeded sampled requests equal themselves alone in an engine of their own."""
     together = engine(tiny, drafter)
-    assert together.drafters.slots is not None
+    assert together.drafter is not None
     finals = drive(together, churn(settings))
-    assert not any(_eagle_of(together.drafters.slots).active)  # every slot dropped
+    assert not any(_eagle_of(together.drafter).active)  # every slot dropped
     # the prompts' catch-up is owed once per request: counted apart, inside the drafters' time
     assert 0.0 < together.stats["owed_s"] <= together.stats["draft_s"]
     for a in churn(settings):
@@ -254,9 +254,9 @@ def test_aborted_request_gives_back_its_slot(tiny):
     e.step()
     e.step()
     slot = e.requests[first].slot
-    assert e.drafters.slots.active[slot]
+    assert e.drafter.active[slot]
     e.abort(first)
-    assert not e.drafters.slots.active[slot]
+    assert not e.drafter.active[slot]
     second = drive(e, [Arrival(0, "b", PROMPTS[1], greedy(1, 6))])["b"].token_ids
     alone = specdec.generate(tiny["target"], [PROMPTS[1]], drafter="none", **greedy(1, 6)).token_ids[0]
     assert second == alone
@@ -266,9 +266,9 @@ def test_the_engine_measures_batched_drafting_before_the_first_request(tiny):
     """With a cost model, the engine times its slot drafter once at every row count of the verify grid
     (slots added, drafted, dropped; the target's rows rolled back), and requests then decode as alone."""
     e = engine(tiny, "ngram-eagle", measure_cost=True, gamma="auto")
-    assert set(e.draft_cost.position) == set(e.cost.rows) == {1, 2, 3}
-    assert all(v > 0 for v in e.draft_cost.position.values())
-    assert not any(_eagle_of(e.drafters.slots).active)
+    assert set(e.scheduler.draft_cost.position) == set(e.scheduler.cost.rows) == {1, 2, 3}
+    assert all(v > 0 for v in e.scheduler.draft_cost.position.values())
+    assert not any(_eagle_of(e.drafter).active)
     finals = drive(e, churn(greedy))
     for a in churn(greedy):
         alone = specdec.generate(tiny["target"], [a.prompt], drafter="none", **a.settings).token_ids[0]

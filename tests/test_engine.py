@@ -418,7 +418,7 @@ def test_seeded_sampling_repeats_alone_and_under_load(target, drafter, verify):
 
     def engine() -> Engine:
         e = make_engine(target, drafter, gamma="goodput", gamma_options={"gamma": 4}, verify=verify)
-        e.cost = load_sensitive_cost()
+        e.scheduler.cost = load_sensitive_cost()
         return e
 
     first = engine()

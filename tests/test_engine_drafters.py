@@ -24,12 +24,13 @@ from _engine_drive import Arrival, drive
 from _tiny import byte_tokenizer, save_tiny_checkpoint, tiny_llama
 
 import specdec
+from specdec.drafters.engine_drafter import make_slot_drafter
 from specdec.drafters.layerskip import LayerSkipDrafter
 from specdec.drafters.layerskip_slots import LayerSkipSlotDrafter
 from specdec.drafters.model import ModelDrafter, SharedDraftModel
 from specdec.drafters.model_slots import ModelSlotDrafter
 from specdec.engine import Engine, RequestOutput
-from specdec.engine.drafting import DrafterPool
+from specdec.engine.request import RequestStatus
 from specdec.protocols import DecodeState
 from specdec.sampling import SamplingParams
 from specdec.targets.llama import LlamaTarget
@@ -128,15 +129,15 @@ def test_greedy_under_load_equals_solo_with_shared_draft_parts(target, paths, so
 
     def after_step(step: int, outputs: list[RequestOutput]) -> None:
         for r in engine.running:
-            if r.drafter is not None:
-                drafters[r.request_id] = r.drafter
+            if r.status is RequestStatus.DECODE:
+                drafters[r.request_id] = engine.drafter
                 slots.add((r.request_id, r.slot))
 
     finals = drive(engine, staggered([greedy(n) for n in LENGTHS]), after_step=after_step)
     for i in range(3):
         assert finals[i].token_ids == solo[i], f"request {i}"
     assert len({slot for _, slot in slots}) == 2  # two rows, three requests: one row reused
-    one = engine.drafters.slots  # one slot drafter for every request
+    one = engine.drafter  # one slot drafter for every request
     assert all(d is one for d in drafters.values()) and not any(one.active)  # every slot dropped
     if which == "layerskip":  # the target's own first layers, at each request's row of its cache
         assert isinstance(one, LayerSkipSlotDrafter) and one.target is target
@@ -179,12 +180,12 @@ def test_layerskip_draft_slots_are_overwritten_by_verify(target, paths):
 
     def after_step(step: int, outputs: list[RequestOutput]) -> None:
         for r in engine.running:
-            if r.drafter is None:
+            if r.status is not RequestStatus.DECODE:
                 continue
-            n = int(r.state.lengths_B[0]) - 1
+            n = r.length - 1
             assert int(target.cache.lengths_B[r.slot]) == n
             fresh.reset(1, MAX_LEN)
-            fresh.forward(r.state.tokens_BL[:, :n], torch.zeros(1, dtype=torch.long))
+            fresh.forward(engine.tokens_SL[r.slot : r.slot + 1, :n], torch.zeros(1, dtype=torch.long))
             for cache, ref in (
                 (target.cache.k_NBHLD, fresh.cache.k_NBHLD),
                 (target.cache.v_NBHLD, fresh.cache.v_NBHLD),
@@ -292,9 +293,9 @@ def test_bad_slot_options(target, paths):
     with pytest.raises(ValueError, match="slot must be an int"):
         LayerSkipDrafter(target, num_layers=1, slot=-1)
     with pytest.raises(ValueError, match="must not set 'slot'"):
-        DrafterPool(target, "layerskip", {"slot": 1}, num_slots=2)
+        make_slot_drafter(target, "layerskip", {"slot": 1}, num_slots=2)
     with pytest.raises(ValueError, match="num_slots"):
-        DrafterPool(target, "layerskip", None, num_slots=0)
+        make_slot_drafter(target, "layerskip", None, num_slots=0)
 
 
 def _rows(prompts: list[list[int]], first: list[int], extra: list[list[int]]) -> DecodeState:

@@ -20,8 +20,8 @@ from specdec.engine import Engine
 from specdec.engine.cost_model import VerifyCostModel
 from specdec.engine.depth import DepthPolicy, RowView
 from specdec.engine.draft_cost import PerTokenDraftCost
-from specdec.engine.engine import PROBE_ACCEPTANCE, PROBE_COST_RATIO, PROBE_EVERY
 from specdec.engine.request import RequestStatus
+from specdec.engine.scheduler import PROBE_ACCEPTANCE, PROBE_COST_RATIO, PROBE_EVERY
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 
 
@@ -47,24 +47,24 @@ def test_rows_half_way_to_a_probe_probe_with_the_row_that_is_due():
         TableTarget(random_table(16, seed=0)), drafter="none", gamma=PlainSteps(), measure_cost=False
     )
     rows = _decoding(engine, [0.0, 0.0, 0.0, 0.0, 0.8])  # the last sampled: its depth is pinned
-    assert engine._depths(rows) == [0, 0, 0, 0, 0]  # nobody due
+    assert engine.scheduler._depths(rows) == [0, 0, 0, 0, 0]  # nobody due
     for r, idle in zip(rows, (PROBE_EVERY - 1, PROBE_EVERY // 2, 3, 0, PROBE_EVERY), strict=True):
         r.idle_steps = idle
-    assert engine._depths(rows) == [0, 0, 0, 0, 0]  # no free row due (the sampled row never probes)
+    assert engine.scheduler._depths(rows) == [0, 0, 0, 0, 0]  # no free row due (the sampled row never probes)
     rows[0].idle_steps = PROBE_EVERY
-    assert engine._depths(rows) == [1, 1, 0, 0, 0]  # the due row, and the one half-way there
+    assert engine.scheduler._depths(rows) == [1, 1, 0, 0, 0]  # the due row, and the one half-way there
     # Where a 2-token block of these 5 rows costs much more than one token, nobody probes.
     for ratio, want in ((PROBE_COST_RATIO + 0.05, [0] * 5), (PROBE_COST_RATIO - 0.05, [1, 1, 0, 0, 0])):
-        engine.cost = VerifyCostModel((1, 8), (1, 2), ((1.0, ratio), (1.0, ratio)))
-        assert engine._depths(rows) == want, ratio
+        engine.scheduler.cost = VerifyCostModel((1, 8), (1, 2), ((1.0, ratio), (1.0, ratio)))
+        assert engine.scheduler._depths(rows) == want, ratio
     # Nor where the drafters' own costs are such that a drafted token could not pay even if the
     # target accepted it at PROBE_ACCEPTANCE: a cheap 2-token block, but each draft costs a step.
-    engine.cost = VerifyCostModel((1, 8), (1, 2), ((1.0, 1.1), (1.0, 1.1)))
+    engine.scheduler.cost = VerifyCostModel((1, 8), (1, 2), ((1.0, 1.1), (1.0, 1.1)))
     B = len(rows)
     pays = (1 + PROBE_ACCEPTANCE) / 1.1 - 1  # extra tokens per unit of time beyond a plain step
     for t_catch, want in ((1.2 * pays * 1.1 / B, [0] * 5), (0.8 * pays * 1.1 / B, [1, 1, 0, 0, 0])):
-        engine.draft_cost = PerTokenDraftCost(0.0, overhead=t_catch)  # each drafting row's catch-up
-        assert engine._depths(rows) == want, t_catch
+        engine.scheduler.draft_cost = PerTokenDraftCost(0.0, overhead=t_catch)  # each drafting row's catch-up
+        assert engine.scheduler._depths(rows) == want, t_catch
 
 
 class SlowCatchUp:
@@ -107,13 +107,15 @@ def _run_slow(catch_up: float, caught: int) -> Engine:
 @pytest.mark.parametrize("catch_up", [0.0, 0.5])
 def test_the_draft_cost_per_token_leaves_out_the_catch_up(catch_up):
     engine = _run_slow(catch_up, caught=2)
-    assert engine.draft_cost.position == {1: pytest.approx(0.01)}  # one row: per draft position
+    assert engine.scheduler.draft_cost.position == {1: pytest.approx(0.01)}  # one row: per draft position
     # the catch-up a drafting step pays, apart (none learned where it took no time)
-    assert engine.draft_cost.catch == ({1: pytest.approx(catch_up)} if catch_up else {})
+    assert engine.scheduler.draft_cost.catch == ({1: pytest.approx(catch_up)} if catch_up else {})
 
 
 def test_a_long_catch_up_is_not_the_cost_of_drafting_on():
     """A catch-up of more positions than one step commits (after idle or lookup steps) is paid once:
     it does not count as what each drafting step costs."""
     engine = _run_slow(0.5, caught=9)  # gamma 3: at most 4 positions per step
-    assert engine.draft_cost.catch == {} and engine.draft_cost.position == {1: pytest.approx(0.01)}
+    assert engine.scheduler.draft_cost.catch == {} and engine.scheduler.draft_cost.position == {
+        1: pytest.approx(0.01)
+    }

@@ -60,16 +60,17 @@ def test_a_row_is_what_it_is_alone(kind, verify):
 
 
 def test_a_batched_drafter_is_one_instance_and_draws_keyed():
-    """The pool serves every row with the batched drafter object itself (no copies), and its draws
+    """The engine serves every row with the batched drafter object itself (no copies), and its draws
     for a row depend on that row's seed and position only."""
-    from specdec.engine.drafting import DrafterPool
+    from specdec.drafters.engine_drafter import make_slot_drafter
+    from specdec.drafters.request_slots import CohortSlots
     from specdec.protocols import DecodeState
     from specdec.sampling import SamplingParams
     from specdec.verify.noise import PositionNoise
 
     drafter = DRAFT.as_drafter()
-    pool = DrafterPool(TARGET.as_target(), drafter, None, num_slots=4)
-    assert pool.batched and pool.keyed and pool.fresh(0) is drafter and pool.fresh(3) is drafter
+    slots = make_slot_drafter(TARGET.as_target(), drafter, None, num_slots=4)
+    assert isinstance(slots, CohortSlots) and slots.keyed and slots.drafter is drafter
     tokens = torch.tensor([[1, 2, 0, 0], [3, 1, 0, 0]])
     state = DecodeState(tokens, torch.tensor([2, 1]), torch.tensor([2, 2]), torch.zeros(2, dtype=torch.bool),
                         SamplingParams())  # fmt: skip

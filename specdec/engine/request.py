@@ -214,10 +214,7 @@ class Request:
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics()
-        self.drafter: Any = None
-        self.state: Any = None  # the one-row DecodeState its drafter reads (from admission on)
-        self.lengths_np: Any = None  # a numpy view of state.lengths_B (the engine commits in place)
-        self.prefill_parts: list[Any] = []  # the prefill chunks' target outputs, for drafter.begin
+        self.prefill_parts: list[Any] = []  # the prefill chunks' target outputs, for drafter.add
         # Decayed acceptance counts per draft position (the depth controller's estimate a_k).
         self.accepted_k: list[float] = []
         self.idle_steps = 0  # steps since it last drafted (the engine probes after PROBE_EVERY)

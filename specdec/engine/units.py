@@ -3,21 +3,12 @@
 Legend: G rows of a unit, K draft depth, T = K + 1 block length, V vocabulary, L cache slots per row.
 
 A step of the engine may hold thousands of rows (``specdec.generate`` runs every prompt of a call as
-one request). Per-row Python (one propose, one rule call, one rollback per row) would then dominate,
-so rows travel in **units**: a unit is G rows and one block of G rows (a chain ``[G, K]`` or a token
-tree shared by the G rows), drafted by one call and verified by one rule call, its cache rows rolled
-back by one call. Rows are grouped only where that cannot change what any row emits:
-
-- a **cohort** of a batched drafter (``batched_rows = True``: one instance serves any set of rows at
-  once, keeps no per-row state, and draws its randomness from the keyed ``noise`` it is given,
-  :mod:`specdec.verify.noise`, stream ``"draft"``): the rows that share a depth and sampling settings are
-  drafted by one ``propose`` over a G-row :class:`~specdec.protocols.DecodeState`;
-- rows drafted one by one (a drafter instance per request) whose chains share depth, sampling
-  settings and the kind of proposal (probabilities or a point mass) are **merged** into one unit
-  for verification (:func:`merge_chains`).
-
-A row's verification reads only its own logits, drafts and keyed noise (its seed and sequence
-positions), so grouping never changes a row's tokens.
+one request). Per-row Python (one rule call, one rollback per row) would then dominate, so rows
+travel in **units**: a unit is G rows and one block of G rows (a chain ``[G, K]`` or a token tree of
+one row), verified by one rule call, its cache rows rolled back by one call. The slot drafter's
+ragged chains are split into units of rows that share a draft count and sampling settings; rows at
+depth 0 form units by sampling settings. A row's verification reads only its own logits, drafts
+and keyed noise (its seed and sequence positions), so grouping never changes a row's tokens.
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ from specdec.verify.blocks import ChainBlock, TreeBlock
 __all__ = [
     "Unit",
     "group_state",
-    "merge_chains",
+    "join_outputs",
     "row_output",
     "select_rows",
     "slice_output",
@@ -43,14 +34,12 @@ __all__ = [
 
 @dataclass
 class Unit:
-    """G rows and their block. ``drafter``: the cohort's shared instance (batched drafters), or None
-    when every row has its own (``request.drafter``). ``faults``: the device-side value checks of
-    its proposals (0-dim bools, read with the step's committed tokens), and ``rechecks`` the full
-    checks that raise their message where one is set (:mod:`specdec.engine.transfer`)."""
+    """G rows and their block. ``faults``: the device-side value checks of its proposals (0-dim
+    bools, read with the step's committed tokens), and ``rechecks`` the full checks that raise their
+    message where one is set (:mod:`specdec.engine.transfer`)."""
 
     rows: list[Any]
     block: ChainBlock | TreeBlock
-    drafter: Any = None
     faults: list[torch.Tensor] = field(default_factory=list)
     rechecks: list[Callable[[], None]] = field(default_factory=list)
 
@@ -69,37 +58,6 @@ def group_state(rows: list[Any], sampling: Any, tokens_SL: torch.Tensor) -> Deco
         finished_B=torch.zeros(len(rows), dtype=torch.bool),
         sampling=sampling,
     )
-
-
-def merge_chains(units: list[Unit]) -> list[Unit]:
-    """One-row chain units of per-request drafters with the same depth, sampling settings and kind of
-    proposal, merged into one unit each (drafts and probabilities concatenated); others unchanged."""
-    merged: dict[tuple, list[Unit]] = {}
-    rest: list[Unit] = []
-    for u in units:
-        b = u.block
-        if u.drafter is None and isinstance(b, ChainBlock):
-            key = (b.num_drafted, u.rows[0].params.sampling, b.draft_probs_BKV is None)
-            merged.setdefault(key, []).append(u)
-        else:
-            rest.append(u)
-    out = []
-    for group in merged.values():
-        if len(group) == 1:
-            out.append(group[0])
-            continue
-        blocks = [u.block for u in group]
-        device = blocks[0].draft_tokens_BK.device  # a drafter on the device gives device tensors
-        tokens = torch.cat([b.draft_tokens_BK.to(device) for b in blocks])
-        probs = None
-        if blocks[0].draft_probs_BKV is not None:
-            probs = torch.cat([b.draft_probs_BKV.to(device) for b in blocks])  # type: ignore[union-attr]
-        unit = Unit([r for u in group for r in u.rows], ChainBlock(tokens, probs))
-        for u in group:
-            unit.faults += u.faults
-            unit.rechecks += u.rechecks
-        out.append(unit)
-    return out + rest
 
 
 def slice_output(out: TargetOutput, r0: int, r1: int, T: int | None = None) -> TargetOutput:
@@ -122,3 +80,16 @@ def select_rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
 def row_output(out: TargetOutput, i: int, T: int | None = None) -> TargetOutput:
     """Row i of an output, its first T positions (all of them: None)."""
     return slice_output(out, i, i + 1, T)
+
+
+def join_outputs(parts: list[TargetOutput]) -> TargetOutput:
+    """A prompt's prefill chunks' outputs as one (features concatenated along T; the last chunk's
+    logits): what the drafter adds a slot with."""
+    last = parts[-1]
+    hidden = None
+    if all(p.hidden_BTD is not None for p in parts):
+        hidden = torch.cat([p.hidden_BTD for p in parts], dim=1)
+    aux = None
+    if last.aux_hidden_BTD:
+        aux = {i: torch.cat([p.aux_hidden_BTD[i] for p in parts], dim=1) for i in last.aux_hidden_BTD}
+    return TargetOutput(logits_BTV=last.logits_BTV, hidden_BTD=hidden, aux_hidden_BTD=aux)

@@ -21,7 +21,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.engine.decode import mix_seed
+from specdec.drafters.request_slots import mix_seed
 from specdec.prompt_sets import has_chat_template
 from specdec.sampling import validate_sampling
 from specdec.seeds import check_seed

@@ -3,7 +3,7 @@
 Legend: B batch, K draft length, N tree nodes (node 0 is the root), T block length, A committed
 path length (accepted tokens + 1), V vocabulary, D hidden size.
 
-Every engine step (:mod:`specdec.engine.decode`) goes the same way through a block:
+Every engine step (:mod:`specdec.engine.runner`) goes the same way through a block:
 
 1. ``tokens_BT(root_B)`` and ``forward_kwargs``: the block the target runs at slots
    ``lengths_B - 1 ...`` (a chain ``[root, d_1..d_K]``, or a tree's nodes with its ancestor mask

@@ -1,0 +1,73 @@
+"""Every registered drafter runs in the engine as its one slot drafter, requests joining and leaving at
+every step: the drafters not written as slot drafters (``none``, ``eagle-tree``, ``ngram-eagle-tree``,
+``unigram``, ``bigram``) behind their adapters (:mod:`specdec.drafters.request_slots`), and ``ngram``.
+Greedy requests equal plain decoding alone; seeded sampled requests equal themselves alone.
+
+(``eagle``, ``ngram-eagle``, ``ngram-eagle-auto``: ``tests/test_eagle_slots.py``; ``model``, ``qself``,
+``layerskip``: ``tests/test_engine_drafters.py``.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _engine_drive import Arrival, drive
+from test_eagle_slots import MAX_LEN, churn, greedy, sampled, tiny  # noqa: F401  (tiny: a fixture)
+
+import specdec
+from specdec.drafters import ngram_lm
+from specdec.drafters.request_slots import CohortSlots, RequestSlots
+from specdec.engine import Engine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOY_DOCS = ["abc abd abe " * 20, "the cat sat on the mat " * 10]
+ADAPTED = {"none": CohortSlots, "eagle-tree": RequestSlots, "ngram-eagle-tree": RequestSlots,
+           "unigram": RequestSlots, "bigram": RequestSlots}  # fmt: skip
+
+
+@pytest.fixture
+def toy_corpus(monkeypatch, tmp_path):
+    """A tiny corpus as the only source of ``unigram`` / ``bigram``, and a private cache dir."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(ngram_lm.CORPUS_SOURCES, "toy", lambda: list(TOY_DOCS))
+
+
+def _options(model: dict[str, Any], drafter: str) -> dict[str, Any]:
+    if "eagle" in drafter:
+        return {"weights": model["weights"]}
+    if drafter in ("unigram", "bigram"):
+        return {"sources": ["toy"]}
+    return {}
+
+
+def _engine(model: dict[str, Any], drafter: str) -> Engine:
+    return Engine(
+        model["target"],
+        drafter=drafter,
+        drafter_options=_options(model, drafter),
+        gamma=3,
+        max_num_seqs=3,
+        max_model_len=MAX_LEN,
+        measure_cost=False,
+    )
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "eagle-tree", "ngram-eagle-tree", "unigram", "bigram"])
+@pytest.mark.parametrize("settings", [greedy, sampled])
+def test_every_drafter_runs_with_requests_joining_and_leaving(tiny, toy_corpus, drafter, settings):  # noqa: F811
+    together = _engine(tiny, drafter)
+    if drafter in ADAPTED:
+        assert isinstance(together.drafter, ADAPTED[drafter])
+    finals = drive(together, churn(settings))
+    assert not any(together.drafter.active)  # every slot dropped
+    if drafter != "none":
+        assert sum(f.metrics.num_drafted for f in finals.values()) > 0
+    for a in churn(settings):
+        if settings is greedy:
+            alone = specdec.generate(tiny["target"], [a.prompt], drafter="none", **a.settings).token_ids[0]
+        else:
+            alone = drive(_engine(tiny, drafter), [Arrival(0, a.key, a.prompt, a.settings)])[a.key].token_ids
+        assert finals[a.key].token_ids == alone, a.key
+        assert len(alone) == a.settings["max_new_tokens"]
