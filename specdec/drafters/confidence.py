@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ConfidenceStop", "check_min_prob"]
+__all__ = ["ConfidenceStop", "check_min_prob", "row_confidence"]
 
 
 def check_min_prob(min_prob: float, name: str = "min_prob") -> float:
@@ -35,6 +35,18 @@ def check_min_prob(min_prob: float, name: str = "min_prob") -> float:
     if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob < 1.0:
         raise ValueError(f"{name} must be a number in [0, 1), got {min_prob!r}")
     return float(min_prob)
+
+
+def row_confidence(
+    running: dict[int, float], row: int, p: float, *, greedy: bool, min_prob: float
+) -> tuple[bool, bool]:
+    """One row's stop (the slot drafters stop row by row): multiply ``p``, the drafter's probability
+    of the row's new draft, into ``running[row]``; returns (keep this draft, stop after it). Greedy
+    rows drop the token that takes the product below ``min_prob``; sampled rows keep it and stop
+    after it (module doc: exactness)."""
+    running[row] *= p
+    below = running[row] < min_prob
+    return (not below, below) if greedy else (True, below)
 
 
 class ConfidenceStop:

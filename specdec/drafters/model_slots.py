@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from specdec.drafters.confidence import check_min_prob
+from specdec.drafters.confidence import check_min_prob, row_confidence
 from specdec.drafters.model import SharedDraftModel, _load_draft, fit_vocab
 from specdec.drafters.slot_table import SlotTable, draw_draft
 from specdec.protocols import DecodeState, SlotProposal, Target, TargetOutput
@@ -208,9 +208,7 @@ class ModelSlotDrafter(SlotTable):
         if self.min_prob <= 0.0:
             return True, False
         p = float(torch.softmax(logits_V, dim=-1)[token]) if probs_V is None else float(probs_V[token])
-        running[row] *= p
-        below = running[row] < self.min_prob
-        return (not below, below) if params.greedy else (True, below)
+        return row_confidence(running, row, p, greedy=params.greedy, min_prob=self.min_prob)
 
 
 def qself_slots(

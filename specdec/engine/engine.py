@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import numbers
 import secrets
 import time
 from collections import deque
@@ -40,7 +39,7 @@ from specdec.drafters.request_slots import CohortSlots, RequestSlots, mix_seed
 from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
 from specdec.engine.draft_cost import DraftCost, measure_draft_cost
-from specdec.engine.request import Request, RequestOutput, make_params
+from specdec.engine.request import Request, RequestOutput, check_prompt, make_params, positive_int
 from specdec.engine.runner import Runner
 from specdec.engine.scheduler import PROBE_ACCEPTANCE, PROBE_COST_RATIO, PROBE_EVERY, Scheduler
 from specdec.metrics import MetricsRecorder
@@ -57,12 +56,6 @@ def scheduler_seconds(stats: Mapping[str, float]) -> float:
     time outside the target's forwards, the drafters and the verification rule (admission, the
     depth controller, block assembly, commit, stop strings, rollback, bookkeeping)."""
     return stats["total_s"] - stats["forward_s"] - stats["draft_s"] - stats["rule_s"]
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 class Engine:
@@ -125,9 +118,9 @@ class Engine:
                 f"target {type(target).__name__} has no slot API (forward/rollback over rows_B): the engine "
                 "needs it to run requests at their own cache rows"
             )
-        self.max_num_seqs = _positive_int(max_num_seqs, "max_num_seqs")
-        self.budget = _positive_int(max_num_batched_tokens, "max_num_batched_tokens")
-        self.prefill_chunk = _positive_int(prefill_chunk, "prefill_chunk")
+        self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs")
+        self.budget = positive_int(max_num_batched_tokens, "max_num_batched_tokens")
+        self.prefill_chunk = positive_int(prefill_chunk, "prefill_chunk")
         self.policy = make_depth_policy(gamma, gamma_options)
         self.gamma_max = self.policy.gamma
         decode_max = self.max_num_seqs * (self.gamma_max + 1)
@@ -138,7 +131,7 @@ class Engine:
                 f"so at least {self.prefill_chunk + decode_max}"
             )
         limit = getattr(target, "max_context_length", None)
-        self.max_model_len = _positive_int(
+        self.max_model_len = positive_int(
             min(limit or 2048, 2048) if max_model_len is None else max_model_len, "max_model_len"
         )
         if limit is not None and self.max_model_len > limit:
@@ -217,15 +210,7 @@ class Engine:
         """Queue a request; returns its id. ``seed`` None draws one at random (the output is then
         fixed by that seed, readable as ``engine.requests[id].params.seed``). ``logprobs``,
         ``prompt_logprobs``: :mod:`specdec.engine.logprobs` (None: not reported)."""
-        if hasattr(prompt_ids, "tolist") and not isinstance(prompt_ids, list):
-            prompt_ids = prompt_ids.tolist()
-        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence) or not prompt_ids:
-            raise ValueError(f"prompt_ids must be a non-empty list of token ids, got {prompt_ids!r:.80}")
-        ids = []
-        for t in prompt_ids:  # numpy integers are ints here too (numbers.Integral)
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt_ids holds {t!r}; token ids must be ints in [0, {self.vocab_size})")
-            ids.append(int(t))
+        ids = check_prompt(prompt_ids, self.vocab_size)
         params = make_params(
             max_new_tokens=max_new_tokens,
             temperature=temperature,

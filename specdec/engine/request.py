@@ -21,7 +21,16 @@ from specdec.sampling import SamplingParams
 from specdec.seeds import check_seed
 from specdec.stop_strings import StopStrings
 
-__all__ = ["RequestStatus", "RequestParams", "RequestMetrics", "RequestOutput", "Request", "make_params"]
+__all__ = [
+    "RequestStatus",
+    "RequestParams",
+    "RequestMetrics",
+    "RequestOutput",
+    "Request",
+    "check_prompt",
+    "make_params",
+    "positive_int",
+]
 
 
 class RequestStatus(enum.Enum):
@@ -44,7 +53,8 @@ class RequestParams:
     prompt_logprobs: int | None = None  # alternatives per prompt token (None: none)
 
 
-def _positive_int(value: Any, name: str) -> int:
+def positive_int(value: Any, name: str) -> int:
+    """``value`` as an int >= 1 (numpy integers too); ``ValueError`` naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return int(value)
@@ -85,6 +95,21 @@ def _token_id_list(value: Any, name: str, vocab_size: int) -> list[int]:
     return [int(t) for t in value]
 
 
+def check_prompt(prompt_ids: Any, vocab_size: int) -> list[int]:
+    """A prompt as a list of token ids in ``[0, vocab_size)`` (a tensor or numpy array too);
+    ``ValueError`` naming ``prompt_ids`` otherwise."""
+    if hasattr(prompt_ids, "tolist") and not isinstance(prompt_ids, list):
+        prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence) or not prompt_ids:
+        raise ValueError(f"prompt_ids must be a non-empty list of token ids, got {prompt_ids!r:.80}")
+    ids = []
+    for t in prompt_ids:  # numpy integers are ints here too (numbers.Integral)
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size:
+            raise ValueError(f"prompt_ids holds {t!r}; token ids must be ints in [0, {vocab_size})")
+        ids.append(int(t))
+    return ids
+
+
 def make_params(
     *,
     max_new_tokens: Any,
@@ -102,7 +127,7 @@ def make_params(
 ) -> RequestParams:
     """Check ``add_request``'s arguments; ``ValueError`` naming the first bad one. Numpy scalars are
     taken where Python ints and floats are (``numpy.bool_`` is not a bool: refused like any non-bool)."""
-    max_new_tokens = _positive_int(max_new_tokens, "max_new_tokens")
+    max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
     sampling = SamplingParams(  # validates
         temperature=_plain_number(temperature), top_k=_plain_number(top_k), top_p=_plain_number(top_p)
     )

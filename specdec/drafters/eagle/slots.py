@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specdec.drafters.confidence import row_confidence
 from specdec.drafters.eagle.cache import EagleCache
 from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, EagleDrafter, draft_distribution
 from specdec.drafters.eagle.packed import PackedEagleHead
@@ -208,14 +209,15 @@ class EagleSlotDrafter(SlotTable):
                 token_G[at] = sample_keyed(probs_JV, sub, position_G[js].to(device) + k, stream="draft")
                 for n, j in enumerate(js):
                     probs_G[j] = probs_JV[n]
-            keep = self._confident(rows, sampling, running, logits_GN, token_G, probs_G)
+            decided = self._confident(rows, sampling, running, logits_GN, token_G, probs_G)
             go_on = []
             for j, i in enumerate(rows):
-                if not keep[j]:
+                keep, stop = decided[j]
+                if not keep:
                     continue
                 drafted[i].append(token_G[j])
                 probs[i].append(probs_G[j])
-                if k + 1 < depths[i] and (sampling[i].greedy or running[i] >= self.min_prob):
+                if k + 1 < depths[i] and not stop:
                     go_on.append(j)
             if not go_on:
                 return
@@ -239,21 +241,20 @@ class EagleSlotDrafter(SlotTable):
         logits_GN: torch.Tensor,
         token_G: torch.Tensor,
         probs_G: list[torch.Tensor | None],
-    ) -> list[bool]:
-        """Per row, keep this draft? (:class:`~specdec.drafters.confidence.ConfidenceStop`'s rule, row
-        by row: greedy rows drop the token that takes the product below ``min_prob``; sampled rows
-        keep it and stop after it.)"""
+    ) -> list[tuple[bool, bool]]:
+        """Per row, (keep this draft, stop after it): the confidence stop row by row
+        (:func:`~specdec.drafters.confidence.row_confidence`; a greedy row's probability is its
+        softmax's largest, a sampled row's that of its drawn token)."""
         if self.min_prob <= 0.0:
-            return [True] * len(rows)
-        keep = []
+            return [(True, False)] * len(rows)
+        decided = []
         for j, i in enumerate(rows):
             if sampling[i].greedy:
                 p = float(torch.softmax(logits_GN[j].float(), dim=-1).max())
             else:
                 p = float(probs_G[j][token_G[j]])
-            running[i] *= p
-            keep.append(not sampling[i].greedy or running[i] >= self.min_prob)
-        return keep
+            decided.append(row_confidence(running, i, p, greedy=sampling[i].greedy, min_prob=self.min_prob))
+        return decided
 
     def catch_up(self, slots: list[int], state: DecodeState, rows: list[int]) -> None:
         """Run rows ``rows``' (indices into ``slots`` and ``state``) queued pairs in one head forward.
