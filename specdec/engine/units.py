@@ -49,10 +49,10 @@ class Unit:
 
 
 def group_state(rows: list[Any], sampling: Any, tokens_SL: torch.Tensor) -> DecodeState:
-    """The G rows' states as one ``DecodeState``: their rows of the engine's token table ``tokens_SL``
-    (a copy: drafters read it)."""
+    """The G rows' states as one ``DecodeState``: their rows of the engine's token table ``tokens_SL`` (on
+    the host; a copy: drafters read it)."""
     return DecodeState(
-        tokens_BL=tokens_SL[[r.slot for r in rows]],
+        tokens_BL=torch.from_numpy(tokens_SL.numpy()[[r.slot for r in rows]]),  # numpy: the cheaper gather
         prompt_lengths_B=torch.tensor([len(r.prompt_ids) for r in rows], dtype=torch.long),
         lengths_B=torch.tensor([r.length for r in rows], dtype=torch.long),
         finished_B=torch.zeros(len(rows), dtype=torch.bool),
