@@ -73,6 +73,16 @@ class TargetOutput:
     hidden_BTD: torch.Tensor | None = None
     aux_hidden_BTD: dict[int, torch.Tensor] | None = None
 
+    def select(self, rows: Sequence[int]) -> TargetOutput:
+        """Rows ``rows`` (any subset, in that order) as one output; this output itself for every row
+        in order."""
+        if len(rows) == self.logits_BTV.shape[0] and list(rows) == list(range(len(rows))):
+            return self
+        index = torch.tensor(rows, dtype=torch.long)
+        aux = None if not self.aux_hidden_BTD else {k: h[index] for k, h in self.aux_hidden_BTD.items()}
+        hidden = None if self.hidden_BTD is None else self.hidden_BTD[index]
+        return TargetOutput(logits_BTV=self.logits_BTV[index], hidden_BTD=hidden, aux_hidden_BTD=aux)
+
 
 @dataclass(frozen=True)
 class TargetParts:
@@ -228,6 +238,22 @@ class DecodeState:
         """The last committed token of every row (the first token of the next verify block)."""
         rows = torch.arange(self.batch_size, device=self.tokens_BL.device)
         return self.tokens_BL[rows, self.lengths_B - 1]
+
+    def select(self, rows: Sequence[int]) -> DecodeState:
+        """Rows ``rows`` (any subset, in that order) as one state; this state itself for every row in
+        order."""
+        if len(rows) == self.batch_size and list(rows) == list(range(len(rows))):
+            return self
+        index = torch.tensor(rows, dtype=torch.long)
+        pick = lambda t: t[index.to(t.device)]  # noqa: E731
+        return DecodeState(
+            tokens_BL=pick(self.tokens_BL),
+            prompt_lengths_B=pick(self.prompt_lengths_B),
+            lengths_B=pick(self.lengths_B),
+            finished_B=pick(self.finished_B),
+            sampling=self.sampling,
+            tree_ok=self.tree_ok,
+        )
 
     def row(self, b: int) -> DecodeState:
         """Row ``b`` alone, as a batch of one (views of this state's tensors)."""

@@ -208,6 +208,18 @@ def churn(settings) -> list[Arrival]:
     return [Arrival(i, i, PROMPTS[i], settings(i, n)) for i, n in enumerate(lengths)]
 
 
+def assert_solo_tokens(finals: dict, settings, target: Any, alone_engine) -> None:
+    """Each churned request's tokens (``finals``): a greedy one equals plain decoding alone, a seeded
+    sampled one equals itself alone in an engine of its own (``alone_engine()``)."""
+    for a in churn(settings):
+        if settings is greedy:
+            alone = specdec.generate(target, [a.prompt], drafter="none", **a.settings).token_ids[0]
+        else:
+            alone = drive(alone_engine(), [Arrival(0, a.key, a.prompt, a.settings)])[a.key].token_ids
+        assert finals[a.key].token_ids == alone, a.key
+        assert len(alone) == a.settings["max_new_tokens"]
+
+
 def greedy(i: int, n: int) -> dict[str, Any]:
     return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
 
@@ -239,13 +251,7 @@ def test_requests_arriving_and_leaving_every_step_get_their_solo_tokens(tiny, se
     assert not any(_eagle_of(together.drafter).active)  # every slot dropped
     # the prompts' catch-up is owed once per request: counted apart, inside the drafters' time
     assert 0.0 < together.stats["owed_s"] <= together.stats["draft_s"]
-    for a in churn(settings):
-        if settings is greedy:
-            alone = specdec.generate(tiny["target"], [a.prompt], drafter="none", **a.settings).token_ids[0]
-        else:
-            alone = drive(engine(tiny, drafter), [Arrival(0, a.key, a.prompt, a.settings)])[a.key].token_ids
-        assert finals[a.key].token_ids == alone, a.key
-        assert len(alone) == a.settings["max_new_tokens"]
+    assert_solo_tokens(finals, settings, tiny["target"], lambda: engine(tiny, drafter))
 
 
 def test_aborted_request_gives_back_its_slot(tiny):

@@ -12,10 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _engine_drive import Arrival, drive
-from test_eagle_slots import MAX_LEN, churn, greedy, sampled, tiny  # noqa: F401  (tiny: a fixture)
+from _engine_drive import drive
+from test_eagle_slots import (  # noqa: F401  (tiny: a fixture)
+    MAX_LEN,
+    assert_solo_tokens,
+    churn,
+    greedy,
+    sampled,
+    tiny,
+)
 
-import specdec
 from specdec.drafters import ngram_lm
 from specdec.drafters.request_slots import CohortSlots, RequestSlots
 from specdec.engine import Engine
@@ -64,10 +70,4 @@ def test_every_drafter_runs_with_requests_joining_and_leaving(tiny, toy_corpus, 
     assert not any(together.drafter.active)  # every slot dropped
     if drafter != "none":
         assert sum(f.metrics.num_drafted for f in finals.values()) > 0
-    for a in churn(settings):
-        if settings is greedy:
-            alone = specdec.generate(tiny["target"], [a.prompt], drafter="none", **a.settings).token_ids[0]
-        else:
-            alone = drive(_engine(tiny, drafter), [Arrival(0, a.key, a.prompt, a.settings)])[a.key].token_ids
-        assert finals[a.key].token_ids == alone, a.key
-        assert len(alone) == a.settings["max_new_tokens"]
+    assert_solo_tokens(finals, settings, tiny["target"], lambda: _engine(tiny, drafter))

@@ -51,31 +51,6 @@ def mix_seed(seed: int, position: int, salt: int) -> int:
 
 
 # --- shared pieces ----------------------------------------------------------------------------------
-def _rows_of(out: TargetOutput, index: list[int]) -> TargetOutput:
-    """Rows ``index`` of a forward's output, every position (the output itself for all its rows)."""
-    if index == list(range(out.logits_BTV.shape[0])):
-        return out
-    at = torch.tensor(index, dtype=torch.long)
-    aux = None if not out.aux_hidden_BTD else {k: h[at] for k, h in out.aux_hidden_BTD.items()}
-    hidden = None if out.hidden_BTD is None else out.hidden_BTD[at]
-    return TargetOutput(logits_BTV=out.logits_BTV[at], hidden_BTD=hidden, aux_hidden_BTD=aux)
-
-
-def _sub_state(state: DecodeState, index: list[int], sampling: SamplingParams) -> DecodeState:
-    """Rows ``index`` of ``state`` as one state with ``sampling`` (views where it is every row)."""
-    if index == list(range(state.batch_size)):
-        return replace(state, sampling=sampling)
-    at = torch.tensor(index, dtype=torch.long)
-    return DecodeState(
-        tokens_BL=state.tokens_BL[at.to(state.tokens_BL.device)],
-        prompt_lengths_B=state.prompt_lengths_B[at],
-        lengths_B=state.lengths_B[at],
-        finished_B=state.finished_B[at],
-        sampling=sampling,
-        tree_ok=state.tree_ok,
-    )
-
-
 def _check_observe(
     table: SlotTable,
     slots: Sequence[int],
@@ -243,7 +218,7 @@ class RequestSlots(SlotTable):
         seconds, tokens = 0.0, 0
         for i, slot in enumerate(slots):
             self._sampling[slot] = sampling[i]
-            row = replace(state.row(i), sampling=sampling[i], tree_ok=state.tree_ok)
+            row = replace(state.row(i), sampling=sampling[i])
             instance, begun_s, begun = self._begun(slot, row)
             caught_s, caught = getattr(instance, "catch_up_s", 0.0), getattr(instance, "catch_up_tokens", 0)
             K = depths[i]
@@ -290,7 +265,7 @@ class RequestSlots(SlotTable):
                 at_start = replace(row, lengths_B=row.lengths_B - (a + 1))
                 instance, begun_s, begun = self._begun(slot, at_start)
             caught_s, caught = getattr(instance, "catch_up_s", 0.0), getattr(instance, "catch_up_tokens", 0)
-            instance.observe(row, torch.tensor([a]), _rows_of(features, [i]))
+            instance.observe(row, torch.tensor([a]), features.select([i]))
             self._steps[slot] += 1
             seconds += begun_s + getattr(instance, "catch_up_s", 0.0) - caught_s
             tokens = max(tokens, begun, getattr(instance, "catch_up_tokens", 0) - caught)
@@ -376,7 +351,7 @@ class CohortSlots(SlotTable):
             kwargs = {}
             if self.keyed and noise is not None:
                 kwargs["noise"] = PositionNoise(noise.seeds_B[torch.tensor(index, device=noise.device)])
-            proposal = self.drafter.propose(_sub_state(state, index, params), K, None, **kwargs)
+            proposal = self.drafter.propose(replace(state.select(index), sampling=params), K, None, **kwargs)
             check_proposal(
                 proposal,
                 batch_size=len(index),
@@ -406,4 +381,5 @@ class CohortSlots(SlotTable):
             groups.setdefault(self._sampling[slot] or state.sampling, []).append(i)
         for params, index in groups.items():
             accepted_G = torch.tensor([int(num_accepted[i]) for i in index], dtype=torch.long)
-            self.drafter.observe(_sub_state(state, index, params), accepted_G, _rows_of(features, index))
+            rows = replace(state.select(index), sampling=params)
+            self.drafter.observe(rows, accepted_G, features.select(index))

@@ -22,7 +22,7 @@ Policies (:data:`DEPTH_POLICIES`):
 - ``auto`` (the default): ``goodput``.
 
 A row that the policy kept at K = 0 for ``PROBE_EVERY`` (16) steps drafts one token (a probe, in
-:mod:`specdec.engine.engine`; rows free to follow timings only), so its acceptance estimate follows
+:mod:`specdec.engine.scheduler`; rows free to follow timings only), so its acceptance estimate follows
 the text; the free rows idle for at least 8 steps probe in the same step, since a probe pads the
 whole forward to two tokens, and only where a 2-token block of the step's rows costs at most 1.25×
 a 1-token one (``PROBE_COST_RATIO``).

@@ -35,20 +35,20 @@ from typing import Any
 import torch
 
 from specdec.drafters.engine_drafter import drafter_name, make_slot_drafter
-from specdec.drafters.request_slots import CohortSlots, RequestSlots, mix_seed
+from specdec.drafters.request_slots import CohortSlots, RequestSlots
 from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
 from specdec.engine.draft_cost import DraftCost, measure_draft_cost
 from specdec.engine.request import Request, RequestOutput, check_prompt, make_params, positive_int
 from specdec.engine.runner import Runner
-from specdec.engine.scheduler import PROBE_ACCEPTANCE, PROBE_COST_RATIO, PROBE_EVERY, Scheduler
+from specdec.engine.scheduler import Scheduler
 from specdec.metrics import MetricsRecorder
 from specdec.protocols import Drafter, SlotDrafter, Target, TreeTarget
 from specdec.stop_strings import StopStrings
 from specdec.verify.contract import VerifyRule
 from specdec.verify.registry import make_verify_rule
 
-__all__ = ["Engine", "mix_seed", "scheduler_seconds", "PROBE_ACCEPTANCE", "PROBE_COST_RATIO", "PROBE_EVERY"]
+__all__ = ["Engine", "scheduler_seconds"]
 
 
 def scheduler_seconds(stats: Mapping[str, float]) -> float:

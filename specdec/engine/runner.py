@@ -40,7 +40,7 @@ from specdec.engine.logprobs import last_logits_only, prefill_logits_index
 from specdec.engine.plan import RowPlan, StepPlan, StepReport
 from specdec.engine.request import Request, RequestStatus
 from specdec.engine.transfer import HostTransfer
-from specdec.engine.units import Unit, group_state, join_outputs, row_output, select_rows, slice_output
+from specdec.engine.units import Unit, group_state, join_outputs, row_output, slice_output
 from specdec.host_sync import avoids_host
 from specdec.metrics import MetricsRecorder, StepStats
 from specdec.protocols import Proposal, SlotDrafter, TargetOutput, TreeTarget
@@ -123,11 +123,9 @@ class Runner:
         self.max_model_len, self.prefill_chunk, self.gamma_max = max_model_len, prefill_chunk, gamma_max
         self.stats, self.now = stats, now
         self.recorder: MetricsRecorder | None = None
-        self._step = 0
 
     def run(self, plan: StepPlan) -> StepReport:
         """Decode the plan's decoding rows, then prefill its prompt tokens."""
-        self._step = int(self.stats["steps"]) + 1
         report = StepReport()
         if plan.decode:
             self._decode(plan.decode, plan.tree_ok, report)
@@ -261,7 +259,7 @@ class Runner:
         for u in units:
             outs.append(slice_output(out, r0, r0 + u.size, u.block.num_drafted + 1))
             r0 += u.size
-        verdicts = self._verdicts(units, outs, start_B, out.logits_BTV, self._step)
+        verdicts = self._verdicts(units, outs, start_B, out.logits_BTV, int(self.stats["steps"]) + 1)
         accepted: list[int] = []
         observe_s, r0 = 0.0, 0
         for u, o, verdict in zip(units, outs, verdicts, strict=True):
@@ -377,7 +375,7 @@ class Runner:
             self.drafter.observe(
                 [rows[i].slot for i in live],
                 [accepted[i] for i in live],
-                select_rows(observed, live),
+                observed.select(live),
                 state=group_state([rows[i] for i in live], rows[0].params.sampling, self.tokens_SL),
             )
         observe_s = self.now() - t0

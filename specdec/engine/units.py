@@ -27,7 +27,6 @@ __all__ = [
     "group_state",
     "join_outputs",
     "row_output",
-    "select_rows",
     "slice_output",
 ]
 
@@ -65,16 +64,6 @@ def slice_output(out: TargetOutput, r0: int, r1: int, T: int | None = None) -> T
     aux = None if not out.aux_hidden_BTD else {k: h[r0:r1, :T] for k, h in out.aux_hidden_BTD.items()}
     hidden = None if out.hidden_BTD is None else out.hidden_BTD[r0:r1, :T]
     return TargetOutput(logits_BTV=out.logits_BTV[r0:r1, :T], hidden_BTD=hidden, aux_hidden_BTD=aux)
-
-
-def select_rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
-    """Rows ``rows`` of a forward's output (any subset, in that order; every row: the output itself)."""
-    if len(rows) == out.logits_BTV.shape[0] and rows == list(range(len(rows))):
-        return out
-    index = torch.tensor(rows)
-    aux = None if not out.aux_hidden_BTD else {k: h[index] for k, h in out.aux_hidden_BTD.items()}
-    hidden = None if out.hidden_BTD is None else out.hidden_BTD[index]
-    return TargetOutput(logits_BTV=out.logits_BTV[index], hidden_BTD=hidden, aux_hidden_BTD=aux)
 
 
 def row_output(out: TargetOutput, i: int, T: int | None = None) -> TargetOutput:
