@@ -48,7 +48,7 @@ def validate_sampling(temperature: float, top_k: int | None, top_p: float | None
     ``temperature``: 0 (greedy) or a finite positive number that is not 0 in float32 (the smallest
     positive float32 is :data:`MIN_TEMPERATURE`, ≈ 1.4e-45; a value that rounds to 0 there would give
     NaN probabilities in the float32 division, so it is refused). ``top_k``: None or an int >= 1.
-    ``top_p``: None or (0, 1].
+    ``top_p``: None or (0, 1], not 0 in float32 (at least :data:`MIN_TEMPERATURE`).
     """
     if (
         isinstance(temperature, bool)
@@ -67,9 +67,17 @@ def validate_sampling(temperature: float, top_k: int | None, top_p: float | None
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and (
-        not isinstance(top_p, (int, float)) or math.isnan(top_p) or not 0.0 < top_p <= 1.0
+        isinstance(top_p, bool)
+        or not isinstance(top_p, (int, float))
+        or math.isnan(top_p)
+        or not 0.0 < top_p <= 1.0
     ):
         raise ValueError(f"top_p must be None or a float in (0, 1], got {top_p!r}")
+    if top_p is not None and top_p < MIN_TEMPERATURE and float(torch.tensor(top_p, dtype=torch.float32)) == 0:
+        raise ValueError(
+            f"top_p must be at least {MIN_TEMPERATURE!r} (the smallest positive float32; the top-p mass "
+            f"is compared in float32, where {top_p!r} is 0), got {top_p!r}"
+        )
 
 
 def logits_to_probs(
@@ -130,6 +138,7 @@ def logits_to_probs(
         # which keeps the token that crosses p and always keeps the first one.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         keep_sorted &= mass_before < top_p
+        keep_sorted[..., 0] = True  # the most likely token always stays: a mask never empties a row
         sorted_probs = sorted_probs.masked_fill(~keep_sorted, 0.0)
         sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)

@@ -17,6 +17,8 @@ Legend: B rows, K draft depth, N tree nodes, V vocabulary, D hidden size.
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 import numpy as np
@@ -162,7 +164,16 @@ def test_the_count_sees_the_host_paths_reads(target):
     assert min(steady) >= 2
 
 
-def test_bad_proposal_on_the_device_raises_the_host_check_after_the_read(target):
+def _failed(engine, steps=5):
+    """The output of the engine's one request once it fails (it fails alone: step() does not raise)."""
+    for _ in range(steps):
+        for out in engine.step():
+            if out.finished:
+                return out
+    raise AssertionError("the request did not finish")
+
+
+def test_bad_proposal_on_the_device_fails_its_request_with_the_host_check_after_the_read(target):
     class BadIds(FeatureDrafter):
         def propose(self, state, gamma, generator=None):
             p = super().propose(state, gamma, generator)
@@ -173,13 +184,14 @@ def test_bad_proposal_on_the_device_raises_the_host_check_after_the_read(target)
             target, drafter=BadIds(), gamma=3, max_num_seqs=2, max_model_len=96, measure_cost=False
         )
         engine.add_request(PROMPTS[0], max_new_tokens=N, temperature=0.8, seed=1)
-        with pytest.raises(ValueError, match=r"tokens_BK must hold token ids in \[0, V=259\)"):
-            with accelerator_paths() if paths else _nothing():
-                for _ in range(5):
-                    engine.step()
+        with accelerator_paths() if paths else _nothing():
+            out = _failed(engine)
+        assert out.finish_reason == "error"
+        assert re.search(r"tokens_BK must hold token ids in \[0, V=259\)", out.error), out.error
+        assert not engine.has_unfinished()
 
 
-def test_non_finite_logits_on_the_device_raise_the_host_check(target):
+def test_non_finite_logits_on_the_device_fail_their_request_with_the_host_check(target):
     engine = Engine(target, drafter="none", gamma=3, max_num_seqs=2, max_model_len=96, measure_cost=False)
     engine.add_request(PROMPTS[1], max_new_tokens=N, temperature=0.0)
     engine.step()  # prefilled
@@ -192,10 +204,12 @@ def test_non_finite_logits_on_the_device_raise_the_host_check(target):
 
     target.forward = poisoned
     try:
-        with accelerator_paths(), pytest.raises(ValueError, match="non-finite logits"):
-            engine.step()
+        with accelerator_paths():
+            (out,) = engine.step()
     finally:
         del target.forward
+    assert out.finished and out.finish_reason == "error"
+    assert "non-finite logits" in out.error, out.error
 
 
 def _nothing():

@@ -24,10 +24,12 @@ row the same logits whatever the other rows of the block are (batch invariance).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import itertools
 import secrets
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,7 +41,14 @@ from specdec.drafters.request_slots import CohortSlots, RequestSlots
 from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
 from specdec.engine.draft_cost import DraftCost, measure_draft_cost
-from specdec.engine.request import Request, RequestOutput, check_prompt, make_params, positive_int
+from specdec.engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    check_prompt,
+    make_params,
+    positive_int,
+)
 from specdec.engine.runner import Runner
 from specdec.engine.scheduler import Scheduler
 from specdec.metrics import MetricsRecorder
@@ -49,6 +58,11 @@ from specdec.verify.contract import VerifyRule
 from specdec.verify.registry import make_verify_rule
 
 __all__ = ["Engine", "scheduler_seconds"]
+
+# Which engine's cache layout each target holds: an engine resets its target's cache (rows, length),
+# so a second engine (or ``specdec.generate``) on the same target must not take it from one with
+# requests. Weak on both sides: a target or engine that is dropped leaves no entry behind.
+_CACHE_OWNER: weakref.WeakKeyDictionary[Any, weakref.ref[Engine]] = weakref.WeakKeyDictionary()
 
 
 def scheduler_seconds(stats: Mapping[str, float]) -> float:
@@ -142,7 +156,8 @@ class Engine:
         self.vocab_size = int(target.vocab_size)
         self.rule: VerifyRule = make_verify_rule(verify, verify_options)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
-        target.reset(self.max_num_seqs, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._claim_target()
         cost: VerifyCostModel | None = None
         if measure_cost and not isinstance(self.policy, FixedDepth):
             cost = verify_cost_for(target, max_rows=self.max_num_seqs)
@@ -187,7 +202,6 @@ class Engine:
             stats=self.stats,
             now=lambda: self.now(),
         )
-        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
     # --- public API ---------------------------------------------------------------------------
@@ -264,10 +278,38 @@ class Engine:
 
     def reset_target(self) -> None:
         """Prepare the target's cache for this engine again, after another user of the same target
-        (``specdec.generate`` or another engine) reset it; only while no request is here."""
+        (``specdec.generate`` or another engine) reset it; only while no request is here. (:meth:`step`
+        does it too, where this engine has no request in the cache and the other user is idle.)"""
         if self.has_unfinished():
             raise ValueError("reset_target() needs an idle engine: requests are waiting or running")
+        self._claim_target(force=True)
+
+    def _claim_target(self, *, force: bool = False) -> None:
+        """Hold the target's cache: reset it to this engine's rows and length unless it already is.
+        ``ValueError`` where another engine on the same target has unfinished requests (a reset would
+        destroy their cache), or where this engine's requests lost theirs to another user."""
+        ref = _CACHE_OWNER.get(self.target)
+        owner = None if ref is None else ref()
+        if owner is self and not force:
+            return
+        if owner is not None and owner is not self and owner.has_unfinished():
+            del owner
+            gc.collect()  # an engine its user dropped may only wait for the collector (cycles)
+            owner = ref()
+        if owner is not None and owner is not self and owner.has_unfinished():
+            raise ValueError(
+                f"target {type(self.target).__name__} is in use by another Engine (or specdec.generate) "
+                f"with {len(owner.requests)} unfinished request(s): each engine holds the target's KV cache, "
+                "so finish or abort those first, or load a second target"
+            )
+        in_cache = [r for r in self.requests.values() if r.status is not RequestStatus.WAITING]
+        if owner is not None and owner is not self and in_cache:
+            raise ValueError(
+                "another Engine (or specdec.generate) reset this target's KV cache while this engine had "
+                f"requests in it ({len(in_cache)} running): abort them (Engine.abort) and add them again"
+            )
         self.target.reset(self.max_num_seqs, self.max_model_len)
+        _CACHE_OWNER[self.target] = weakref.ref(self)
 
     def has_unfinished(self) -> bool:
         """True while a request waits or runs."""
@@ -321,6 +363,7 @@ class Engine:
         """One step: the scheduler's plan, the runner's run of it, the scheduler's update; returns the
         outputs of the requests that changed in it."""
         t0 = self.now()
+        self._claim_target()  # a dict look-up, unless another user of the target reset its cache
         report = self.runner.run(self.scheduler.schedule())
         self.scheduler.update(report)
         outputs = [self.requests[rid].output(new) for rid, new in report.new_tokens.items()]

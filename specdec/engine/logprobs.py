@@ -76,5 +76,12 @@ def prefill_logits_index(rows: list[Any], n: int) -> torch.Tensor:
 
 def last_logits_only(out: TargetOutput) -> TargetOutput:
     """A prefill row's output with its last position's logits only: what drafters ``begin`` on, whether
-    or not the chunk computed the logits of every position for prompt log-probabilities."""
-    return dataclasses.replace(out, logits_BTV=out.logits_BTV[:, -1:])
+    or not the chunk computed the logits of every position for prompt log-probabilities. Copies, not
+    views: a row's view would keep the whole chunk's ``[G, n, V]`` logits (and every row's features)
+    alive until its prompt is done (gigabytes for long ``echo`` prompts at several slots)."""
+    copy = lambda t: None if t is None else t.clone()  # noqa: E731
+    aux = None if not out.aux_hidden_BTD else {k: copy(h) for k, h in out.aux_hidden_BTD.items()}
+    logits_B1V = copy(out.logits_BTV[:, -1:])
+    return dataclasses.replace(
+        out, logits_BTV=logits_B1V, hidden_BTD=copy(out.hidden_BTD), aux_hidden_BTD=aux
+    )

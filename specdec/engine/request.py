@@ -221,6 +221,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None
+    """Why the request failed (``finish_reason`` ``"error"``: :mod:`specdec.engine.faults`); else None."""
 
 
 class Request:
@@ -238,6 +240,7 @@ class Request:
         self.num_prefilled = 0
         self.generated: list[int] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # the message of a request that failed alone
         self.metrics = RequestMetrics()
         self.prefill_parts: list[Any] = []  # the prefill chunks' target outputs, for drafter.add
         # Decayed acceptance counts per draft position (the depth controller's estimate a_k).
@@ -338,4 +341,5 @@ class Request:
             new_logprobs=None if logprobs is None else logprobs[len(logprobs) - len(new) :],
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_done else None,
+            error=self.error,
         )

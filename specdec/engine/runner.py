@@ -30,57 +30,27 @@ False.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-from specdec.checks import check_logits, check_proposal, logits_faults, proposal_faults
+from specdec.checks import check_logits, logits_faults
+from specdec.engine.faults import each_alone, error_message, log
 from specdec.engine.logprobs import last_logits_only, prefill_logits_index
 from specdec.engine.plan import RowPlan, StepPlan, StepReport
 from specdec.engine.request import Request, RequestStatus
 from specdec.engine.transfer import HostTransfer
-from specdec.engine.units import Unit, group_state, join_outputs, row_output, slice_output
+from specdec.engine.units import Unit, checked_unit, group_state, join_outputs, row_output, slice_output
 from specdec.host_sync import avoids_host
 from specdec.metrics import MetricsRecorder, StepStats
-from specdec.protocols import Proposal, SlotDrafter, TargetOutput, TreeTarget
+from specdec.protocols import Proposal, SlotDrafter, SlotProposal, TargetOutput
 from specdec.verify.blocks import ChainBlock, TreeBlock, Verdict, make_block
 from specdec.verify.contract import VerifyRule
 from specdec.verify.noise import PositionNoise
 
-__all__ = ["Runner", "raise_faults"]
+__all__ = ["Runner"]
 
 _DECAY = 0.97  # forgetting of the acceptance estimates a_k per request
-
-
-def raise_faults(fetched: dict[str, Any], checks: list[Callable[[], None]]) -> None:
-    """After a step's read: where a device-side check found a fault (``fetched["faults"]``), run the
-    full checks (``checks``: callables that raise their message) and, if none raises, say so."""
-    faults = fetched.get("faults")
-    if faults is None or not faults.any():
-        return
-    for check in checks:
-        check()
-    raise ValueError("a device-side check of the target's logits or a proposal failed, the host's passed")
-
-
-def _proposal_tensors(proposal: Proposal) -> list[Any]:
-    tree = proposal.tree
-    parts = [proposal.tokens_BK, proposal.probs_BKV]
-    if tree is not None:
-        parts += [getattr(tree, "tokens_BN", None), getattr(tree, "draft_probs_BNV", None)]
-    return [t for t in parts if isinstance(t, torch.Tensor)]
-
-
-def _clamped(proposal: Proposal, vocab_size: int) -> Proposal:
-    """The proposal with its ids clamped into ``[0, V)``: a proposal checked on the device is used
-    before its check is read, and an id outside the vocabulary would stop the device (its check
-    then raises, after the step's one read)."""
-    clamp = lambda t: t.clamp(0, vocab_size - 1)  # noqa: E731
-    tree = proposal.tree
-    if tree is not None:
-        tree = replace(tree, tokens_BN=clamp(tree.tokens_BN))
-    return Proposal(clamp(proposal.tokens_BK), proposal.probs_BKV, tree)
 
 
 def _drafts(block: Any) -> torch.Tensor:
@@ -93,6 +63,28 @@ def _decided_by(logits_BTV: torch.Tensor, verdict: Verdict, i: int) -> torch.Ten
     if verdict.path_BA is None:
         return logits_BTV[i]
     return logits_BTV[i, verdict.path_BA[i].to(logits_BTV.device)]
+
+
+def _verdict_rows(verdict: Verdict, index: list[int]) -> Verdict:
+    path = verdict.path_BA
+    return Verdict(
+        verdict.tokens_BA[index], verdict.num_accepted_B[index], None if path is None else path[index]
+    )
+
+
+class _Part:
+    """A unit with its slice of the verify forward's output and its rows' start positions; once
+    judged, its verdict."""
+
+    def __init__(self, unit: Unit, out: TargetOutput, start_G: torch.Tensor) -> None:
+        self.unit, self.out, self.start_G = unit, out, start_G
+        self.verdict: Verdict | None = None
+
+    def select(self, index: list[int]) -> _Part:
+        part = _Part(self.unit.select(index), self.out.select(index), self.start_G[index])
+        if self.verdict is not None:
+            part.verdict = _verdict_rows(self.verdict, index)
+        return part
 
 
 class Runner:
@@ -118,7 +110,6 @@ class Runner:
     ) -> None:
         self.target, self.rule, self.drafter, self.drafter_name = target, rule, drafter, drafter_name
         self.vocab_size = int(target.vocab_size)
-        self.tree_target = isinstance(target, TreeTarget)
         self.tokens_SL, self._tokens_np = tokens_SL, tokens_SL.numpy()
         self.max_model_len, self.prefill_chunk, self.gamma_max = max_model_len, prefill_chunk, gamma_max
         self.stats, self.now = stats, now
@@ -134,13 +125,28 @@ class Runner:
         return report
 
     def finish(self, request: Request) -> None:
-        """A request leaves (finished or aborted): the drafter drops its slot; the scheduler frees its
-        row at the step's end (:meth:`specdec.engine.scheduler.Scheduler.update`)."""
-        if request.status is RequestStatus.DECODE and request.slot is not None:
-            self.drafter.drop(request.slot)
+        """A request leaves (finished, aborted or failed): the drafter drops its slot; the scheduler
+        frees its row at the step's end (:meth:`specdec.engine.scheduler.Scheduler.update`)."""
+        decoding = request.status is RequestStatus.DECODE and request.slot is not None
         request.status = RequestStatus.FINISHED
         request.prefill_parts = []
         request.metrics.finished_s = self.now()
+        if decoding:
+            try:
+                self.drafter.drop(request.slot)
+            except Exception:  # the slot is added afresh for its next request
+                log.exception("the drafter's drop(%s) failed", request.slot)
+
+    def fail(self, request: Request, where: str, err: Exception, report: StepReport) -> None:
+        """One request fails alone (:mod:`specdec.engine.faults`): it finishes with ``finish_reason``
+        ``"error"`` and its message; the step's other rows go on."""
+        if request.status is RequestStatus.FINISHED:
+            return
+        request.error = error_message(where, err)
+        request.finish_reason = "error"
+        log.warning("request %s failed alone: %s", request.request_id, request.error, exc_info=err)
+        self.finish(request)
+        report.new_tokens.setdefault(request.request_id, [])
 
     # --- decode -----------------------------------------------------------------------------------
     def _decode(self, plan: tuple[RowPlan, ...], tree_ok: bool, report: StepReport) -> None:
@@ -163,7 +169,8 @@ class Runner:
 
     def _propose(self, plan: tuple[RowPlan, ...], tree_ok: bool, report: StepReport) -> list[Unit]:
         """The slot drafter over every drafting row at once: one ``propose`` (its randomness keyed by
-        each row's seed), its ragged chains split into units of rows sharing count and sampling."""
+        each row's seed), its ragged chains split into units of rows sharing count and sampling. A
+        call that raises is made again for each row alone; a row whose own call raises fails."""
         plain: dict[Any, list[Request]] = {}
         for p in plan:
             if p.depth == 0:
@@ -172,67 +179,78 @@ class Runner:
         drafting = [p for p in plan if p.depth > 0]
         if not drafting:
             return units
-        rows = [p.request for p in drafting]
-        state = group_state(rows, rows[0].params.sampling, self.tokens_SL)
-        state.tree_ok = tree_ok
         drafter = self.drafter
         caught_tokens, caught = drafter.catch_up_tokens, drafter.catch_up_s
-        proposal = drafter.propose(
-            [r.slot for r in rows],
-            [p.depth for p in drafting],
-            state=state,
-            sampling=[r.params.sampling for r in rows],
-            noise=PositionNoise([r.params.seed for r in rows]),
-        )
-        report.draft_rows, report.draft_depth = len(rows), max(p.depth for p in drafting)
+
+        def propose(part: list[RowPlan]) -> SlotProposal:
+            rows = [p.request for p in part]
+            state = group_state(rows, rows[0].params.sampling, self.tokens_SL)
+            state.tree_ok = tree_ok
+            return drafter.propose(
+                [r.slot for r in rows],
+                [p.depth for p in part],
+                state=state,
+                sampling=[r.params.sampling for r in rows],
+                noise=PositionNoise([r.params.seed for r in rows]),
+            )
+
+        fail = lambda p, err: self.fail(p.request, "drafting", err, report)  # noqa: E731
+        proposals = each_alone(drafting, propose, fail)
+        report.draft_rows, report.draft_depth = len(drafting), max(p.depth for p in drafting)
         report.catch_up_s = drafter.catch_up_s - caught
         # More than one step's committed tokens caught up (a prompt, or tokens of idle or lookup
         # steps) is work owed once, not a cost of drafting on: not learned, counted in owed_s.
         if drafter.catch_up_tokens - caught_tokens > self.gamma_max + 1:
             report.steady = False
             self.stats["owed_s"] += report.catch_up_s
-        if proposal.tree is not None:  # one row's token tree (a step of one row where trees pay)
-            return units + [self._unit(proposal.tree, rows, drafting[0].depth)]
-        in_trees = set()
-        for index, tree in proposal.trees:  # trees of some rows, each verified by a forward of its own
-            units.append(self._unit(tree, [rows[i] for i in index], max(drafting[i].depth for i in index)))
-            in_trees.update(index)
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(rows):
-            if i not in in_trees:
-                groups.setdefault((proposal.counts_B[i], r.params.sampling), []).append(i)
-        for (count, sampling), index in groups.items():
-            chains = proposal.chains(index, sampling.greedy)
-            units.append(self._unit(chains, [rows[i] for i in index], count))
+        for part, proposal in proposals:
+            units += self._units(part, proposal, report)
         return units
 
-    def _fit_tree(self, proposal: Proposal, rows: list[Request]) -> Proposal:
-        """A token tree the target cannot take (no tree attention, no room): its first-candidate chain."""
-        if proposal.tree is not None:
-            nodes = proposal.tree.tree.num_nodes
-            last = max(r.length for r in rows)
-            if not self.tree_target or last - 1 + nodes > self.max_model_len:
-                return Proposal(proposal.tokens_BK, proposal.probs_BKV)
-        return proposal
+    def _units(self, drafting: list[RowPlan], proposal: SlotProposal, report: StepReport) -> list[Unit]:
+        """One proposal's units, each checked; a row whose own proposal fails its check fails."""
+        rows = [p.request for p in drafting]
+        fail = lambda i, err: self.fail(rows[i], "the draft's check", err, report)  # noqa: E731
+        if proposal.tree is not None:  # one row's token tree (a step of one row where trees pay)
+            parts = [([0], proposal.tree, drafting[0].depth)]
+        else:
+            parts = [(index, tree, max(drafting[i].depth for i in index)) for index, tree in proposal.trees]
+            in_trees = {i for index, _ in proposal.trees for i in index}
+            groups: dict[tuple, list[int]] = {}
+            for i, r in enumerate(rows):
+                if i not in in_trees:
+                    groups.setdefault((proposal.counts_B[i], r.params.sampling), []).append(i)
+            for (count, sampling), index in groups.items():
+                parts.append((index, proposal.chains(index, sampling.greedy), count))
+        units = []
+        for index, proposal_G, K in parts:
+            if proposal_G.tree is not None:  # a tree (of one row, or a cohort's shared one) is one draft
+                try:
+                    units.append(self._unit(proposal_G, [rows[i] for i in index], K))
+                except Exception as err:
+                    for i in index:
+                        fail(i, err)
+                continue
+
+            def check(
+                sub: list[int], index: list[int] = index, K: int = K, chains: Proposal = proposal_G
+            ) -> Unit:
+                if len(sub) < len(index):  # the rows' own chains
+                    chains = proposal.chains(sub, rows[sub[0]].params.sampling.greedy)
+                return self._unit(chains, [rows[i] for i in sub], K)
+
+            units += [unit for _, unit in each_alone(index, check, fail)]
+        return units
 
     def _unit(self, proposal: Any, rows: list[Request], K: int) -> Unit:
-        """The unit of a proposal, checked: on the host now, or, for a proposal on the device, its
-        shapes now and its values with the step's read (:func:`raise_faults`)."""
-        step = max(r.metrics.num_steps for r in rows) + 1  # the rows' decode step
-        check = dict(
-            batch_size=len(rows), gamma=K, vocab_size=self.vocab_size, step=step, source=self.drafter_name
+        return checked_unit(
+            proposal, rows, K, target=self.target, max_model_len=self.max_model_len, source=self.drafter_name
         )
-        if not isinstance(proposal, Proposal) or not any(avoids_host(t) for t in _proposal_tensors(proposal)):
-            check_proposal(proposal, **check)
-            return Unit(rows, make_block(self._fit_tree(proposal, rows), self.target))
-        check_proposal(proposal, values=False, **check)
-        faults = proposal_faults(proposal, vocab_size=self.vocab_size)
-        block = make_block(self._fit_tree(_clamped(proposal, self.vocab_size), rows), self.target)
-        return Unit(rows, block, [faults], [lambda: check_proposal(proposal, **check)])
 
     def _verify(self, units: list[Unit], report: StepReport, *, draft_s: float) -> None:
         """One target forward over these units' blocks (chains padded to the longest), every unit's
-        verdict, one read, then per unit: commit, settle, observe."""
+        verdict, one read, then per unit: commit, settle, observe. A forward that raises is made
+        again for each row alone; a row whose own forward raises fails."""
         rows = [r for u in units for r in u.rows]
         # the block is built where the drafts are (host drafts stay on the host, for the target's checks)
         where = next((d.device for u in units for d in [_drafts(u.block)] if d.device.type != "cpu"), "cpu")
@@ -252,83 +270,131 @@ class Runner:
                 tokens_BT[r0 : r0 + u.size, : seq.shape[1]] = seq
                 r0 += u.size
         t0 = self.now()
-        out = self.target.forward(tokens_BT, start_B, rows_B=rows_B, **units[0].block.forward_kwargs("cpu"))
+        try:
+            out = self.target.forward(
+                tokens_BT, start_B, rows_B=rows_B, **units[0].block.forward_kwargs("cpu")
+            )
+        except Exception as err:
+            self.stats["forward_s"] += self.now() - t0
+            if len(rows) == 1:
+                self.fail(rows[0], "the target's verify forward", err, report)
+                return
+            for u in units:  # each row alone writes the same cache entries (batch invariance)
+                for i in range(u.size):
+                    self._verify([u.select([i])], report, draft_s=0.0)
+            return
         t1 = self.now()
         self.stats["forward_s"] += t1 - t0
-        outs, r0 = [], 0
+        parts, r0 = [], 0
         for u in units:
-            outs.append(slice_output(out, r0, r0 + u.size, u.block.num_drafted + 1))
+            parts.append(
+                _Part(
+                    u, slice_output(out, r0, r0 + u.size, u.block.num_drafted + 1), start_B[r0 : r0 + u.size]
+                )
+            )
             r0 += u.size
-        verdicts = self._verdicts(units, outs, start_B, out.logits_BTV, int(self.stats["steps"]) + 1)
+        parts = self._judge(parts, int(self.stats["steps"]) + 1, report)
         accepted: list[int] = []
-        observe_s, r0 = 0.0, 0
-        for u, o, verdict in zip(units, outs, verdicts, strict=True):
-            r1 = r0 + u.size
-            a, dt = self._settle(u, o, verdict, start_B[r0:r1], rows_B[r0:r1], report)
+        observe_s = 0.0
+        for part in parts:
+            a, dt = self._settle(part, report)
             accepted += a
             observe_s += dt
-            r0 = r1
         t2 = self.now()
         self.stats["verify_s"] += t2 - t1
-        if self.recorder is not None:
+        if self.recorder is not None and parts:
             self.recorder.record_step(
                 StepStats(
-                    gamma=max(u.block.depth for u in units),
+                    gamma=max(p.unit.block.depth for p in parts),
                     num_drafted=T_max - 1,
                     num_accepted=accepted,
                     draft_time_s=draft_s + observe_s,
                     target_time_s=t1 - t0,
                     verify_time_s=t2 - t0 - observe_s,
-                    row_drafted=[u.block.num_drafted for u in units for _ in u.rows],
-                    row_depth=[u.block.depth for u in units for _ in u.rows],
+                    row_drafted=[p.unit.block.num_drafted for p in parts for _ in p.unit.rows],
+                    row_depth=[p.unit.block.depth for p in parts for _ in p.unit.rows],
                 )
             )
 
-    def _verdicts(
-        self,
-        units: list[Unit],
-        outs: list[TargetOutput],
-        start_B: torch.Tensor,
-        logits: torch.Tensor,
-        step: int | str,
-    ) -> list[Verdict]:
-        """Every unit's verdict by the rule on the target's device, with the forward's logits checked
-        (``logits``, of ``step``), read to the host in one copy with the checks' faults."""
-        transfer = HostTransfer(logits.device)
-        faults = [f for u in units for f in u.faults]
-        if avoids_host(logits):
-            faults.append(logits_faults(logits))
-        else:
-            check_logits(logits, step=step, source="the target")
-        if faults:
-            transfer.add("faults", torch.stack([f.to(transfer.device) for f in faults]))
+    def _rows_alone(
+        self, part: _Part, call: Callable[[_Part], Any], where: str, report: StepReport
+    ) -> list[tuple[_Part, Any]]:
+        """``call`` over the whole part; where it raises, over each of its rows alone, and a row whose
+        own call raises fails (:func:`specdec.engine.faults.each_alone`). Returns (part, result) pairs."""
+        whole = list(range(part.unit.size))
+        sub = lambda index: part if len(index) == len(whole) else part.select(index)  # noqa: E731
+        fail = lambda i, err: self.fail(part.unit.rows[i], where, err, report)  # noqa: E731
+        return [(sub(index), result) for index, result in each_alone(whole, lambda i: call(sub(i)), fail)]
+
+    def _judge(self, parts: list[_Part], step: int | str, report: StepReport) -> list[_Part]:
+        """Every part's verdict by the rule on the target's device, its logits checked, read to the
+        host in one copy with the checks' faults; returns the parts whose rows go on. A row whose
+        logits or proposal fail their check, or whose own rule call raises, fails alone."""
+        if not parts:
+            return []
+        transfer = HostTransfer(parts[0].out.logits_BTV.device)
+        check = lambda p: check_logits(p.out.logits_BTV, step=step, source="the target")  # noqa: E731
+        judged: list[_Part] = []
         t_rule = self.now()
-        r0 = 0
-        for i, (u, o) in enumerate(zip(units, outs, strict=True)):
-            verdict = self._verdict(u, o, start_B[r0 : r0 + u.size])
-            for name, part in zip(("tokens", "accepted", "path"), verdict, strict=True):
-                if part is not None:
-                    transfer.add(f"{name}{i}", part)
-            r0 += u.size
-        fetched = transfer.fetch()  # the step's one read
+        for part in parts:
+            on_device = avoids_host(part.out.logits_BTV)
+            pieces = (
+                [part]
+                if on_device
+                else [p for p, _ in self._rows_alone(part, check, "the target's logits", report)]
+            )
+            for piece in pieces:
+                for done, verdict in self._rows_alone(piece, self._verdict, "the verification rule", report):
+                    i = len(judged)
+                    judged.append(done)
+                    for name, value in zip(("tokens", "accepted", "path"), verdict, strict=True):
+                        if value is not None:
+                            transfer.add(f"{name}{i}", value)
+                    faults = [] if done.unit.fault is None else [done.unit.fault]
+                    if on_device:
+                        faults.append(logits_faults(done.out.logits_BTV))
+                    if faults:
+                        transfer.add(f"fault{i}", torch.stack([f.to(transfer.device) for f in faults]).any())
+        fetched = transfer.fetch() if judged else {}  # the step's one read
         self.stats["rule_s"] += self.now() - t_rule
-        recheck = lambda: check_logits(logits, step=step, source="the target")  # noqa: E731
-        raise_faults(fetched, [recheck] + [c for u in units for c in u.rechecks])
-        return [
-            Verdict(
+        kept: list[_Part] = []
+        for i, part in enumerate(judged):
+            path = fetched.get(f"path{i}")
+            part.verdict = Verdict(
                 torch.from_numpy(fetched[f"tokens{i}"]),
                 torch.from_numpy(fetched[f"accepted{i}"]),
-                None if fetched.get(f"path{i}") is None else torch.from_numpy(fetched[f"path{i}"]),
+                None if path is None else torch.from_numpy(path),
             )
-            for i in range(len(units))
-        ]
+            fault = fetched.get(f"fault{i}")
+            kept += [part] if fault is None or not bool(fault) else self._recheck(part, step, report)
+        return kept
 
-    def _verdict(self, unit: Unit, out: TargetOutput, start_G: torch.Tensor) -> Verdict:
+    def _recheck(self, part: _Part, step: int | str, report: StepReport) -> list[_Part]:
+        """A part whose device-side check found a fault: its rows' logits and proposals checked on the
+        host; the rows that fail them fail, the others go on with their verdicts."""
+
+        def check(p: _Part) -> None:
+            check_logits(p.out.logits_BTV, step=step, source="the target")
+            for i in range(p.unit.size if p.unit.recheck is not None else 0):
+                p.unit.recheck(i)
+
+        ok = self._rows_alone(part, check, "the step's checks", report)
+        if ok and ok[0][0] is part:  # the host's checks pass where the device's found a fault
+            err = ValueError(
+                "a device-side check of the target's logits or a proposal failed, the host's passed"
+            )
+            for r in part.unit.rows:
+                self.fail(r, "the step's checks", err, report)
+            return []
+        return [p for p, _ in ok]
+
+    def _verdict(self, part: _Part) -> Verdict:
         """One unit's verdict by the rule, where the logits are, with the rows' keyed noise and the
         output-stream index of the token each block position decides (docs/randomness.md)."""
+        unit, start_G = part.unit, part.start_G
         rows, block = unit.rows, unit.block
         sampling = rows[0].params.sampling
-        logits_BTV = out.logits_BTV
+        logits_BTV = part.out.logits_BTV
         if sampling.greedy and isinstance(block, ChainBlock):
             fast = block.verify_greedy(self.rule, logits_BTV)
             if fast is not None:  # argmax matching: no noise
@@ -342,42 +408,44 @@ class Runner:
             self.rule, logits_BTV, sampling, noise=noise, positions_BK=positions_GT.to(logits_BTV.device)
         )
 
-    def _settle(
-        self,
-        unit: Unit,
-        out: TargetOutput,
-        verdict: Verdict,
-        start_G: torch.Tensor,
-        rows_G: torch.Tensor,
-        report: StepReport,
-    ) -> tuple[list[int], float]:
-        """Commit, settle and observe one unit from its verdict on the host; returns (accepted drafts
-        per row, observe s)."""
-        rows, block = unit.rows, unit.block
+    def _settle(self, part: _Part, report: StepReport) -> tuple[list[int], float]:
+        """Commit, settle and observe one part from its verdict on the host; returns (accepted drafts
+        per row, observe s). A rollback or an ``observe`` that raises is made again for each row
+        alone; a row whose own call raises fails."""
+        rows, block, verdict = part.unit.rows, part.unit.block, part.verdict
         accepted = verdict.num_accepted_B.tolist()
         tokens = verdict.tokens_BA.tolist()
-        lengths = []
         for i, request in enumerate(rows):
             a = accepted[i]
             request.metrics.num_steps += 1
             request.metrics.num_drafted += block.num_drafted
             request.idle_steps = 0 if block.num_drafted else request.idle_steps + 1
             request.learn(block.depth, a, _DECAY)
-            lengths.append(int(start_G[i]) + 2 + a)  # what the cache must read like (stops do not matter)
-            logits_TV = None if request.logprobs is None else _decided_by(out.logits_BTV, verdict, i)
+            logits_TV = None if request.logprobs is None else _decided_by(part.out.logits_BTV, verdict, i)
             self._commit(request, tokens[i][: a + 1], report, logits_TV)
-        observed = block.settle(
-            self.target, out, verdict, start_G, torch.tensor(lengths, dtype=torch.long), rows_B=rows_G
-        )
+
+        def settle(p: _Part) -> TargetOutput:  # the cache reads like what each row committed (stops aside)
+            lengths_G = p.start_G + 2 + p.verdict.num_accepted_B
+            slots_G = torch.tensor([r.slot for r in p.unit.rows], dtype=torch.long)
+            return p.unit.block.settle(self.target, p.out, p.verdict, p.start_G, lengths_G, rows_B=slots_G)
+
+        settled = self._rows_alone(part, settle, "the cache rollback", report)
         t0 = self.now()
-        live = [i for i, r in enumerate(rows) if r.status is RequestStatus.DECODE]
-        if live:
-            self.drafter.observe(
-                [rows[i].slot for i in live],
-                [accepted[i] for i in live],
-                observed.select(live),
-                state=group_state([rows[i] for i in live], rows[0].params.sampling, self.tokens_SL),
-            )
+        for p, observed in settled:
+            live = [i for i, r in enumerate(p.unit.rows) if r.status is RequestStatus.DECODE]
+
+            def observe(index: list[int], p: _Part = p, observed: TargetOutput = observed) -> None:
+                these = [p.unit.rows[i] for i in index]
+                self.drafter.observe(
+                    [r.slot for r in these],
+                    p.verdict.num_accepted_B[index].tolist(),
+                    observed.select(index),
+                    state=group_state(these, rows[0].params.sampling, self.tokens_SL),
+                )
+
+            fail = lambda i, err, p=p: self.fail(p.unit.rows[i], "the drafter's observe", err, report)  # noqa: E731
+            if live:
+                each_alone(live, observe, fail)
         observe_s = self.now() - t0
         self.stats["draft_s"] += observe_s
         return accepted, observe_s
@@ -394,64 +462,95 @@ class Runner:
                 n = min(self.prefill_chunk, left[r.request_id])
                 if n > 0:
                     left[r.request_id] -= n
-                    chunks.setdefault(n, []).append(r)
+                    if r.status is not RequestStatus.FINISHED:  # not failed in an earlier chunk
+                        chunks.setdefault(n, []).append(r)
             for n, rows in chunks.items():
                 self._prefill_chunk(rows, n, report)
 
     def _prefill_chunk(self, rows: list[Request], n: int, report: StepReport) -> None:
-        """The next ``n`` prompt tokens of every row in one forward; rows whose prompt is complete
-        take their first token from the rule at depth 0, and the drafter adds their slots."""
+        """The next ``n`` prompt tokens of every row in one forward (made again for each row alone
+        where it raises); rows whose prompt is complete take their first token from the rule at
+        depth 0, and the drafter adds their slots."""
         for r in rows:
             if r.num_prefilled == 0:
                 self._tokens_np[r.slot, : len(r.prompt_ids)] = r.prompt_ids
-        tokens_GT = torch.tensor(
-            [r.prompt_ids[r.num_prefilled : r.num_prefilled + n] for r in rows], dtype=torch.long
-        )
+
+        def forward(part: list[Request]) -> TargetOutput:
+            return self.target.forward(
+                torch.tensor(
+                    [r.prompt_ids[r.num_prefilled : r.num_prefilled + n] for r in part], dtype=torch.long
+                ),
+                torch.tensor([r.num_prefilled for r in part]),
+                rows_B=torch.tensor([r.slot for r in part]),
+                logits_index_BN=prefill_logits_index(part, n),
+            )
+
         t0 = self.now()
-        out = self.target.forward(
-            tokens_GT,
-            torch.tensor([r.num_prefilled for r in rows]),
-            rows_B=torch.tensor([r.slot for r in rows]),
-            logits_index_BN=prefill_logits_index(rows, n),
+        done = each_alone(
+            rows, forward, lambda r, err: self.fail(r, "the target's prefill forward", err, report)
         )
         self.stats["forward_s"] += self.now() - t0
         self.stats["prefill_s"] += self.now() - t0
+        for part, out in done:
+            self._prefilled(part, n, out, report)
+
+    def _prefilled(self, rows: list[Request], n: int, out: TargetOutput, report: StepReport) -> None:
+        """After a prefill forward over ``rows``: prompt log-probabilities, the chunk's output kept for
+        the drafter, and the first token of every row whose prompt is complete."""
         done: dict[Any, list[int]] = {}  # by sampling settings: the rows whose prompt is complete
         for i, request in enumerate(rows):
-            request.record_prompt_logprobs(out.logits_BTV[i], request.num_prefilled)
+            try:
+                request.record_prompt_logprobs(out.logits_BTV[i], request.num_prefilled)
+            except Exception as err:
+                self.fail(request, "the prompt's log-probabilities", err, report)
+                continue
+            # a copy of the last position: a view would keep the chunk's whole [G, n, V] logits alive
             request.prefill_parts.append(last_logits_only(row_output(out, i)))
             request.num_prefilled += n
             if request.num_prefilled == len(request.prompt_ids):
                 done.setdefault(request.params.sampling, []).append(i)
         if not done:
             return
-        units = [self._plain_unit([rows[i] for i in index]) for index in done.values()]
-        outs = [TargetOutput(out.logits_BTV[index, -1:]) for index in done.values()]
-        start_B = torch.tensor([rows[i].length - 1 for index in done.values() for i in index])
-        verdicts = self._verdicts(units, outs, start_B, out.logits_BTV, "prefill")
+        parts = [
+            _Part(
+                self._plain_unit([rows[i] for i in index]),
+                TargetOutput(out.logits_BTV[index, -1:]),
+                torch.tensor([rows[i].length - 1 for i in index]),
+            )
+            for index in done.values()
+        ]
+        parts = self._judge(parts, "prefill", report)
         t_first = self.now()
-        for unit, o, verdict in zip(units, outs, verdicts, strict=True):
-            for j, request in enumerate(unit.rows):
+        for part in parts:
+            for j, request in enumerate(part.unit.rows):
                 request.metrics.first_token_s = t_first
-                self._commit(request, verdict.tokens_BA[j, :1].tolist(), report, o.logits_BTV[j])
-            self._begin([r for r in unit.rows if r.status is not RequestStatus.FINISHED])
+                self._commit(request, part.verdict.tokens_BA[j, :1].tolist(), report, part.out.logits_BTV[j])
+            self._begin([r for r in part.unit.rows if r.status is not RequestStatus.FINISHED], report)
 
-    def _begin(self, rows: list[Request]) -> None:
+    def _begin(self, rows: list[Request], report: StepReport) -> None:
         """The drafter adds the slots of rows that begin decoding (their prompt's prefill output)."""
         t0 = self.now()
         for r in rows:
             r.status = RequestStatus.DECODE
-            self.drafter.add(r.slot, r.prompt_ids, join_outputs(r.prefill_parts))
+            try:
+                self.drafter.add(r.slot, r.prompt_ids, join_outputs(r.prefill_parts))
+            except Exception as err:
+                self.fail(r, "the drafter's add", err, report)
             r.prefill_parts = []
         self.stats["draft_s"] += self.now() - t0
         self.stats["begin_s"] += self.now() - t0
 
     # --- commit -------------------------------------------------------------------------------------
     def _commit(self, request: Request, tokens: list[int], report: StepReport, logits_NV: Any = None) -> None:
-        """Append tokens to a request (cut at its stops) and to its row of ``tokens_SL``."""
+        """Append tokens to a request (cut at its stops) and to its row of ``tokens_SL``; a stop
+        check or a log-probability that raises fails the request alone."""
         n0 = request.length
-        kept = request.commit(tokens)
-        request.record_logprobs(kept, logits_NV)
+        try:
+            kept = request.commit(tokens)
+            request.record_logprobs(kept, logits_NV)
+        except Exception as err:
+            self.fail(request, "the commit (stop conditions, log-probabilities)", err, report)
+            return
         if kept:
             self._tokens_np[request.slot, n0 : n0 + len(kept)] = kept
             request.metrics.token_times_s.extend([self.now()] * len(kept))
