@@ -18,7 +18,6 @@ Legend: B rows, K draft depth, N tree nodes, V vocabulary, D hidden size.
 from __future__ import annotations
 
 import re
-
 from typing import Any
 
 import numpy as np
