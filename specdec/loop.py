@@ -145,7 +145,8 @@ def generate(
     ``top_p``) for any drafter; greedy (``temperature=0``) output equals plain greedy decoding.
     Every proposal and every block of logits is checked (:mod:`specdec.checks`): a drafter or
     target that hands over NaN, negative or unnormalised probabilities, or ids out of range, stops
-    the run with a ``ValueError`` naming the step. One generation per target at a time: a concurrent
+    the run with a ``ValueError`` naming the prompt and the step (in the engine and the server such a
+    request fails alone: :mod:`specdec.engine.faults`). One generation per target at a time: a concurrent
     call on the same target from another thread waits for this one (:mod:`specdec.locks`). The
     prompts run as requests of one :class:`specdec.engine.Engine` (see the module doc).
 
@@ -286,6 +287,10 @@ def _drive(
             else:
                 recorder.record_commit(t_now - t_prev, len(new))
             tokens[b].extend(new)
+            if out.finish_reason == "error":  # a library call: the caller's one run fails
+                for rid in list(engine.requests):
+                    engine.abort(rid)
+                raise ValueError(f"prompt_ids[{b}]: {out.error}")
             if out.finished:
                 reasons[b] = out.finish_reason or "length"
             if new and on_commit is not None:

@@ -172,9 +172,10 @@ class _NaNTarget(TableTarget):
 
 def test_nan_target_logits_name_the_step_and_the_row():
     target = _NaNTarget(random_table(V, seed=1))
-    # the third forward is the engine's step 3 (step 1 prefilled both prompts in one forward)
+    # the third forward is the engine's step 3 (step 1 prefilled both prompts in one forward); the
+    # row is named as the prompt (its logits were then checked alone: row 0 of that check)
     with pytest.raises(
-        ValueError, match=r"step 3: the target returned non-finite logits .* \(row, position\) \(1, 0\)"
+        ValueError, match=r"prompt_ids\[1\]: .*step 3: the target returned non-finite logits .* \(0, 0\)"
     ):
         specdec.generate(target, [[1, 2], [3, 4]], drafter="none", max_new_tokens=8, temperature=0.0)
 
