@@ -174,3 +174,26 @@ def test_real_default_drafter_logprobs_equal_plain_bitwise():
     # a lone request may draft token trees: the path's logits, the same values
     (alone,) = run(smol, "default", prompts[:1], gamma=4, **options)
     assert alone.logprobs == plain[0].logprobs
+
+
+def test_prefill_keeps_no_view_of_a_chunks_logits(target):
+    """A prompt's prefill keeps, per chunk, a copy of its row's last logits for the drafter: a view
+    would pin the chunk's whole ``[G, n, V]`` logits (computed at every position for prompt
+    log-probabilities) until the prompt is done."""
+    engine = Engine(
+        target, drafter="none", gamma=3, max_num_seqs=4, max_model_len=128, prefill_chunk=16,
+        max_num_batched_tokens=64, measure_cost=False,
+    )  # fmt: skip
+    ids = [engine.add_request(p, prompt_logprobs=0, max_new_tokens=2) for p in PROMPTS[:2]]
+    engine.step()  # the first chunks of both prompts (40 and 30 tokens): not complete
+    V = int(target.vocab_size)
+    parts = [part for rid in ids for part in engine.requests[rid].prefill_parts]
+    assert parts
+    for part in parts:
+        assert part.logits_BTV.shape == (1, 1, V)
+        assert part.logits_BTV.untyped_storage().nbytes() == V * part.logits_BTV.element_size()
+        if part.hidden_BTD is not None:
+            assert (
+                part.hidden_BTD.untyped_storage().nbytes()
+                == part.hidden_BTD.numel() * part.hidden_BTD.element_size()
+            )
