@@ -22,13 +22,24 @@ noisy neighbour slows all alike; medians of ``--repeats``):
   (:mod:`~specdec.bench.llama_bench`); without the binary a one-line note says it was not run.
 
 The header names the CPU, the kernels' ISA path, the threads and the commit.
+
+``--memory`` measures instead what loading each format costs in memory, on ``--linear-backend``:
+each format loaded by ``load_target`` in a fresh process (the formats interleaved, medians of
+``--repeats``), after that process loaded the model's config and tokenizer once (the libraries a
+load imports, the same for every format; printed apart). ``anon MiB``: the growth of ``RssAnon``
+around the load (the process's own memory, not the checkpoint file's mapped pages); ``peak MiB``:
+``VmHWM`` during the load over the RSS before it; both as ratios to the first format listed::
+
+    python -m specdec.bench.target --memory --weights fp32,bf16 --linear-backend reference
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +59,7 @@ from specdec.cli_args import ArgumentParser, csv, positive_int
 from specdec.summary import Summary, check_experiment_name, table_from_rows, write_json
 from specdec.targets.llama import LlamaTarget
 
-__all__ = ["greedy_decode", "read_bandwidth", "forward_curves", "main"]
+__all__ = ["greedy_decode", "read_bandwidth", "forward_curves", "load_memory", "main"]
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
@@ -129,7 +140,10 @@ def run(args: Any) -> dict[str, Any]:
 
     if args.llama_bench:
         find_llama_bench()  # a wrong $LLAMA_BENCH is a ValueError before the measurements, not after
-    targets = {w: LlamaTarget.from_pretrained(args.target, weights=w) for w in args.weights}
+    backend = args.linear_backend
+    targets = {
+        w: LlamaTarget.from_pretrained(args.target, weights=w, linear_backend=backend) for w in args.weights
+    }
     first = next(iter(targets.values()))
     prompt_ids = first.tokenizer(PROMPT).input_ids
     hf = load_hf_model(args.target)
@@ -179,6 +193,67 @@ def run(args: Any) -> dict[str, Any]:
         if isinstance(result["llama_bench"], str):
             print(f"note: {result['llama_bench']}", file=sys.stderr)
     return result
+
+
+def _process_mib() -> dict[str, float]:
+    """This process's ``RssAnon``, ``VmRSS`` and ``VmHWM`` in MiB (``/proc/self/status``)."""
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return {k: int(fields[k].split()[0]) / 1024 for k in ("RssAnon", "VmRSS", "VmHWM")}
+
+
+def _probe_load_memory(name: str, weights: str, linear_backend: str) -> None:
+    """In a fresh process: load the config and tokenizer (the imports), then the target; print JSON."""
+    from specdec.targets import load_target
+    from specdec.targets.loading import load_hf_config, load_tokenizer, resolve_checkpoint
+
+    start = _process_mib()
+    path = resolve_checkpoint(name)
+    load_hf_config(path)
+    load_tokenizer(path)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # VmHWM restarts from the RSS now: the peak is the load's own
+    before = _process_mib()
+    target = load_target(name, weights=weights, linear_backend=linear_backend)
+    after = _process_mib()
+    anon, peak = after["RssAnon"] - before["RssAnon"], after["VmHWM"] - before["VmRSS"]
+    imports = before["RssAnon"] - start["RssAnon"]
+    print(json.dumps({"anon_mib": anon, "peak_mib": peak, "imports_mib": imports, "weights": target.weights}))
+
+
+def load_memory(name: str, weights: Sequence[str], linear_backend: str, repeats: int) -> dict[str, dict]:
+    """Medians of :func:`_probe_load_memory` per format, each run in a fresh process, the formats
+    interleaved ``repeats`` times (``ValueError`` with the probe's error when a load fails)."""
+    runs: dict[str, list[dict]] = {w: [] for w in weights}
+    for _ in range(repeats):
+        for w in weights:
+            call = f"_probe_load_memory({name!r}, {w!r}, {linear_backend!r})"
+            code = f"from specdec.bench.target import _probe_load_memory; {call}"
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            if done.returncode:
+                raise ValueError(f"loading {name} with weights={w!r} failed: {done.stderr.strip()[-2000:]}")
+            runs[w].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    keys = ("anon_mib", "peak_mib", "imports_mib")
+    return {w: {k: statistics.median(r[k] for r in rs) for k in keys} for w, rs in runs.items()}
+
+
+def memory_report(memory: dict[str, dict], env: dict[str, Any], name: str, linear_backend: str) -> str:
+    """The load-memory table under a header naming the machine, with ratios to the first format."""
+    first = next(iter(memory))
+    base = memory[first]
+    imports = statistics.median(m["imports_mib"] for m in memory.values())
+    lines = [
+        f"CPU: {env['cpu']} (kernels: {env['isa']} path), {env['torch_threads']} threads, commit "
+        f"{env['commit']}; load memory of {name}, linear backend {linear_backend}, a fresh process per "
+        f"load (after the config and tokenizer's imports: {imports:.0f} MiB, whatever the format)",
+        "",
+        f"| weights | anon MiB | peak MiB | anon / {first} | peak / {first} |",
+        "|---|---|---|---|---|",
+    ]
+    for w, m in memory.items():
+        anon, peak = m["anon_mib"] / base["anon_mib"], m["peak_mib"] / base["peak_mib"]
+        lines.append(f"| {w} | {m['anon_mib']:.0f} | {m['peak_mib']:.0f} | {anon:.2f} | {peak:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def _vs_llama_bench(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -274,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=positive_int, default=128, help="cached tokens before the timed blocks")
     p.add_argument("--seconds", type=float, default=20.0, help="time budget of the forward-cost curves")
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
+    p.add_argument("--linear-backend", default="auto", help="the targets' linear backend (auto: per format)")
+    p.add_argument(
+        "--memory", action="store_true", help="measure the load memory per format instead (module doc)"
+    )
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument(
         "--name",
@@ -291,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        if args.memory:
+            memory = load_memory(args.target, args.weights, args.linear_backend, args.repeats)
+            print(memory_report(memory, environment(), args.target, args.linear_backend))
+            return 0
         check_experiment_name(args.name, "--name")
         result = run(args)
     except ValueError as err:

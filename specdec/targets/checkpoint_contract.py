@@ -12,7 +12,9 @@ and the expected one; it never reaches a kernel, where a wrong size means readin
 bounds. It runs once at load (shape comparisons only, no tensor data is touched).
 
 A :class:`Checkpoint` is a state dict that remembers where each tensor came from (a safetensors
-shard, or a GGUF file and the tensor's name there), so the messages name the file.
+shard, or a GGUF file and the tensor's name there), so the messages name the file. Its values are
+tensors, GGUF blocks, or safetensors tensors not yet read
+(:class:`specdec.targets.safetensors_state.StoredTensor`, checked by their header's shape and dtype).
 """
 
 from __future__ import annotations
@@ -133,10 +135,11 @@ def expected_tensors(config: LlamaConfig) -> dict[str, Expected]:
 def _shape_and_kind(value: Any) -> tuple[tuple[int, ...], str]:
     """The shape of a tensor or quantised rows, and ``float`` / ``blocks`` / what else it is."""
     from kernels.quant import QuantizedRows
+    from specdec.targets.safetensors_state import StoredTensor
 
     if isinstance(value, QuantizedRows):
         return tuple(value.shape), "blocks"
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, (torch.Tensor, StoredTensor)):  # read, or still in its file
         return tuple(value.shape), "float" if value.is_floating_point() else str(value.dtype)
     return tuple(getattr(value, "shape", ())), type(value).__name__
 

@@ -11,14 +11,21 @@ What makes it fast on a CPU, compared with ``transformers``:
 - the LM head runs only where logits are wanted (``logits_index_BN``): prefill pays it once per row;
 - the hot loop calls functional ops on plain tensors (no module dispatch, no hooks, no dynamic
   cache objects), and grouped-query attention runs as one attention per key/value head with the G
-  query heads stacked as rows, so keys and values are never repeated;
+  query heads stacked as rows, so keys and values are never repeated
+  (:mod:`specdec.targets.llama_layer`);
 - the linear layers' weights are packed in the layout the CPU kernel streams fastest, in the chosen
   format (``weights=``: ``fp32 | bf16 | gguf | int8 | int4``, or ``gguf-q8 | int8-q8 | int4-q8`` with
   8-bit activations; see ``specdec.targets.llama_weights``),
   quantised ones dequantised in registers;
 - on a CPU, a block of up to ``kernels.llama_forward.MAX_BLOCK`` tokens runs the whole decoder in one
-  C call (``kernels/csrc/llama_forward.c``); longer blocks (prefill) take the PyTorch path below,
+  C call (:mod:`specdec.targets.llama_native`); longer blocks (prefill) take the PyTorch path,
   which is also the reference the native one is tested against.
+
+The files: this one holds the target (the protocol's methods and which path runs a block);
+:mod:`~specdec.targets.llama_layer` the PyTorch decoder layer and its attention mask,
+:mod:`~specdec.targets.llama_native` the native forward's calls, :mod:`~specdec.targets.llama_checks`
+the argument checks, :mod:`~specdec.targets.llama_pretrained` loading by name, and
+:mod:`~specdec.targets.llama_weights` the weights.
 
 With ``fp32`` or ``gguf`` weights the output equals ``transformers``' on the same (dequantised)
 weights up to float accumulation order (tests check logits and token-for-token greedy equality on
@@ -28,36 +35,33 @@ SmolLM2). ``bf16`` / ``int8`` / ``int4`` change outputs slightly. Tree attention
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from filelock import FileLock
 
 from kernels.llama_forward import MAX_BLOCK
-from specdec.checks import value_range
 from specdec.protocols import TargetOutput, TargetParts
 from specdec.targets.capture import check_layer_indices
-from specdec.targets.default_weights import default_weights
-from specdec.targets.kv_cache import StaticKVCache, block_attention_mask
+from specdec.targets.kv_cache import StaticKVCache
 from specdec.targets.linear import resolve_backend
-from specdec.targets.llama_config import LlamaConfig, load_safetensors_state
-from specdec.targets.llama_weights import (
-    GGUF_MODES,
-    WEIGHT_MODES,
-    ModelWeights,
-    build_weights,
-    load_packed,
-    native_decoder,
-    packed_cache_path,
-    save_packed,
+from specdec.targets.llama_checks import (
+    check_block,
+    check_cache_shape,
+    check_copy,
+    check_layer_choice,
+    check_lengths,
+    check_logits_index,
+    check_rows,
 )
+from specdec.targets.llama_config import LlamaConfig, load_safetensors_state
+from specdec.targets.llama_layer import decoder_layer, stacked_attention_mask
+from specdec.targets.llama_native import run_native, run_native_chunks
+from specdec.targets.llama_weights import WEIGHT_MODES, ModelWeights, build_weights, native_decoder
 from specdec.targets.placement import resolve_placement
 from specdec.targets.rmsnorm import RMSNorm
-from specdec.targets.rope import apply_rope_flipped, flip_sin, rope_cos_sin_table, rope_inv_freq
+from specdec.targets.rope import flip_sin, rope_cos_sin_table, rope_inv_freq
 
 __all__ = ["LlamaConfig", "LlamaTarget", "load_safetensors_state", "PREFILL_CHUNK"]
 
@@ -70,7 +74,7 @@ class LlamaTarget:
     """A Llama-family causal LM implementing :class:`specdec.protocols.Target` with a static KV cache.
 
     Public for feature-level drafters: ``config``, ``embed_tokens`` (``nn.Embedding``), ``norm``
-    (the final :class:`RMSNorm`), ``lm_head`` (``nn.Linear``: the float32 embedding when tied, else the
+    (the final :class:`RMSNorm`), ``lm_head`` (``nn.Linear``: the embedding when tied, else the
     head as stored), ``layers``, and
     :meth:`forward_layers` (a sub-network, for self-speculation). Extras beyond the protocol:
     tree attention in :meth:`forward` and :meth:`copy_slots`.
@@ -78,9 +82,10 @@ class LlamaTarget:
     ``weights``: the weight format (``WEIGHT_MODES``). ``dtype``: the compute dtype (activations, KV
     cache, float weights; ``None``: the format's own), ``device``: where every weight, the cache and
     every index tensor the target builds live; the combinations that run, and the defaults, are
-    :func:`specdec.targets.placement.resolve_placement`'s (a ``ValueError`` names any other).
-    ``linear_backend``: see :mod:`specdec.targets.linear` (``auto``: the packed kernels on a CPU in
-    float32, PyTorch ops otherwise).
+    :func:`specdec.targets.placement.resolve_placement`'s (a ``ValueError`` names any other). The
+    embedding table is stored as the float weights are (bf16 in a ``bf16`` model, whatever the
+    compute dtype). ``linear_backend``: see :mod:`specdec.targets.linear` (``auto``: the packed
+    kernels on a CPU in float32, PyTorch ops otherwise).
 
     Host and device: the cache's lengths (``cache.lengths_B``) and the block's starts are host-side
     bookkeeping, checked there; positions, masks, cache rows and slots are built on the device once
@@ -147,7 +152,7 @@ class LlamaTarget:
         **opts: Any,
     ) -> LlamaTarget:
         """Load a built-in name (``smollm2-135m``), a local checkpoint directory (safetensors only) or a
-        ``.gguf`` file.
+        ``.gguf`` file (:mod:`specdec.targets.llama_pretrained`).
 
         ``weights``: a format of :data:`specdec.targets.llama_weights.WEIGHT_MODES`, or ``auto``
         (:func:`specdec.targets.default_weights.default_weights`): for a GGUF file (the built-in
@@ -156,49 +161,15 @@ class LlamaTarget:
         ``opts``: ``device``, ``linear_backend`` (see ``specdec.targets.linear``), ``load_tokenizer``
         (default True).
         """
-        from specdec.targets.gguf import load_gguf_state
-        from specdec.targets.loading import (
-            gguf_source,
-            load_eos_token_ids,
-            load_hf_config,
-            load_tokenizer,
-            resolve_checkpoint,
-        )
+        from specdec.targets.llama_pretrained import load_pretrained
 
-        with_tokenizer = opts.pop("load_tokenizer", True)
-        path = resolve_checkpoint(name_or_path)
-        config = LlamaConfig.from_hf(hf_config := load_hf_config(path))
-        source = gguf_source(name_or_path)
-        backend = resolve_backend(opts.get("linear_backend", "auto"), opts.get("device", "cpu"), dtype)
-        if weights == "auto":
-            weights = default_weights(source, dtype=dtype, linear_backend=backend)
-        if weights in GGUF_MODES and source is None:
-            raise ValueError(
-                f"weights={weights!r} needs a GGUF file; {name_or_path} is a safetensors checkpoint"
-            )
-        cache, key = packed_cache_path(path, source if weights in GGUF_MODES else None, weights, backend)
-        eos_ids = load_eos_token_ids(path, hf_config)
-        tokenizer = load_tokenizer(path) if with_tokenizer else None
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-        # One process packs a checkpoint; others wait for its cache instead of packing it too.
-        with FileLock(str(cache) + ".lock") if cache is not None else contextlib.nullcontext():
-            state: Any = None if cache is None else load_packed(cache, key)
-            if state is None and weights in GGUF_MODES:
-                heads = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
-                state = load_gguf_state(source, model_type=config.model_type, **heads)
-            elif state is None:
-                state = load_safetensors_state(path)
-            extra = {"tokenizer": tokenizer, "eos_token_ids": eos_ids, **opts}
-            target = cls(config, state, weights=weights, dtype=dtype, **extra)
-            if cache is not None and not isinstance(state, ModelWeights):
-                save_packed(target.packed_weights, cache, key)
-        return target
+        return load_pretrained(cls, name_or_path, weights=weights, dtype=dtype, **opts)
 
     # ------------------------------------------------------------------ Target protocol
     def parts(self) -> TargetParts:
-        """The embedding and final norm (float32) and LM head (as stored; float32 when tied or
-        quantised), on the target's device, that feature-level draft heads share."""
+        """The embedding (as stored: the float weights' dtype), the float32 final norm and the LM head
+        (as stored; the embedding when tied, float32 when quantised), on the target's device, that
+        feature-level draft heads share."""
         return TargetParts(
             self.embed_tokens.weight.detach(),
             self.norm.weight.detach(),
@@ -214,23 +185,8 @@ class LlamaTarget:
 
     def reset(self, batch_size: int, max_len: int) -> None:
         """Allocate an empty cache of ``batch_size`` rows × ``max_len`` slots (reused if same shape)."""
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
-        limit = self.max_context_length
-        if limit is not None and max_len > limit:
-            raise ValueError(
-                f"max_len={max_len} exceeds the model's context length max_context_length={limit} "
-                "(max_position_embeddings)"
-            )
-        window = self.config.sliding_window
-        if window is not None and max_len > window:
-            raise ValueError(
-                f"max_len={max_len} exceeds the model's sliding_window={window}; sliding-window attention "
-                "is not implemented by the native target (use max_len <= sliding_window or the 'hf' backend)"
-            )
         c = self.config
+        check_cache_shape(c, batch_size, max_len, self.max_context_length)
         if self.cache is None or self.cache.batch_size != batch_size or self.cache.max_len != max_len:
             self.cache = StaticKVCache(
                 num_layers=c.num_layers,
@@ -271,23 +227,11 @@ class LlamaTarget:
         layers = range(self.config.num_layers)
         T = tokens_BT.shape[1]
         if tree_mask_TT is None and T > PREFILL_CHUNK:  # a chain in chunks: causal attention is the same
-            chunks, parts = range(0, T, PREFILL_CHUNK), []
-            for c in chunks:
+            parts = []
+            for c in range(0, T, PREFILL_CHUNK):
                 piece: dict[int, torch.Tensor] = {}
-                parts.append(
-                    (
-                        self._run(
-                            tokens_BT[:, c : c + PREFILL_CHUNK],
-                            start_B + c,
-                            layers,
-                            None,
-                            None,
-                            piece,
-                            rows_B,
-                        ),
-                        piece,
-                    )
-                )
+                chunk_BT = tokens_BT[:, c : c + PREFILL_CHUNK]
+                parts.append((self._run(chunk_BT, start_B + c, layers, None, None, piece, rows_B), piece))
             hidden_BTD = torch.cat([h for h, _ in parts], dim=1)
             aux = {i: torch.cat([p[i] for _, p in parts], dim=1) for i in parts[0][1]}
         else:
@@ -305,22 +249,11 @@ class LlamaTarget:
     def rollback(self, lengths_B: torch.Tensor, rows_B: torch.Tensor | None = None) -> None:
         """Declare that row b's cache holds only its first ``lengths_B[b]`` slots (O(1): nothing moves).
         ``rows_B``: which cache rows ``lengths_B`` refers to (default: every row in order)."""
-        cache = self._need_cache()
-        lengths_B = torch.as_tensor(lengths_B, dtype=torch.long).reshape(-1).cpu()
-        rows = self._check_rows(rows_B, lengths_B.shape[0]) if rows_B is not None else None
-        if rows is None and lengths_B.shape[0] != cache.batch_size:
-            raise ValueError(f"lengths_B must have {cache.batch_size} entries, got {lengths_B.shape[0]}")
-        # Checked on Python lists: a few rows, where each small torch op costs more than the loop.
-        new, held = lengths_B.tolist(), cache.lengths_B.tolist()
-        current = held if rows is None else [held[r] for r in rows.tolist()]
-        if any(n < 0 or n > c for n, c in zip(new, current, strict=True)):
-            raise ValueError(
-                f"lengths_B must be in [0, current length] per row; got {new}, cache holds {current}"
-            )
+        lengths_B, rows = check_lengths(self.cache, lengths_B, rows_B)
         if rows is None:
-            cache.lengths_B = lengths_B.clone()
+            self.cache.lengths_B = lengths_B.clone()
         else:
-            cache.lengths_B[rows] = lengths_B
+            self.cache.lengths_B[rows] = lengths_B
 
     # ------------------------------------------------------------------ extras
     @torch.inference_mode()
@@ -334,30 +267,9 @@ class LlamaTarget:
         with the new lengths (``dst_start_B + N``). Rows with shorter paths may pad ``src_slots_BN``
         with any slot: whatever lands past a row's new length is never read.
         """
-        cache = self._need_cache()
-        src = torch.as_tensor(src_slots_BN, dtype=torch.long)
-        dst = torch.as_tensor(dst_start_B, dtype=torch.long).reshape(-1)
-        B = cache.batch_size if rows_B is None else len(rows_B)
-        rows = None if rows_B is None else self._check_rows(rows_B, B)
-        if src.ndim != 2 or src.shape[0] != B or dst.shape[0] != B:
-            raise ValueError(
-                f"src_slots_BN must be [B={B}, N] and dst_start_B [B]; got "
-                f"{tuple(src.shape)} and {tuple(dst.shape)}"
-            )
-        on_host = src.device.type == "cpu" and dst.device.type == "cpu"  # device ones: trusted
-        if (
-            on_host
-            and src.numel()
-            and (
-                src.min() < 0
-                or src.max() >= cache.max_len
-                or dst.min() < 0
-                or (dst + src.shape[1]).max() > cache.max_len
-            )
-        ):
-            raise ValueError(f"slots must lie in [0, max_len={cache.max_len})")
+        src, dst, rows = check_copy(self.cache, src_slots_BN, dst_start_B, rows_B)
         rows = None if rows is None else rows.to(self.device)
-        cache.copy_slots(src.to(self.device), dst.to(self.device), rows)
+        self.cache.copy_slots(src.to(self.device), dst.to(self.device), rows)
 
     def forward_layers(
         self,
@@ -379,19 +291,7 @@ class LlamaTarget:
         layer's output. ``rows_B``: the cache rows the block's B rows use, as in :meth:`forward`
         (default: every cache row in order).
         """
-        L = self.config.num_layers
-        if (num_layers is None) == (layers is None):
-            raise ValueError("pass exactly one of num_layers or layers")
-        if num_layers is not None:
-            if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= L:
-                raise ValueError(f"num_layers must be an int in [1, {L}], got {num_layers!r}")
-            layers = range(num_layers)
-        else:
-            layers = list(layers)
-            if not layers or any(not 0 <= i < L for i in layers) or layers != sorted(set(layers)):
-                raise ValueError(
-                    f"layers must be a non-empty increasing list of indices in [0, {L}), got {layers}"
-                )
+        layers = check_layer_choice(self.config.num_layers, num_layers, layers)
         tokens_BT, start_B, rows = self._check_block(
             tokens_BT, start_B, None, None, check_length=False, rows_B=rows_B
         )
@@ -399,74 +299,15 @@ class LlamaTarget:
         return TargetOutput(logits_BTV=self._logits(hidden_BTD, logits_index_BN), hidden_BTD=hidden_BTD)
 
     # ------------------------------------------------------------------ internals
-    def _need_cache(self) -> StaticKVCache:
-        if self.cache is None:
-            raise ValueError("call reset(batch_size, max_len) before using the target")
-        return self.cache
-
     def _check_rows(self, rows_B: Any, B: int) -> torch.Tensor:
         """``rows_B`` as a CPU long tensor of B distinct cache rows, or a ``ValueError``."""
-        cache = self._need_cache()
-        rows = torch.as_tensor(rows_B, dtype=torch.long).reshape(-1).cpu()
-        values = rows.tolist()
-        if (
-            len(values) != B
-            or len(set(values)) != len(values)
-            or any(not 0 <= r < cache.batch_size for r in values)
-        ):
-            raise ValueError(
-                f"rows_B must hold {B} distinct cache rows in [0, {cache.batch_size}), got {values}"
-            )
-        return rows
+        return check_rows(self.cache, rows_B, B)
 
     def _check_block(self, tokens_BT, start_B, tree_mask_TT, depth_T, check_length: bool = True, rows_B=None):
-        cache = self._need_cache()
-        if (
-            not isinstance(tokens_BT, torch.Tensor)
-            or tokens_BT.ndim != 2
-            or tokens_BT.dtype
-            not in (
-                torch.long,
-                torch.int32,
-            )
-        ):
-            raise ValueError(
-                f"tokens_BT must be an integer tensor [B, T], got {getattr(tokens_BT, 'shape', tokens_BT)}"
-            )
-        B, T = tokens_BT.shape
-        rows = None if rows_B is None else self._check_rows(rows_B, B)
-        if (rows is None and B != cache.batch_size) or T < 1:
-            raise ValueError(f"tokens_BT must be [B={cache.batch_size}, T>=1], got {tuple(tokens_BT.shape)}")
-        start_B = torch.as_tensor(start_B, dtype=torch.long).reshape(-1).cpu()
-        if start_B.shape[0] != B:
-            raise ValueError(f"start_B must have {B} entries, got {start_B.shape[0]}")
-        starts = start_B.tolist()  # checked as a list: see rollback
-        if any(s < 0 or s + T > cache.max_len for s in starts):
-            raise ValueError(f"blocks must fit in [0, max_len={cache.max_len}); start_B={starts}, T={T}")
-        held = cache.lengths_B.tolist()
-        held = held if rows is None else [held[r] for r in rows.tolist()]
-        if check_length and any(s > h for s, h in zip(starts, held, strict=True)):
-            raise ValueError(f"start_B={starts} is past the cached lengths {held} (a gap)")
-        # Values are checked where they are on the host; tensors already on an accelerator are
-        # trusted (reading them back would synchronise every forward).
-        if tree_mask_TT is not None:
-            if tree_mask_TT.shape != (T, T) or tree_mask_TT.dtype != torch.bool:
-                raise ValueError(
-                    f"tree_mask_TT must be a bool tensor [T={T}, T], got {tuple(tree_mask_TT.shape)}"
-                )
-            if tree_mask_TT.device.type == "cpu" and not tree_mask_TT.diagonal().all():
-                raise ValueError("tree_mask_TT must include the diagonal (every token attends to itself)")
-        if depth_T is not None:
-            if depth_T.shape != (T,):
-                raise ValueError(f"depth_T must have shape [T={T}], got {tuple(depth_T.shape)}")
-            if depth_T.device.type == "cpu" and (
-                (depth_T < 0).any() or (max(starts) + int(depth_T.max()) >= cache.max_len)
-            ):
-                raise ValueError("depth_T must be >= 0 and start_B + depth_T < max_len")
-        if tokens_BT.device.type == "cpu":
-            lo, hi = value_range(tokens_BT)
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"tokens_BT must be in [0, {self.vocab_size})")
+        """:func:`specdec.targets.llama_checks.check_block`, the tokens moved to the device."""
+        block = (tokens_BT, start_B, tree_mask_TT, depth_T)
+        checked = check_block(self.cache, self.vocab_size, *block, check_length=check_length, rows_B=rows_B)
+        tokens_BT, start_B, rows = checked
         return tokens_BT.to(self.device), start_B, rows
 
     @torch.inference_mode()
@@ -491,10 +332,14 @@ class LlamaTarget:
         PyTorch path."""
         c = self.config
         B, T = tokens_BT.shape
-        if self._native is not None and T <= MAX_BLOCK:
-            return self._run_native(tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux_out, rows_B)
-        if self._native is not None and tree_mask_TT is None and depth_T is None:
-            return self._run_native_chunks(tokens_BT, start_B, layers, aux_out, rows_B)
+        if self._native is not None and (T <= MAX_BLOCK or (tree_mask_TT is None and depth_T is None)):
+            capture = [i for i in layers if i in self.aux_layers] if aux_out is not None else []
+            tables = (self._native, self.cache, self.embed_tokens.weight, self._cos, self._sin)
+            if T <= MAX_BLOCK:
+                return run_native(
+                    *tables, tokens_BT, start_B, layers, tree_mask_TT, depth_T, capture, aux_out, rows_B
+                )
+            return run_native_chunks(*tables, tokens_BT, start_B, layers, capture, aux_out, rows_B)
         starts = start_B.tolist()  # start_B is host-side bookkeeping (see _check_block)
         uniform = starts[0] if starts.count(starts[0]) == B else None
         num_slots = max(starts) + T
@@ -505,7 +350,6 @@ class LlamaTarget:
         positions_BT = start_dev_B[:, None] + offsets_T[None, :]
         cos_BT1E, sin_BT1E = self._cos[positions_BT][:, :, None], self._sin[positions_BT][:, :, None]
 
-        G = c.num_heads // c.num_kv_heads
         mask = None
         if tree_mask_TT is not None or uniform is None or T > 1:
             block_TT = (
@@ -513,14 +357,10 @@ class LlamaTarget:
                 if tree_mask_TT is not None
                 else torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
             )
-            # The G query heads of a key/value head are stacked as G·T rows (row g·T + t). Additive
-            # (0 / -inf) once per forward: a bool mask is converted in every layer's attention call
-            # (same result bit for bit; ~5 µs of ~40 per layer at 7 tokens here).
-            allowed = block_attention_mask(start_dev_B, num_slots, block_TT).repeat(1, 1, G, 1)
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)  # the query's dtype
-            mask.masked_fill_(~allowed, float("-inf"))
+            G = c.num_heads // c.num_kv_heads
+            mask = stacked_attention_mask(start_dev_B, num_slots, block_TT, G, self.dtype)
 
-        x_BTD = self.embed_tokens.weight[tokens_BT].to(self.dtype)  # float32 table, rows in the dtype
+        x_BTD = self.embed_tokens.weight[tokens_BT].to(self.dtype)  # the table's rows, in the dtype
         for i in layers:
             x_BTD = self._layer(
                 i, x_BTD, cos_BT1E, sin_BT1E, start_dev_B, uniform, num_slots, mask, rows_dev_B
@@ -529,90 +369,19 @@ class LlamaTarget:
                 aux_out[i] = x_BTD
         return x_BTD
 
-    def _run_native_chunks(self, tokens_BT, start_B, layers, aux_out, rows_B=None) -> torch.Tensor:
-        """A chain block longer than ``MAX_BLOCK`` through the native forward, chunk by chunk."""
-        outs, chunk_aux = [], []
-        for s in range(0, tokens_BT.shape[1], MAX_BLOCK):
-            part_aux: dict[int, torch.Tensor] | None = None if aux_out is None else {}
-            outs.append(
-                self._run_native(
-                    tokens_BT[:, s : s + MAX_BLOCK], start_B + s, layers, None, None, part_aux, rows_B
-                )
-            )
-            chunk_aux.append(part_aux)
-        if aux_out is not None:
-            for i in chunk_aux[0]:
-                aux_out[i] = torch.cat([a[i] for a in chunk_aux], dim=1)
-        return torch.cat(outs, dim=1)
-
-    def _run_native(
-        self, tokens_BT, start_B, layers, tree_mask_TT, depth_T, aux_out, rows_B=None
-    ) -> torch.Tensor:
-        """:meth:`_run` in one call of the native forward (``kernels.llama_forward``)."""
-        B, T = tokens_BT.shape
-        offsets_T = torch.arange(T) if depth_T is None else depth_T.to(torch.long).cpu()
-        positions_M = (start_B[:, None] + offsets_T[None, :]).reshape(-1)
-        x_MD = self.embed_tokens.weight[tokens_BT.reshape(-1)].contiguous()
-        capture = [i for i in layers if i in self.aux_layers] if aux_out is not None else []
-        cache = self.cache
-        outs = self._native.forward(
-            x_MD,
-            start_B,
-            self._cos[positions_M],
-            self._sin[positions_M],
-            cache.k_NBHLD,
-            cache.v_NBHLD,
-            tree_mask_TT,
-            list(layers),
-            capture,
-            rows_B,
-        )
-        for i, out in zip(capture, outs, strict=True):
-            aux_out[i] = out.view(B, T, -1)
-        return x_MD.view(B, T, -1)
-
     def _layer(
         self, i, x_BTD, cos_BT1E, sin_BT1E, start_B, uniform, num_slots, mask, rows_B=None
     ) -> torch.Tensor:
-        c, layer, cache = self.config, self.layers[i], self.cache
-        B, T, _ = x_BTD.shape
-        H, J, E = c.num_heads, c.num_kv_heads, c.head_dim
-        G = H // J
-
-        qkv = layer.qkv(x_BTD).view(B, T, H + 2 * J, E)
-        qk = qkv[:, :, : H + J]
-        if layer.qk_norm is not None:  # Qwen3: RMSNorm over each head before rope, in float32
-            qk32 = qk.float()
-            qk32 = layer.qk_norm * (qk32 * torch.rsqrt(qk32.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps))
-            qk = qk32.to(qkv.dtype)
-        qk = apply_rope_flipped(qk, cos_BT1E, sin_BT1E)
-        q_BTHE, k_BTJE, v_BTJE = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + J :]
-        cache.write(i, k_BTJE, v_BTJE, start_B, uniform, rows_B)
-
-        if rows_B is None:
-            k_BJSE = cache.k_NBHLD[i, :, :, :num_slots]
-            v_BJSE = cache.v_NBHLD[i, :, :, :num_slots]
-        else:  # a subset of the cache's rows (one gather per layer; prefill chunks and fallbacks only)
-            k_BJSE = cache.k_NBHLD[i, rows_B, :, :num_slots]
-            v_BJSE = cache.v_NBHLD[i, rows_B, :, :num_slots]
-        q_BJRE = q_BTHE.reshape(B, T, J, G, E).permute(0, 2, 3, 1, 4).reshape(B, J, G * T, E)
-        o_BJRE = F.scaled_dot_product_attention(q_BJRE, k_BJSE, v_BJSE, attn_mask=mask, scale=E**-0.5)
-        o_BTF = o_BJRE.view(B, J, G, T, E).permute(0, 3, 1, 2, 4).reshape(B, T, H * E)
-        x_BTD = layer.o(o_BTF, x_BTD)
-        return layer.down(layer.gate_up(x_BTD), x_BTD)
+        """Decoder layer ``i`` in PyTorch ops (:func:`specdec.targets.llama_layer.decoder_layer`)."""
+        block = (x_BTD, cos_BT1E, sin_BT1E, start_B, uniform, num_slots, mask, rows_B)
+        return decoder_layer(self.config, self.layers[i], self.cache, i, *block)
 
     @torch.inference_mode()
     def _logits(self, hidden_BTD: torch.Tensor, logits_index_BN: torch.Tensor | None) -> torch.Tensor:
         """float32 logits (the head runs in the compute dtype) at ``logits_index_BN`` (checked on the
         host, then moved to the device once; an index already on the device is trusted)."""
         if logits_index_BN is not None:
-            idx = torch.as_tensor(logits_index_BN, dtype=torch.long)
-            T = hidden_BTD.shape[1]
-            bad_shape = idx.ndim != 2 or idx.shape[0] != hidden_BTD.shape[0]
-            if bad_shape or (idx.device.type == "cpu" and ((idx < 0).any() or (idx >= T).any())):
-                raise ValueError(
-                    f"logits_index_BN must be [B, N] with entries in [0, {T}), got {tuple(idx.shape)}"
-                )
+            idx = check_logits_index(logits_index_BN, hidden_BTD.shape[0], hidden_BTD.shape[1])
             idx = idx.to(self.device)
             hidden_BTD = hidden_BTD.gather(1, idx[:, :, None].expand(-1, -1, hidden_BTD.shape[-1]))
         logits = self._head(hidden_BTD)

@@ -1,4 +1,4 @@
-"""Architecture config and safetensors loading for the native Llama-family target (``specdec.targets.llama``).
+"""Architecture config of the native Llama-family target (``specdec.targets.llama``).
 
 ``LlamaConfig.from_hf`` reads a ``transformers`` config and refuses, with ``ValueError``, anything the
 native target does not implement (other model types, activations, RoPE scalings; sliding windows
@@ -7,15 +7,11 @@ are checked at ``reset``), so a checkpoint never runs silently differently from 
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
-
 from specdec.targets.rope import rope_inv_freq
+from specdec.targets.safetensors_state import load_safetensors_state
 
 __all__ = ["LlamaConfig", "load_safetensors_state", "NATIVE_FAMILIES"]
 
@@ -124,34 +120,3 @@ class LlamaConfig:
             sliding_window=int(window) if uses_window else None,
             max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 0) or 0),
         )
-
-
-def load_safetensors_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a local checkpoint directory (``model.safetensors`` or a sharded index)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"{index}: not a valid safetensors index ({err})") from None
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(
-            f"no safetensors weights in {path} (model.safetensors or model.safetensors.index.json); "
-            "the native target never unpickles .bin checkpoints: re-save with safe_serialization=True"
-        )
-    from safetensors import SafetensorError
-
-    from specdec.targets.checkpoint_contract import Checkpoint
-
-    state = Checkpoint()  # remembers each tensor's file, for the messages of the checkpoint's check
-    for name in files:
-        try:
-            state.update_from(load_file(str(path / name)), path / name)
-        except (SafetensorError, OSError) as err:
-            raise ValueError(f"{path / name}: not a readable safetensors file ({err})") from None
-    return state

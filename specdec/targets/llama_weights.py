@@ -21,9 +21,13 @@ Weight formats (``weights=`` on :func:`specdec.targets.load_target`, ``--weights
   ``Q4_0`` / ``Q4_1`` / ``Q8_0`` matrices: a float matrix is a ``ValueError`` naming it.
 
 The layers fuse q|k|v and gate|up into one product each (quantised rows concatenate as they are).
-The embedding lookup always reads a float32 copy (dequantised once for ``gguf``; its rows are cast to
-the compute dtype), so feature heads fingerprint and share the same table whatever the dtype; the
-norms stay float32. Which format runs on which device, in which dtype: :mod:`specdec.targets.placement`.
+The embedding table is stored as the float matrices are: in the format's dtype for ``bf16`` /
+``fp16``, else in the compute dtype (dequantised once for ``gguf``; float32 on the packed kernels),
+so a half-precision model holds no float32 copy of its vocabulary, and a tied LM head is the table
+itself. The norms and biases stay float32 (a few kB; the packed kernels read them so). A checkpoint
+still in its file (:class:`specdec.targets.safetensors_state.StoredTensor`) is read tensor by tensor
+straight into the stored dtype, so a load peaks near the model's final size. Which format runs on
+which device, in which dtype: :mod:`specdec.targets.placement`.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from specdec.targets.checkpoint_contract import check_checkpoint, describe_tenso
 from specdec.targets.linear import PackedLinear
 from specdec.targets.llama_config import LlamaConfig
 from specdec.targets.placement import FLOAT_FORMATS
+from specdec.targets.safetensors_state import CHUNK_BYTES, StoredTensor
 
 __all__ = [
     "WEIGHT_MODES",
@@ -60,6 +65,8 @@ WEIGHT_MODES = ("fp32", "bf16", "fp16", "gguf", "int8", "int4", "gguf-q8", "int8
 GGUF_MODES = ("gguf", "gguf-q8")
 """The formats that read a GGUF file's own quantised blocks."""
 INT4_GROUP_SIZE = 32
+PACKED_CACHE_FORMAT = 2
+"""Version of the packed-weight cache's contents (2: a ``bf16`` model's embedding stored in bfloat16)."""
 
 
 @dataclass
@@ -75,20 +82,20 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    """Every layer, the float32 embedding and final norm, and the LM head (float or quantised)."""
+    """Every layer, the embedding (in the float weights' storage dtype), the float32 final norm, and
+    the LM head (float or quantised)."""
 
     layers: list[LayerWeights]
     embed_VD: torch.Tensor
     norm_D: torch.Tensor
-    head_weight: Any  # float32 [V, D], QuantizedRows or PackedWeight
+    head_weight: Any  # float [V, D], QuantizedRows or PackedWeight
     head: PackedLinear  # final norm + LM head
     tied: bool  # the LM head is the embedding
     compute_dtype: torch.dtype = torch.float32  # what the products were built to run in
 
     def head_VD(self) -> torch.Tensor:
-        """The LM head as ``[V, D]`` on the embedding's device: the float32 embedding itself when tied,
-        a float head as it is stored (no float32 copy of a bf16 head), quantised rows dequantised to
-        float32."""
+        """The LM head as ``[V, D]`` on the embedding's device: the embedding itself when tied, a float
+        head as it is stored (no float32 copy of a bf16 head), quantised rows dequantised to float32."""
         if self.tied:
             return self.embed_VD
         w = self.head_weight
@@ -113,6 +120,7 @@ class _State:
         # bf16 model there); int8 / int4 quantise from float32
         self.matrix_dtype = FLOAT_FORMATS.get(weights, torch.float32)
         self.base, self.act8 = weights.removesuffix("-q8"), weights.endswith("-q8")  # act8: 8-bit activations
+        self.scratch: torch.Tensor | None = None  # one read buffer for every stored tensor converted
         if self.act8 and device.type != "cpu":
             raise ValueError(f"weights={weights!r} (8-bit activations) runs on the CPU, got device {device}")
         quantised = [k for k, v in self.state.items() if isinstance(v, QuantizedRows)]
@@ -121,11 +129,20 @@ class _State:
                 f"the state holds quantised GGUF tensors (e.g. {quantised[0]!r}); load it with weights='gguf'"
             )
 
-    def float(self, key: str) -> torch.Tensor:
+    def float(self, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Tensor ``key`` on the device in ``dtype`` (quantised rows dequantised first)."""
         value = self.state.pop(key)
+        if isinstance(value, StoredTensor):  # read straight into dtype, chunk by chunk
+            return value.load(dtype, self.device, self.read_scratch())
         if isinstance(value, QuantizedRows):
             value = value.dequantize()
-        return value.to(device=self.device, dtype=torch.float32).contiguous()
+        return value.to(device=self.device, dtype=dtype).contiguous()
+
+    def read_scratch(self) -> torch.Tensor:
+        """The buffer stored tensors are read through when converted (allocated once, on first use)."""
+        if self.scratch is None:
+            self.scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+        return self.scratch
 
     def maybe(self, key: str, wanted: bool) -> torch.Tensor | None:
         return self.float(key) if wanted else None
@@ -139,7 +156,14 @@ class _State:
             return QuantizedRows.cat(parts)
         if any(isinstance(p, QuantizedRows) for p in parts):
             raise ValueError(f"{keys}: some of these GGUF tensors are quantised and some are not")
-        w = torch.cat([p.to(device=self.device, dtype=self.matrix_dtype) for p in parts])
+        # each part read or copied into its rows of the fused matrix: no float32 copy of a bf16 one
+        rows = [p.shape[0] for p in parts]
+        w = torch.empty(sum(rows), parts[0].shape[1], dtype=self.matrix_dtype, device=self.device)
+        for p, w_part in zip(parts, w.split(rows), strict=True):
+            if isinstance(p, StoredTensor):
+                p.read_into(w_part, self.read_scratch())
+            else:
+                w_part.copy_(p)
         return self.quantise(w)
 
     def quantise(self, w: torch.Tensor | QuantizedRows) -> torch.Tensor | QuantizedRows:
@@ -180,7 +204,8 @@ def build_weights(
     (:func:`specdec.targets.checkpoint_contract.check_checkpoint`: ``ValueError`` naming the file, the
     tensor, its shape and the expected one, or a missing or unused tensor). ``dtype``: the compute
     dtype (:func:`specdec.targets.placement.resolve_placement`): what quantised rows are dequantised
-    into on the PyTorch backends; float matrices are stored in the format's dtype."""
+    into on the PyTorch backends; float matrices and the embedding are stored in the format's dtype.
+    Tensors are read (or converted) one at a time, the state's own let go as they are used."""
     c, s = config, _State(state, weights, device)
     check_checkpoint(config, state)
     storage = FLOAT_FORMATS.get(weights, dtype)  # float matrices in the format's dtype, rows into dtype
@@ -188,7 +213,16 @@ def build_weights(
         w, b, backend=backend, dtype=storage, device=device, act8=s.act8, **kw
     )
     eps = c.rms_norm_eps
-    embed = s.float("model.embed_tokens.weight")
+    embed_key = "model.embed_tokens.weight"
+    tied = "lm_head.weight" not in state  # the contract allows it only with tie_word_embeddings
+    quantised_tied = tied and s.base in ("int8", "int4")
+    if quantised_tied:  # the head quantised from the float32 table, as the checkpoint holds it
+        s.check_runnable(embed_key, state[embed_key])
+        embed = s.float(embed_key)
+        head_w = s.quantise(embed)
+        embed = embed.to(storage)
+    else:
+        embed = s.float(embed_key, storage)
     layers = []
     for i in range(c.num_layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -224,12 +258,11 @@ def build_weights(
             )
         )
     norm_w = s.float("model.norm.weight")
-    tied = "lm_head.weight" not in s.state  # the contract allows it only with tie_word_embeddings
     if not tied:
         head_w = s.matrix("lm_head.weight")
-    else:
-        s.check_runnable("model.embed_tokens.weight", state["model.embed_tokens.weight"])
-        head_w = s.quantise(state["model.embed_tokens.weight"] if weights in GGUF_MODES else embed)
+    elif not quantised_tied:
+        s.check_runnable(embed_key, state[embed_key])
+        head_w = s.quantise(state[embed_key] if weights in GGUF_MODES else embed)
     head = pack(head_w, norm_weight_I=norm_w, norm_eps=eps)
     return ModelWeights(layers, embed, norm_w, head_w, head, tied, dtype)
 
@@ -363,8 +396,8 @@ def packed_cache_path(path: Path, source: Path | None, weights: str, backend: st
     """Where the packed weights of a checkpoint are cached, and the key that must match (None: not
     cached: a linear backend other than ``packed``). The key names the weight files (resolved path,
     size and modification time), a hash of ``config.json`` (the norm epsilon and the head counts are
-    baked into the packed layers), the weight format, the ISA path, the int4 group size and the
-    kernel's source."""
+    baked into the packed layers), the weight format, the ISA path, the int4 group size, the kernel's
+    source and :data:`PACKED_CACHE_FORMAT`."""
     import hashlib
 
     from kernels.native import cache_root, cpu_isa
@@ -377,7 +410,8 @@ def packed_cache_path(path: Path, source: Path | None, weights: str, backend: st
     config_file = path / "config.json"
     config_sha = hashlib.sha256(config_file.read_bytes() if config_file.is_file() else b"").hexdigest()
     isa = cpu_isa()
-    key = hashlib.sha256(repr((stamp, config_sha, weights, isa, INT4_GROUP_SIZE, source_digest())).encode())
+    parts = (stamp, config_sha, weights, isa, INT4_GROUP_SIZE, source_digest(), PACKED_CACHE_FORMAT)
+    key = hashlib.sha256(repr(parts).encode())
     digest = key.hexdigest()[:16]
     return cache_root() / "packed" / f"{path.name}-{weights}-{isa}-{digest}.safetensors", digest
 

@@ -7,9 +7,9 @@ A native target has three settings that must agree (``docs/targets.md`` has the 
   activations (``gguf-q8``, ``int8-q8``, ``int4-q8``);
 - the linear backend (:mod:`specdec.targets.linear`): the packed CPU kernels (``packed``) or PyTorch
   ops (``reference``, ``transposed``), which run on any device;
-- ``dtype``, the compute dtype: what the activations and the KV cache are stored and computed in (the
-  embedding table stays float32, its rows cast), and what quantised rows are dequantised into on the
-  PyTorch backends.
+- ``dtype``, the compute dtype: what the activations and the KV cache are stored and computed in, and
+  what quantised rows (and their embedding table) are dequantised into on the PyTorch backends; a
+  float format's embedding table is stored in the format's dtype, like its matrices.
 
 Rules:
 

@@ -48,10 +48,18 @@ def fingerprint(embed_VD: torch.Tensor) -> str:
     return f"{float(embed_VD[:256].double().abs().sum()):.4f}"
 
 
+FINGERPRINT_RTOL = 1e-4
+"""How far a target's fingerprint may sit from the one a head was made for, relative to it: the same
+target with its embedding stored in bfloat16 or float16 (rounded once) moves it by ~3e-6 (SmolLM2:
+14150.4129 -> 14150.3767); another model's embedding moves it far more."""
+
+
 def target_mismatch(meta: dict, embed_VD: torch.Tensor, path: Path) -> str | None:
     """Why head weights with metadata ``meta`` (read from ``path``) do not fit the target whose
-    embedding is ``embed_VD``; None when they do (or carry no fingerprint)."""
-    if meta.get("target_fingerprint") and meta["target_fingerprint"] != fingerprint(embed_VD):
+    embedding is ``embed_VD``; None when they do (or carry no fingerprint). A target whose embedding
+    is stored in a half dtype fits the head made for its float32 one (:data:`FINGERPRINT_RTOL`)."""
+    want = meta.get("target_fingerprint")
+    if want and abs(float(want) - float(fingerprint(embed_VD))) > FINGERPRINT_RTOL * abs(float(want)):
         return (
             f"weights {path.name} were trained for target {meta.get('target')!r}, not this target "
             "(its embedding differs)"
