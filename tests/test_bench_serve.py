@@ -436,9 +436,8 @@ def test_parse_goodput_and_config_errors():
 @pytest.mark.slow
 @needs_asgi
 def test_against_specdec_serve_on_a_tiny_model(tmp_path):
-    pytest.importorskip("fastapi")
-    pytest.importorskip("sse_starlette")
-    pytest.importorskip("prometheus_client")
+    for name in ("fastapi", "sse_starlette", "prometheus_client"):
+        pytest.importorskip(name, reason="specdec serve needs the [serve] extra (pip install -e '.[serve]')")
     from _tiny import byte_tokenizer, save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint(tmp_path / "tiny", tokenizer=byte_tokenizer())

@@ -198,7 +198,6 @@ def test_the_engine_decodes_the_same_greedy_tokens_through_the_captured_forward(
 
 def test_load_target_and_the_commands_take_a_compile_mode(tmp_path):
     from specdec.cli import build_parser
-    from specdec.serve.server import ServeConfig
     from specdec.targets import load_target, open_target
     from tests._tiny import save_tiny_checkpoint
 
@@ -216,4 +215,13 @@ def test_load_target_and_the_commands_take_a_compile_mode(tmp_path):
     assert build_parser().parse_args(["bench", "--compile", "inductor"]).compile == "inductor"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--compile", "fast"])
+
+
+def test_the_server_config_takes_a_compile_mode():
+    from specdec.serve.command import SERVE_PACKAGES
+
+    for name in SERVE_PACKAGES:  # specdec.serve.server imports uvicorn and the app
+        pytest.importorskip(name, reason="needs the [serve] extra (pip install -e '.[serve]')")
+    from specdec.serve.server import ServeConfig
+
     assert ServeConfig(compile="graphs").compile == "graphs"

@@ -96,8 +96,10 @@ def test_generate_and_serve_parse_device_and_dtype():
 
 def test_serve_passes_device_and_dtype_to_its_config(monkeypatch):
     """``specdec serve --device --dtype`` reach the server's config (what opens the target)."""
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
+    from specdec.serve.command import SERVE_PACKAGES
+
+    for name in SERVE_PACKAGES:  # specdec.serve.server imports uvicorn and the app
+        pytest.importorskip(name, reason="needs the [serve] extra (pip install -e '.[serve]')")
     import specdec.serve.server as server
     from specdec.cli import build_parser
     from specdec.serve.command import cmd_serve

@@ -158,9 +158,12 @@ def test_a_prompt_that_alone_overflows_is_blamed_on_the_prompt(target):
     api = from_engine_error(err.value)
     assert api.param == "max_tokens" and api.code == "context_length_exceeded"
     with pytest.raises(ValueError, match="^prompt_ids: the prompt") as err:
-        engine.add_request([1] * room, max_new_tokens=1)  # no room left for one token
+        engine.add_request([1] * MAX_LEN, max_new_tokens=1)  # no room left for one token
     api = from_engine_error(err.value)
     assert api.param == "prompt" and api.code == "context_length_exceeded"
-    assert api.message.startswith(f"prompt: the prompt ({room} tokens)")
-    engine.add_request([1] * (room - 1), max_new_tokens=1)  # exactly fits
+    assert api.message.startswith(f"prompt: the prompt ({MAX_LEN} tokens)")
+    # one new token is the prompt's last position's: no draft slots kept, the context fills
+    engine.add_request([1] * (MAX_LEN - 1), max_new_tokens=1)  # exactly fits
     assert engine.num_waiting == 1
+    with pytest.raises(ValueError, match="^max_new_tokens: the prompt"):
+        engine.add_request([1] * room, max_new_tokens=2)  # two tokens decode: draft slots kept

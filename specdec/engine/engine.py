@@ -239,12 +239,15 @@ class Engine:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
-        needed = len(ids) + params.max_new_tokens + self.gamma_max + 1
+        # A request for one token takes it from its prompt's last position and never decodes, so
+        # never drafts: it keeps no slots for draft blocks (echo scoring fills the context).
+        reserve = self.gamma_max + 1 if params.max_new_tokens > 1 else 0
+        needed = len(ids) + params.max_new_tokens + reserve
         if needed > self.max_model_len:  # the prompt is to blame where it leaves no room for one token
-            full = needed - params.max_new_tokens + 1 > self.max_model_len
+            full = len(ids) + 1 > self.max_model_len
             raise ValueError(
                 f"{'prompt_ids' if full else 'max_new_tokens'}: the prompt ({len(ids)} tokens) + "
-                f"max_new_tokens ({params.max_new_tokens}) + gamma + 1 ({self.gamma_max + 1}) = {needed} "
+                f"max_new_tokens ({params.max_new_tokens}) + gamma + 1 ({reserve}) = {needed} "
                 f"tokens exceeds max_model_len={self.max_model_len}"
             )
         stops = None

@@ -8,14 +8,15 @@ route (204 with ``Allow``). With an API key, the ``/v1`` routes need ``Authoriza
 body size (413), JSON (400), model (404), prompt size, stop count, roles, fields and context (400),
 the waiting queue (429 with ``Retry-After``). The body is read on the loop and checked, parsed and
 tokenised on the intake thread (:mod:`specdec.serve.intake`), so one large request does not stall
-the others.
+the others. A client that hangs up before its body is read ends its request quietly (one debug
+line). With allowed origins, Starlette's ``CORSMiddleware`` answers CORS (none: no CORS headers).
 
-A request holds a :class:`Ticket` per choice (per prompt and ``n``, each its own engine request)
-from submission to its end: whatever ends it (the last token, an error, a client that disconnects
-mid-stream or while waiting for a whole response) closes the tickets, which aborts the engine
-requests that had not finished, so their cache rows are freed. A stream interleaves its choices'
-chunks as their tokens come (:func:`_merged`); the waiting-queue check (429) counts a request once,
-however many choices it has.
+A request holds a :class:`~specdec.serve.tickets.Ticket` per choice (per prompt and ``n``, each its
+own engine request, each counted by the waiting-queue limit) from its admission to its end:
+whatever ends it (the last token, an error, a client that disconnects mid-stream or while waiting
+for a whole response) closes the tickets, which aborts the engine requests that had not finished, so
+their cache rows are freed. A stream interleaves its choices' chunks as their tokens come
+(:func:`_merged`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,22 +37,23 @@ from fastapi.routing import APIRoute
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specdec.engine import RequestOutput
 from specdec.serve.choices import ChoiceOutput
-from specdec.serve.errors import APIError
+from specdec.serve.cors import add_cors
+from specdec.serve.errors import APIError, unavailable
 from specdec.serve.intake import Intake, IntakeLimits
 from specdec.serve.logprobs import TokenTexts
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import GenerationRequest, ServedModel, parse_chat, parse_completion
 from specdec.serve.responses import ResponseShape, usage
-from specdec.serve.worker import ACCEPTED, EngineWorker, Failed, Sink
+from specdec.serve.tickets import Ticket, submit_choices
+from specdec.serve.worker import EngineWorker, Failed
 
-__all__ = ["ServerState", "Ticket", "build_app"]
+__all__ = ["ServerState", "build_app"]
 
 log = logging.getLogger("specdec.serve")
-
-_POLL_S = 0.25  # how often a waiting handler checks the engine thread and the client
 
 
 @dataclass
@@ -63,11 +65,11 @@ class ServerState:
     metrics: ServerMetrics
     max_num_seqs: int
     api_key: str | None = None
-    max_waiting: int | None = None  # requests beyond the cache rows before 429 (None: no limit)
+    max_waiting: int | None = None  # engine requests beyond the cache rows before 429 (None: no limit)
     retry_after_s: int = 1
     draining: bool = False
-    unfinished: int = 0  # requests submitted whose last output has not arrived (the 429 check)
-    open: int = 0  # requests whose handler has not ended (shutdown waits for them to send their last bytes)
+    unfinished: int = 0  # engine requests admitted whose last output has not arrived (the 429 check)
+    open: int = 0  # tickets whose handler has not ended (shutdown waits for them to send their last bytes)
     started: int = 0  # unix time, for /v1/models
     intake: Intake | None = None  # None: build_app makes one with the model's default limits
     token_texts: TokenTexts | None = None  # per-token text for log-probabilities (built on first use)
@@ -81,66 +83,10 @@ class ServerState:
     def unavailable(self) -> APIError | None:
         """The 503 to answer now (draining, or no engine thread), else None."""
         if self.draining:
-            return _unavailable("the server is shutting down", self.retry_after_s)
+            return unavailable("the server is shutting down", self.retry_after_s)
         if not self.worker.alive:
-            return _unavailable("the engine thread is not running")
+            return unavailable("the engine thread is not running")
         return None
-
-
-def _unavailable(message: str, retry_after_s: int | None = None) -> APIError:
-    headers = {} if retry_after_s is None else {"Retry-After": str(retry_after_s)}
-    return APIError(503, message, type="service_unavailable", headers=headers)
-
-
-class Ticket:
-    """One submitted request on the HTTP side: its event queue, and :meth:`close` exactly once."""
-
-    def __init__(self, state: ServerState, request_id: str, sink: Sink) -> None:
-        self.state = state
-        self.request_id = request_id
-        self.sink = sink
-        self.finished = False
-        self.closed = False
-        state.unfinished += 1
-        state.open += 1
-        self.check_at = 0.0  # when to ask next whether the client is still there
-
-    async def next(self, request: Request | None = None) -> Any:
-        """The next event; a :class:`Failed` 503 if the engine thread ended; None if ``request``'s
-        client disconnected (checked every ``_POLL_S`` seconds while waiting)."""
-        queue = self.sink.queue
-        while True:
-            if request is not None and time.monotonic() >= self.check_at:
-                self.check_at = time.monotonic() + _POLL_S
-                if await request.is_disconnected():
-                    return None
-            if queue.empty():
-                try:
-                    item = await asyncio.wait_for(queue.get(), _POLL_S)
-                except asyncio.TimeoutError:
-                    if not self.state.worker.alive and queue.empty():
-                        return Failed(_unavailable("the engine thread is not running"))
-                    continue
-            else:
-                item = queue.get_nowait()
-            if isinstance(item, Failed) or (isinstance(item, RequestOutput) and item.finished):
-                self._finish()
-            return item
-
-    def _finish(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.state.unfinished -= 1
-
-    def close(self) -> None:
-        """End the request here: abort it in the engine unless it finished; idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        self.state.open -= 1
-        if not self.finished:
-            self.state.worker.abort(self.request_id)
-            self._finish()
 
 
 def _dumps(body: Any) -> str:
@@ -178,57 +124,8 @@ def _error_response(error: APIError) -> Response:
     )
 
 
-def _check_queue(state: ServerState) -> None:
-    """The 429 of a full waiting queue (checked once per request, before its choices are submitted)."""
-    if state.max_waiting is not None and state.unfinished - state.max_num_seqs >= state.max_waiting:
-        raise APIError(
-            429,
-            f"the waiting queue is full ({state.max_waiting} requests wait for {state.max_num_seqs} slots)",
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(state.retry_after_s)},
-        )
-
-
-async def _submit(
-    state: ServerState, prompt_ids: list[int], options: dict[str, Any], request_id: str, arrival_s: float
-) -> Ticket:
-    """Hand one engine request to the engine thread and wait until it is accepted (or refused: raise)."""
-    ticket = Ticket(state, request_id, Sink(asyncio.get_running_loop()))
-    try:
-        state.worker.submit(request_id, prompt_ids, options, ticket.sink, arrival_s)
-        first = await ticket.next()
-    except BaseException:
-        ticket.close()
-        raise
-    if isinstance(first, Failed):
-        ticket.close()
-        raise first.error
-    assert first == ACCEPTED, first
-    return ticket
-
-
-async def _submit_choices(
-    state: ServerState, gen: GenerationRequest, request_id: str, arrival_s: float
-) -> list[Ticket]:
-    """Every choice of the request as its own engine request (ids ``{request_id}-{index}`` where there
-    are several); a refusal closes those already submitted and raises."""
-    _check_queue(state)
-    choices = gen.choices()
-    tickets: list[Ticket] = []
-    try:
-        for c in choices:
-            rid = request_id if len(choices) == 1 else f"{request_id}-{c.index}"
-            tickets.append(await _submit(state, c.prompt_ids, gen.engine_options(c.seed), rid, arrival_s))
-    except BaseException:
-        for t in tickets:
-            t.close()
-        raise
-    return tickets
-
-
 def _shutdown_abort() -> APIError:
-    return _unavailable("the request was aborted: the server is shutting down")
+    return unavailable("the request was aborted: the server is shutting down")
 
 
 def _outputs(state: ServerState, gen: GenerationRequest, chat: bool) -> list[ChoiceOutput]:
@@ -358,7 +255,7 @@ async def _generate(state: ServerState, request: Request, *, chat: bool) -> Resp
     gen = await state.intake.parse(request, lambda body: parse(body, state.model), chat=chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = ResponseShape(chat=chat, request_id=request_id, model=state.model.name, created=int(time.time()))
-    tickets = await _submit_choices(state, gen, request_id, arrival_s)
+    tickets = await submit_choices(state, gen, request_id, arrival_s)
     if not gen.stream:
         return await _whole(state, request, tickets, shape, gen)
     return EventSourceResponse(
@@ -371,9 +268,17 @@ def _close_all(tickets: list[Ticket]) -> None:
         ticket.close()
 
 
-def build_app(state: ServerState) -> FastAPI:
-    """The FastAPI app over ``state`` (its worker must be started)."""
+def build_app(
+    state: ServerState,
+    *,
+    allowed_origins: Sequence[str] = (),
+    allowed_methods: Sequence[str] = ("*",),
+    allowed_headers: Sequence[str] = ("*",),
+) -> FastAPI:
+    """The FastAPI app over ``state`` (its worker must be started); CORS for ``allowed_origins``
+    (:mod:`specdec.serve.cors`; none: no CORS headers)."""
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
+    add_cors(app, allowed_origins, allowed_methods, allowed_headers)
     app.state.server = state
     state.started = int(time.time())
     if state.intake is None:
@@ -389,9 +294,16 @@ def build_app(state: ServerState) -> FastAPI:
             refusal = _key_error(state, request)  # with a key, unknown /v1 paths are not revealed
             if refusal is not None:
                 return _error_response(refusal)
-        error = APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}")
+        path = request.url.path if len(request.url.path) <= 200 else request.url.path[:200] + "..."
+        error = APIError(err.status_code, f"{request.method} {path}: {err.detail}")
         error.headers.update(err.headers or {})
         return _error_response(error)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, err: ClientDisconnect) -> Response:
+        # The client hung up while sending its body: nothing was admitted, and nobody reads an answer.
+        log.debug("%s %s: the client disconnected before its body was read", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> Response:

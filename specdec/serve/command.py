@@ -2,13 +2,15 @@
 
     specdec serve --target smollm2-135m --drafter default --host 127.0.0.1 --port 8000 \\
         [--max-num-seqs N] [--gamma auto|fixed|N] [--verify exact] [--api-key KEY] [--max-waiting N] \\
-        [--max-body-bytes N] [--device cuda] [--dtype bfloat16] [--compile graphs]
+        [--max-body-bytes N] [--allowed-origins ORIGIN ...] [--chat-content-special-tokens] \\
+        [--device cuda] [--dtype bfloat16] [--compile graphs]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 
 from specdec.cli_args import (
@@ -63,13 +65,45 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "--max-waiting",
         type=nonnegative_int,
         default=256,
-        help="requests waiting for a slot before new ones get 429 (default: %(default)s)",
+        help="engine requests (a request has one per prompt and n) waiting for a slot before new "
+        "requests get 429 (default: %(default)s)",
     )
     p.add_argument(
         "--max-body-bytes",
         type=positive_int,
         default=None,
         help="largest request body; a larger one gets 413 before it is read (default: 1048576, 1 MiB)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        type=_values,
+        default=[],
+        metavar="ORIGIN",
+        help="origins (scheme://host[:port], or *) whose browser pages may call the API: CORS headers "
+        "(default: none, no CORS headers); a JSON list is taken too, as vLLM's",
+    )
+    p.add_argument(
+        "--allowed-methods",
+        nargs="+",
+        type=_values,
+        default=[["*"]],
+        metavar="METHOD",
+        help="methods allowed to those origins (default: *)",
+    )
+    p.add_argument(
+        "--allowed-headers",
+        nargs="+",
+        type=_values,
+        default=[["*"]],
+        metavar="HEADER",
+        help="request headers allowed to those origins (default: *)",
+    )
+    p.add_argument(
+        "--chat-content-special-tokens",
+        action="store_true",
+        help="tokenise special-token strings in chat message content (<|im_start|>) as the special tokens, "
+        "which lets a message open turns of its own (default: as plain text, as OpenAI does)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -79,6 +113,23 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=cmd_serve)
+
+
+def _values(text: str) -> list[str]:
+    """One value of a list flag: a JSON list of strings (vLLM's form) or the string itself."""
+    if not text.startswith("["):
+        return [text]
+    try:
+        values = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r:.80}") from None
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r:.80}")
+    return values
+
+
+def _joined(values: list[list[str]]) -> tuple[str, ...]:
+    return tuple(v for one in values for v in one)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -108,6 +159,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         verify_options=parse_options(args.verify_option, "--verify-option"),
         api_key=api_key,
         max_body_bytes=args.max_body_bytes or ServeConfig.max_body_bytes,
+        allowed_origins=_joined(args.allowed_origins),
+        allowed_methods=_joined(args.allowed_methods),
+        allowed_headers=_joined(args.allowed_headers),
         shutdown_timeout_s=args.shutdown_timeout,
     )
     return serve(config)

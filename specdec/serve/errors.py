@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["APIError", "bad_request", "from_engine_error", "prompt_overflow"]
+__all__ = ["APIError", "bad_request", "from_engine_error", "prompt_overflow", "unavailable"]
 
 # The engine's argument names, as the API calls them.
 _ENGINE_FIELDS = {
@@ -49,12 +49,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def unavailable(message: str, retry_after_s: int | None = None) -> APIError:
+    """A 503 (with ``Retry-After`` where ``retry_after_s`` is given)."""
+    headers = {} if retry_after_s is None else {"Retry-After": str(retry_after_s)}
+    return APIError(503, message, type="service_unavailable", headers=headers)
+
+
 def prompt_overflow(field: str, num_prompt: int, max_model_len: int, reserved: int) -> APIError:
     """The 400 for a prompt of ``num_prompt`` tokens that alone leaves no room for one new token."""
     return bad_request(
         f"{field} is too long: it has {num_prompt} tokens, and this model's maximum context length is "
-        f"{max_model_len} tokens, {reserved} of which are kept for speculative drafts, so a prompt may "
-        f"have at most {max_model_len - reserved - 1} tokens (one more is the first new token)",
+        f"{max_model_len} tokens, so a prompt may have at most {max_model_len - 1} tokens (one more is "
+        f"the first new token; a request for more than one new token also keeps {reserved} for "
+        f"speculative drafts)",
         field,
         "context_length_exceeded",
     )

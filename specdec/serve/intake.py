@@ -10,8 +10,8 @@ client input may end in a 500. In order:
    sending, gets the 413 rather than a reset connection.
 2. **JSON**, on the intake thread: not JSON, nested deeper than ``max_json_depth`` (a ``RecursionError``
    in the parser included), or holding a string that is not valid Unicode (a lone UTF-16 surrogate such
-   as ``"\\ud800"``, which a JavaScript client sends when it cuts an emoji in half): a 400 that names
-   the field (``messages[0].role``).
+   as ``"\\ud800"``, which a JavaScript client sends when it cuts an emoji in half): a 400 whose
+   ``param`` is the field's path (``messages[0].role``).
 3. **Prompt size before tokenising**: a list of token ids longer than the context, or a text prompt
    (chat: the messages' text together) longer than the context times the longest token's characters
    (:func:`longest_token_chars`), cannot fit, and is a 400 that blames the prompt.
@@ -165,14 +165,18 @@ async def _drop(stream: Any, budget: int) -> None:
 
 # --- 2. JSON (intake thread) -------------------------------------------------------------------------
 def _where(path: Sequence[str | int]) -> str:
+    """``path`` as OpenAI writes a field's place (``messages[0].content``), each key cut at 40 characters."""
     out = ""
     for part in path:
+        if isinstance(part, str) and len(part) > 40:
+            part = part[:40] + "..."
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "the request body"
 
 
 def _param(path: Sequence[str | int]) -> str | None:
-    return path[0] if path and isinstance(path[0], str) else None
+    """The 400's ``param``: the field's path (``messages[0].content``); None for the body itself."""
+    return _where(path) if path and isinstance(path[0], str) else None
 
 
 def _check_text(text: str, path: Sequence[str | int], what: str = "") -> None:
@@ -232,7 +236,7 @@ def parse_body(raw: bytes, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict
 def _size_error(name: str, size: str, limits: IntakeLimits, why: str) -> APIError:
     return bad_request(
         f"{name} has {size}; {why} (the context is {limits.max_prompt_tokens} tokens)",
-        name.split("[", 1)[0],
+        name,
         "context_length_exceeded",
     )
 
@@ -300,7 +304,7 @@ def check_roles(body: dict[str, Any], roles: Sequence[str]) -> None:
             raise bad_request(
                 f"messages[{i}].role is {role!r:.60}; this model's chat template takes "
                 f"{', '.join(map(repr, roles))}",
-                "messages",
+                f"messages[{i}].role",
             )
 
 

@@ -10,6 +10,9 @@ request in which it drafted at least one token), ``vllm:spec_decode_num_draft_to
 ``vllm:num_requests_waiting``, ``specdec:cache_slots_in_use``, ``specdec:cache_slots``. Every
 series has the label ``model_name``.
 
+``vllm:prompt_tokens`` counts the prompt of every request the engine reported on, however it ended
+(finished, or aborted while waiting, during its prefill or later), once, at its first output.
+
 The engine thread records (:meth:`ServerMetrics.observe`, :meth:`ServerMetrics.set_load`); the
 HTTP side renders. Times are on the engine's clock (``time.perf_counter``), from the moment the
 HTTP handler received the request.
@@ -40,6 +43,7 @@ class RequestTrack:
 
     arrival_s: float
     prompt_tokens: int
+    counted: bool = False  # its prompt tokens are in vllm:prompt_tokens
     last_token_s: float | None = None
     drafted: int = 0
     accepted: int = 0
@@ -66,7 +70,9 @@ class ServerMetrics:
             [*m, "position"],
             registry=r,
         )
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens", m, registry=r)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of the requests admitted, however they ended", m, registry=r
+        )
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", m, registry=r)
         self.request_success = Counter(
             "vllm:request_success", "Finished requests", [*m, "finished_reason"], registry=r
@@ -116,11 +122,13 @@ class ServerMetrics:
     def observe(self, track: RequestTrack, out: RequestOutput) -> None:
         """Record one step's output of a request (engine thread)."""
         name, m = self.model_name, out.metrics
+        if not track.counted:  # its first output: a token, or an abort before any
+            track.counted = True
+            self.prompt_tokens.labels(name).inc(track.prompt_tokens)
         if out.new_token_ids:
             now = m.token_times_s[-1]
             if track.last_token_s is None:
                 self.ttft.labels(name).observe(max(0.0, now - track.arrival_s))
-                self.prompt_tokens.labels(name).inc(track.prompt_tokens)
             else:
                 self.itl.labels(name).observe(now - track.last_token_s)
             track.last_token_s = now

@@ -2,8 +2,10 @@
 
 Every field is checked here, before the request reaches the engine, and a bad one is a 400 that
 names it (:class:`specdec.serve.errors.APIError`). Fields OpenAI defines that the server does not
-implement (``best_of``, ``suffix``, penalties, tools, ...) are refused unless they hold their
-neutral value; other unknown fields are ignored, as vLLM does.
+implement (``best_of`` > 1, ``suffix``, penalties, tools, ...) are refused unless they hold their
+neutral value; other unknown fields are ignored, as vLLM does. A 400's ``param`` is the path of the
+field at fault, as OpenAI writes it (``prompt[1]``, ``stream_options.include_usage``,
+``messages[0].content``), and a message quotes at most 80 characters of what the client sent.
 
 One request may ask for several **choices**: ``/v1/completions`` takes a list of prompts, and both
 endpoints take ``n``; every choice is its own engine request (:meth:`GenerationRequest.choices`),
@@ -25,6 +27,7 @@ from specdec.drafters.request_slots import mix_seed
 from specdec.prompt_sets import has_chat_template
 from specdec.sampling import validate_sampling
 from specdec.seeds import check_seed
+from specdec.serve.chat import chat_prompt_ids
 from specdec.serve.errors import APIError, bad_request, prompt_overflow
 
 __all__ = ["ServedModel", "GenerationRequest", "Choice", "parse_completion", "parse_chat", "check_model"]
@@ -55,7 +58,9 @@ class ServedModel:
     """What requests are checked against: the model's name, its context and its tokenizer.
 
     ``max_model_len`` cache slots per request, of which ``reserved`` (γ_max + 1) are kept for the
-    deepest draft block: a request needs prompt + max_tokens + reserved <= max_model_len.
+    deepest draft block of a request that decodes (:meth:`needed`).
+    ``content_special_tokens``: chat content's special-token strings are the special tokens, not text
+    (:mod:`specdec.serve.chat`).
     """
 
     name: str
@@ -63,6 +68,13 @@ class ServedModel:
     reserved: int
     vocab_size: int
     tokenizer: Any
+    content_special_tokens: bool = False
+
+    def needed(self, prompt_tokens: int, new_tokens: int) -> int:
+        """Cache slots a request takes: its prompt and new tokens, plus ``reserved`` for draft blocks
+        unless it asks for one token, which comes from the prefill's last position (it never
+        decodes, so never drafts: echo scoring, ``max_tokens`` 0 or 1)."""
+        return prompt_tokens + new_tokens + (self.reserved if new_tokens > 1 else 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,16 +161,19 @@ def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or value < minimum:
-        raise bad_request(f"{name} must be an integer >= {minimum}, got {value!r}", name)
+        raise bad_request(f"{name} must be an integer >= {minimum}, got {value!r:.80}", name)
     return int(value)
 
 
-def _optional_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+def _optional_bool(body: dict[str, Any], name: str, default: bool = False, *, within: str = "") -> bool:
+    """``body[name]``: absent or null is ``default``; else a boolean. ``within``: the path of
+    ``body`` in the request (``stream_options``), for the 400."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"{name} must be a boolean, got {value!r}", name)
+        where = f"{within}.{name}" if within else name
+        raise bad_request(f"{where} must be a boolean (true or false), got {value!r:.80}", where)
     return value
 
 
@@ -202,11 +217,12 @@ def check_model(body: dict[str, Any], served: str) -> None:
     if model is None:
         return
     if not isinstance(model, str):
-        raise bad_request(f"model must be a string, got {model!r}", "model")
+        raise bad_request(f"model must be a string, got {model!r:.80}", "model")
     if model != served:
+        shown = model if len(model) <= 80 else model[:80] + "..."
         raise APIError(
             404,
-            f"The model `{model}` does not exist; this server serves `{served}`",
+            f"The model `{shown}` does not exist; this server serves `{served}`",
             param="model",
             code="model_not_found",
         )
@@ -221,6 +237,9 @@ def _common(
     prompt_texts: list[str | None] | None = None,
 ) -> GenerationRequest:
     """The fields both endpoints share, and the context check (the longest prompt's)."""
+    best_of = body.get("best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of < 1):  # OpenAI's range, then "> 1: no"
+        raise bad_request(f"best_of must be an integer >= 1, got {best_of!r:.80}", "best_of")
     for name, neutral in _NEUTRAL.items():
         value = body.get(name)
         if value is not None and not any(value == v for v in neutral):
@@ -242,13 +261,13 @@ def _common(
     temperature = body.get("temperature")
     temperature = 1.0 if temperature is None else temperature
     if not _is_number(temperature):
-        raise bad_request(f"temperature must be a finite number, got {temperature!r}", "temperature")
+        raise bad_request(f"temperature must be a finite number, got {temperature!r:.80}", "temperature")
     top_p = body.get("top_p")
     if top_p is not None and not _is_number(top_p):
-        raise bad_request(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
+        raise bad_request(f"top_p must be a number in (0, 1], got {top_p!r:.80}", "top_p")
     top_k = body.get("top_k")
     if top_k is not None and (not _is_int(top_k) or top_k < -1):
-        raise bad_request(f"top_k must be an integer >= 1 (or -1 / 0: off), got {top_k!r}", "top_k")
+        raise bad_request(f"top_k must be an integer >= 1 (or -1 / 0: off), got {top_k!r:.80}", "top_k")
     top_k = None if top_k is None or top_k <= 0 else int(top_k)
     try:
         validate_sampling(float(temperature), top_k, None if top_p is None else float(top_p))
@@ -258,8 +277,8 @@ def _common(
     if seed is not None:
         try:
             seed = check_seed(seed)
-        except ValueError as err:
-            raise bad_request(str(err), "seed") from None
+        except ValueError:
+            raise bad_request(f"seed must be an integer in [0, 2**64), got {seed!r:.80}", "seed") from None
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -268,7 +287,7 @@ def _common(
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         stops = tuple(s for s in stop if s)
     else:
-        raise bad_request(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+        raise bad_request(f"stop must be a string or a list of strings, got {stop!r:.80}", "stop")
     stream = _optional_bool(body, "stream")
     options = body.get("stream_options")
     include_usage = False
@@ -276,26 +295,27 @@ def _common(
         if not stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         if not isinstance(options, dict):
-            raise bad_request(f"stream_options must be an object, got {options!r}", "stream_options")
-        include_usage = _optional_bool(options, "include_usage")
+            raise bad_request(f"stream_options must be an object, got {options!r:.80}", "stream_options")
+        include_usage = _optional_bool(options, "include_usage", within="stream_options")
     max_tokens, named = _optional_int(body, "max_tokens", 0 if echo else 1), "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:  # OpenAI's current name wins
         max_tokens, named = _optional_int(body, "max_completion_tokens", 1), "max_completion_tokens"
-    prompt_ids = max(prompts, key=len)
-    room = model.max_model_len - model.reserved - len(prompt_ids)
-    prompt_field = "messages" if chat else "prompt"
-    if room < 1:  # the prompt alone leaves no room for one token: it is to blame, not max_tokens
-        raise prompt_overflow(prompt_field, len(prompt_ids), model.max_model_len, model.reserved)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    num_prompt, context = len(prompts[longest]), model.max_model_len
+    prompt_field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{longest}]"
+    if model.needed(num_prompt, 1) > context:  # no room for one token: the prompt is to blame
+        raise prompt_overflow(prompt_field, num_prompt, context, model.reserved)
     if max_tokens is None:
-        max_tokens = room if chat else COMPLETION_MAX_TOKENS
+        max_tokens = max(context - model.reserved - num_prompt, 1) if chat else COMPLETION_MAX_TOKENS
         named = prompt_field
     generated = max(max_tokens, 1)  # echo with max_tokens 0 still generates one token
-    if len(prompt_ids) + generated + model.reserved > model.max_model_len or generated < 1:
+    needed = model.needed(num_prompt, generated)
+    if needed > context:
         raise bad_request(
-            f"This model's maximum context length is {model.max_model_len} tokens, {model.reserved} of "
-            f"which are kept for speculative drafts; the prompt has {len(prompt_ids)} tokens and "
-            f"max_tokens is {max_tokens} ({len(prompt_ids)} + {generated} + {model.reserved} = "
-            f"{len(prompt_ids) + generated + model.reserved} > {model.max_model_len})",
+            f"This model's maximum context length is {context} tokens, and a request that generates "
+            f"more than one token keeps {model.reserved} of them for speculative drafts; the prompt has "
+            f"{num_prompt} tokens and max_tokens is {max_tokens} ({num_prompt} + {generated} + "
+            f"{model.reserved} = {needed} > {context})",
             named,
             "context_length_exceeded",
         )
@@ -317,22 +337,23 @@ def _common(
     )
 
 
-def _token_ids(value: list[Any], model: ServedModel) -> list[int]:
-    for t in value:
+def _token_ids(value: list[Any], model: ServedModel, where: str) -> list[int]:
+    for j, t in enumerate(value):
         if not _is_int(t) or not 0 <= t < model.vocab_size:
             raise bad_request(
-                f"prompt holds {t!r}; token ids must be integers in [0, {model.vocab_size})", "prompt"
+                f"{where}[{j}] is {t!r:.80}; token ids must be integers in [0, {model.vocab_size})", where
             )
     return [int(t) for t in value]
 
 
 def parse_completion(body: dict[str, Any], model: ServedModel) -> GenerationRequest:
     """A ``/v1/completions`` body: ``prompt`` a string, a list of token ids, or a list of prompts
-    (strings or lists of token ids), each its own choice(s)."""
+    (strings or lists of token ids), each its own choice(s); a 400 about one of a list names it
+    (``prompt[1]``)."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
         batch = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    elif isinstance(prompt, list) and prompt and not any(_is_int(t) for t in prompt):
         batch = prompt
     else:
         raise bad_request(
@@ -347,57 +368,58 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> GenerationRequ
         where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
         if isinstance(one, str):
             ids = list(model.tokenizer(one).input_ids)
-        elif one and all(_is_int(t) for t in one):
-            ids = _token_ids(one, model)
+        elif isinstance(one, list) and one and all(_is_int(t) for t in one):
+            ids = _token_ids(one, model, where)
         else:
             raise bad_request(
-                f"{where} must be a string or a non-empty list of token ids, got {one!r:.80}", "prompt"
+                f"{where} must be a string or a non-empty list of token ids, got {one!r:.80}", where
             )
         if not ids:
-            raise bad_request(f"{where} is empty (no tokens)", "prompt")
+            raise bad_request(f"{where} is empty (no tokens)", where)
         prompts.append(ids)
         texts.append(one if isinstance(one, str) else None)
     return _common(body, model, prompts, chat=False, prompt_texts=texts)
 
 
 def _message_text(content: Any, i: int) -> str:
+    where = f"messages[{i}].content"
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
-        for part in content:
+        for j, part in enumerate(content):
             if (
                 not isinstance(part, dict)
                 or part.get("type") != "text"
                 or not isinstance(part.get("text"), str)
             ):
                 raise bad_request(
-                    f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
-                    f"supported, got {part!r:.80}",
-                    "messages",
+                    f"{where}[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                    f"got {part!r:.80}",
+                    f"{where}[{j}]",
                 )
             texts.append(part["text"])
         return "\n".join(texts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    raise bad_request(f"{where} must be a string or a list of text parts, got {content!r:.80}", where)
 
 
 def parse_chat(body: dict[str, Any], model: ServedModel) -> GenerationRequest:
     """A ``/v1/chat/completions`` body: ``messages`` through the tokenizer's chat template, with the
-    assistant's turn opened (``add_generation_prompt=True``)."""
+    assistant's turn opened (``add_generation_prompt=True``), special-token strings in a content as
+    text unless ``model.content_special_tokens`` (:func:`specdec.serve.chat.chat_prompt_ids`)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
     turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
+            raise bad_request(f"messages[{i}] must be an object with a string role", f"messages[{i}]")
         turns.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
     tokenizer = model.tokenizer
     if not has_chat_template(tokenizer):
         raise bad_request("this model's tokenizer has no chat template: use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        ids = chat_prompt_ids(tokenizer, turns, content_special_tokens=model.content_special_tokens)
     except Exception as err:  # the template's own checks (roles must alternate, ...)
         raise bad_request(f"messages: the chat template refused them: {err}", "messages") from None
-    ids = list(tokenizer(text, add_special_tokens=False).input_ids)
     return _common(body, model, [ids], chat=True)

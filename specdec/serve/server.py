@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from specdec.serve.app import ServerState, build_app
+from specdec.serve.cors import check_cors
 from specdec.serve.intake import DEFAULT_MAX_BODY_BYTES, Intake, IntakeLimits
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import ServedModel
@@ -67,6 +68,10 @@ class ServeConfig:
     api_key: str | None = None
     max_waiting: int | None = 256
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    chat_content_special_tokens: bool = False
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
 
@@ -75,6 +80,7 @@ class ServeConfig:
         mb = self.max_body_bytes
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
             raise ValueError(f"max_body_bytes must be an int >= 1, got {mb!r}")
+        check_cors(self.allowed_origins, self.allowed_methods, self.allowed_headers)
 
 
 def check_api_key(key: str | None, name: str) -> None:
@@ -207,6 +213,7 @@ def serve(config: ServeConfig) -> int:
         vocab_size=engine.vocab_size,
         # the HTTP thread's own copy; the engine thread keeps the target's
         tokenizer=copy.deepcopy(engine.target.tokenizer),
+        content_special_tokens=config.chat_content_special_tokens,
     )
     worker.metrics = metrics
     state = ServerState(
@@ -218,7 +225,12 @@ def serve(config: ServeConfig) -> int:
         max_waiting=config.max_waiting,
     )
     state.intake = Intake(IntakeLimits.for_model(model, max_body_bytes=config.max_body_bytes), model.name)
-    app = build_app(state)
+    app = build_app(
+        state,
+        allowed_origins=config.allowed_origins,
+        allowed_methods=config.allowed_methods,
+        allowed_headers=config.allowed_headers,
+    )
     uv_config = uvicorn.Config(
         app,
         host=config.host,
