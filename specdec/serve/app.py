@@ -22,6 +22,7 @@ their cache rows are freed. A stream interleaves its choices' chunks as their to
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specdec.engine import RequestOutput
+from specdec.engine.faults import error_message
 from specdec.serve.choices import ChoiceOutput
 from specdec.serve.cors import add_cors
 from specdec.serve.errors import APIError, unavailable
@@ -161,17 +163,42 @@ def _whole_body(
     state: ServerState, lasts: list[RequestOutput], shape: ResponseShape, gen: GenerationRequest
 ) -> JSONResponse:
     """The response of a non-streamed request from its choices' last outputs."""
-    choices, completion_tokens = [], 0
+    choices, completion_tokens, errors = [], 0, []
     for out, choice in zip(lasts, _outputs(state, gen, shape.chat), strict=True):
-        text, logprobs = choice.whole(out)
+        try:
+            text, logprobs = choice.whole(out)
+        except Exception as err:  # the choice fails alone: its text could not be made
+            text, logprobs = "", None
+            out = _failed_output(out, "detokenising", err)
         if out.finish_reason == "abort" and not choice.text.stopped:
             raise _shutdown_abort()
-        choices.append(shape.choice(text, choice.finish_reason(out), index=choice.index, logprobs=logprobs))
+        if out.finish_reason == "error":
+            errors.append(out.error)
+        reason = "error" if out.finish_reason == "error" else choice.finish_reason(out)
+        choices.append(
+            shape.choice(
+                text,
+                reason,
+                index=choice.index,
+                logprobs=logprobs,
+                error=out.error if reason == "error" else None,
+            )
+        )
         completion_tokens += len(out.token_ids) if gen.max_tokens else 0
+    if len(errors) == len(lasts):  # nothing to answer with: the request failed
+        raise APIError(500, f"the request failed: {errors[0]}", type="server_error")
     body = shape.full(
         choices, None, usage(gen.num_prompt_tokens, completion_tokens, [o.metrics for o in lasts])
     )
     return JSONResponse(body)
+
+
+def _failed_output(out: RequestOutput, where: str, err: Exception) -> RequestOutput:
+    """A choice's output as failed on the server's side (its text or log-probabilities could not be
+    made): finish reason ``error`` with the message, its tokens as they were. Logged once."""
+    message = error_message(where, err)
+    log.warning("request %s failed alone: %s", out.request_id, message, exc_info=err)
+    return dataclasses.replace(out, finished=True, finish_reason="error", error=message)
 
 
 async def _merged(tickets: list[Ticket]) -> AsyncIterator[tuple[int, Any]]:
@@ -218,7 +245,25 @@ async def _events(
                 yield _dumps(item.error.body())
                 failed = True
                 continue
-            piece, logprobs = choice.push(item)
+            try:
+                piece, logprobs = choice.push(item)
+            except Exception as err:  # the choice fails alone: its text could not be made
+                piece, logprobs = "", None
+                item = _failed_output(item, "detokenising", err)
+            if item.finish_reason == "error":  # this choice ends; the others go on
+                tickets[i].close()  # aborts the engine request where the server's side failed
+                lasts[i] = item
+                yield _dumps(
+                    shape.chunk(
+                        piece,
+                        "error",
+                        with_usage=extra,
+                        index=choice.index,
+                        logprobs=logprobs,
+                        error=item.error,
+                    )
+                )
+                continue
             if item.finish_reason == "abort" and not choice.text.stopped:
                 if piece:
                     yield _dumps(shape.chunk(piece, with_usage=extra, index=choice.index))
@@ -234,6 +279,10 @@ async def _events(
                 )
             elif piece or logprobs is not None:
                 yield _dumps(shape.chunk(piece, with_usage=extra, index=choice.index, logprobs=logprobs))
+        errors = [o.error for o in lasts.values() if o.finish_reason == "error"]
+        if not failed and errors and len(errors) == len(tickets):  # every choice failed: the request did
+            yield _dumps(APIError(500, f"the request failed: {errors[0]}", type="server_error").body())
+            failed = True
         if extra and not failed:
             completion = sum(len(o.token_ids) for o in lasts.values()) if gen.max_tokens else 0
             metrics = [o.metrics for o in lasts.values()]

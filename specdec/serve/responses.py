@@ -19,7 +19,18 @@ from specdec.engine import RequestMetrics
 __all__ = ["FINISH_REASONS", "ResponseShape", "usage"]
 
 # The engine's finish reasons as OpenAI names them (the stop sequence or EOS: "stop").
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length", "abort": "abort"}
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop_string": "stop",
+    "length": "length",
+    "abort": "abort",
+    "error": "error",
+}
+
+
+def _error(message: str) -> dict[str, Any]:
+    """The ``error`` of a failed choice, in the shape of OpenAI's error bodies."""
+    return {"message": message, "type": "server_error", "param": None, "code": None}
 
 
 def usage(
@@ -50,14 +61,23 @@ class ResponseShape:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
     def choice(
-        self, text: str, finish_reason: str, *, index: int = 0, logprobs: dict[str, Any] | None = None
+        self,
+        text: str,
+        finish_reason: str,
+        *,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
+        error: str | None = None,
     ) -> dict[str, Any]:
-        """One choice of a non-streamed response."""
+        """One choice of a non-streamed response (``error``: why a choice whose ``finish_reason`` is
+        ``"error"`` failed)."""
         if self.chat:
             choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": index, "text": text}
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
+        if error is not None:
+            choice["error"] = _error(error)
         return choice
 
     def full(
@@ -81,11 +101,12 @@ class ResponseShape:
         with_usage: bool = False,
         index: int = 0,
         logprobs: dict[str, Any] | None = None,
+        error: str | None = None,
     ) -> dict[str, Any]:
         """One stream chunk of choice ``index``: new text (chat: a ``delta``; ``role`` opens the
-        assistant's turn), the new tokens' ``logprobs``, and the finish reason on the last one;
-        ``with_usage`` adds ``"usage": null`` (OpenAI does on every chunk but the usage chunk when
-        ``stream_options.include_usage`` is set)."""
+        assistant's turn), the new tokens' ``logprobs``, and the finish reason on the last one (with
+        ``error``, why a choice failed); ``with_usage`` adds ``"usage": null`` (OpenAI does on every
+        chunk but the usage chunk when ``stream_options.include_usage`` is set)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -94,6 +115,8 @@ class ResponseShape:
         else:
             choice = {"index": index, "text": text or ""}
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
+        if error is not None:
+            choice["error"] = _error(error)
         body = {
             **self._head("chat.completion.chunk" if self.chat else "text_completion"),
             "choices": [choice],

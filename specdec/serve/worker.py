@@ -216,17 +216,19 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as err:
-            log.exception("an engine step failed; its requests are aborted")
+        except Exception as err:  # the engine's own bug (a row's fault fails that row alone, in step)
+            log.exception("an engine step failed outside any one request; its requests are aborted")
             error = APIError(500, f"the engine step failed: {err}", type="server_error")
-            for request_id in list(self._entries):
+            for request_id, entry in list(self._entries.items()):
                 try:
-                    self.engine.abort(request_id)
+                    out = self.engine.abort(request_id)
+                    if out is not None and self.metrics is not None:
+                        self.metrics.observe(entry.track, out)
                 except Exception:
                     log.exception("abort after a failed step failed")
             self._fail_all(error)
             return
-        for out in outputs:
+        for out in outputs:  # a request that failed alone ends here with finish_reason "error"
             self._dispatch(out)
 
     def _dispatch(self, out: RequestOutput) -> None:
