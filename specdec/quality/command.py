@@ -2,14 +2,17 @@
 llama.cpp's ``llama-perplexity`` beside (``--peers llama.cpp``).
 
     specdec perplexity --target smollm2-135m --weights fp32,gguf,gguf-q8 --text FILE --ctx 256 \\
-        [--chunks 40] [--threads 2] [--peers llama.cpp] [--peer-logits] [--out perplexity.json]
+        [--chunks 40] [--threads 2] [--peers llama.cpp] [--peer-logits] [--peer-tokens] [--out F]
 
 The protocol is :mod:`specdec.quality.perplexity`'s (llama.cpp's). The text is read as
-``llama-perplexity -f`` reads it (one trailing newline dropped). ``--out`` writes a
-``specdec.summary/1`` file with the raw figures beside the table: ``weights`` (name → ``ppl``,
+``llama-perplexity -f`` reads it (bytes as they are, one trailing newline dropped). A peer's tokens
+of the text are compared with ours (:mod:`specdec.quality.tokens`): a line under the table says
+whether its PPL is over the same tokens, and where not, where the two first split the text
+differently; ``--peer-tokens`` then also scores every format on the peer's tokens. ``--out`` writes
+a ``specdec.summary/1`` file with the raw figures beside the table: ``weights`` (name → ``ppl``,
 ``ppl_stderr``, ``kld_mean``, ``kld_p99``, ``top1_agree``, ...; the reference's KL fields null),
-``peers`` (``llama.cpp`` → ``ppl``, ``ppl_stderr``, its command and build), the target, ctx, text,
-chunks, machine and commit.
+``peers`` (``llama.cpp`` → ``ppl``, ``ppl_stderr``, its command and build, ``tokens``,
+``comparable``, ``ours_on_its_tokens``), the target, ctx, text, chunks, machine and commit.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def read_text(path: str | Path, argument: str = "--text") -> str:
     if not file.is_file():
         raise ValueError(f"{argument} {path}: no such file")
     try:
-        text = file.read_text(encoding="utf-8")
+        with open(file, encoding="utf-8", newline="") as f:  # "\r\n" stays, as llama.cpp reads it
+            text = f.read()
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"{argument} {path}: not a readable UTF-8 text file ({err})") from None
     if text.endswith("\n"):
@@ -46,9 +50,15 @@ def read_text(path: str | Path, argument: str = "--text") -> str:
 
 
 def _llama_cpp(args: argparse.Namespace, gguf: Path | None, text_file: Path, work: Path) -> dict[str, Any]:
-    from specdec.quality.llama_perplexity import run_llama_perplexity
+    from specdec.quality.llama_perplexity import (
+        find_llama_perplexity,
+        find_llama_tokenize,
+        run_llama_perplexity,
+        run_llama_tokenize,
+    )
 
     logits = work / "llama-logits.bin" if args.peer_logits else None
+    extra = shlex.split(args.peer_args)
     out = run_llama_perplexity(
         gguf,
         text_file,
@@ -56,16 +66,30 @@ def _llama_cpp(args: argparse.Namespace, gguf: Path | None, text_file: Path, wor
         chunks=args.chunks,
         threads=args.threads or 1,
         logits_file=logits,
-        extra_args=shlex.split(args.peer_args),
+        extra_args=extra,
         timeout_s=args.peer_timeout,
     )
-    return {"weights": "gguf", "gguf": str(gguf), "logits_file": logits, **out}
+    out = {"weights": "gguf", "gguf": str(gguf), "logits_file": logits, **out}
+    assert gguf is not None  # run_llama_perplexity refuses None
+    tokenize = find_llama_tokenize(beside=find_llama_perplexity())
+    if tokenize is None:
+        return out | {
+            "tokens": {"reason": "no llama-tokenize beside llama-perplexity, in $LLAMA_TOKENIZE or on PATH"}
+        }
+    prompt = work / "llama-tokenize.txt"  # the text llama-perplexity reads: one trailing newline dropped
+    prompt.write_text(read_text(text_file), encoding="utf-8", newline="")
+    try:
+        ids = run_llama_tokenize(tokenize, gguf, prompt, perplexity_args=extra, timeout_s=args.peer_timeout)
+    except ValueError as err:
+        return out | {"tokens": {"reason": str(err)}}
+    return out | {"tokenize_binary": str(tokenize), "token_ids": ids}
 
 
 PEERS: dict[str, Callable[[argparse.Namespace, Path | None, Path, Path], dict[str, Any]]] = {
     "llama.cpp": _llama_cpp,
 }
-"""Peer name → runner(args, gguf, text file, work dir) returning at least ``ppl`` and ``ppl_stderr``."""
+"""Peer name → runner(args, gguf, text file, work dir) returning at least ``ppl`` and ``ppl_stderr``,
+and the peer's tokens of the text as ``token_ids`` (else ``tokens``: ``{"reason": why not}``)."""
 
 
 def _check_args(args: argparse.Namespace) -> list[str]:
@@ -88,6 +112,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--peers must list peers from {sorted(PEERS)}, got {','.join(args.peers)!r}")
     if args.peer_logits and not args.peers:
         raise ValueError("--peer-logits compares with a peer's log-probs: give --peers llama.cpp")
+    if args.peer_tokens and not args.peers:
+        raise ValueError("--peer-tokens scores a peer's tokens: give --peers llama.cpp")
     if args.bos not in BOS_MODES:
         raise ValueError(f"--bos must be one of {BOS_MODES}, got {args.bos!r}")
     from specdec.summary import check_experiment_name
@@ -109,6 +135,7 @@ def _command(args: argparse.Namespace, weights: list[str]) -> str:
         parts += ["--bos", args.bos]
     if args.peers:
         parts += ["--peers", ",".join(args.peers)] + (["--peer-logits"] if args.peer_logits else [])
+        parts += ["--peer-tokens"] if args.peer_tokens else []
         parts += [f"--peer-args={args.peer_args}"] if args.peer_args else []
     if args.out is not None:
         parts += ["--out", str(args.out)]
@@ -129,8 +156,9 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
     from specdec.bench.report import environment
     from specdec.quality import report
-    from specdec.quality.perplexity import evaluate_text
+    from specdec.quality.perplexity import evaluate_tokens, tokenize_text
     from specdec.quality.text import text_info
+    from specdec.quality.tokens import compare_tokens
     from specdec.targets import open_target
     from specdec.targets.loading import gguf_source
 
@@ -146,13 +174,24 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     tokenizer = getattr(targets[weights[0]], "tokenizer", None)
     if tokenizer is None:
         raise ValueError(f"--target {args.target}: the checkpoint has no tokenizer to encode --text with")
+    ids = tokenize_text(tokenizer, text)
     gguf = gguf_source(args.target)
     peers: dict[str, Any] = {}
+    peer_ids: dict[str, list[int]] = {}  # a peer's tokens, where they differ from ours and --peer-tokens
     comparison = None
     with tempfile.TemporaryDirectory(prefix="specdec-ppl-") as work:
         for name in args.peers:
             print(f"[perplexity] running {name}'s perplexity", file=sys.stderr)
             peers[name] = PEERS[name](args, gguf, Path(args.text), Path(work))
+            theirs = peers[name].pop("token_ids", None)
+            if theirs is not None:
+                peers[name]["tokens"] = compare_tokens(
+                    ids, theirs, ctx=args.ctx, chunks=args.chunks, tokenizer=tokenizer
+                )
+                if args.peer_tokens and not peers[name]["tokens"]["scored_equal"]:
+                    peer_ids[name] = theirs
+            peers[name].setdefault("tokens", {"reason": f"{name} gave no tokens"})
+            peers[name]["comparable"] = peers[name]["tokens"].get("scored_equal")
 
         def start_comparison(chunks_NC: torch.Tensor) -> None:
             nonlocal comparison
@@ -166,18 +205,28 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
             if comparison is not None:
                 comparison.observe(chunk, name, scores)
 
-        record = evaluate_text(
-            targets,
-            text,
-            tokenizer=tokenizer,
-            ctx=args.ctx,
-            chunks=args.chunks,
-            bos=args.bos,
-            reference=weights[0],
-            progress=_progress,
-            observe=observe,
-            chunks_hook=start_comparison,
-        )
+        def evaluate(tokens: list[int], compare: bool) -> dict[str, Any]:
+            return evaluate_tokens(
+                targets,
+                tokens,
+                tokenizer=tokenizer,
+                ctx=args.ctx,
+                chunks=args.chunks,
+                bos=args.bos,
+                reference=weights[0],
+                progress=_progress,
+                observe=observe if compare else None,
+                chunks_hook=start_comparison if compare else None,
+            )
+
+        # With --peer-logits, llama.cpp's log-probs are compared on the tokens it scored: ours on its
+        # tokens where we score those too, else our own (chunks whose tokens differ are skipped).
+        record = evaluate(ids, compare=not peer_ids)
+        for name, theirs in peer_ids.items():
+            print(f"[perplexity] scoring {name}'s tokens of the text", file=sys.stderr)
+            run = evaluate(theirs, compare=True)
+            keep = ("n_chunks", "tokens_scored", "text_tokens", "weights")
+            peers[name]["ours_on_its_tokens"] = {k: run[k] for k in keep}
         for peer in peers.values():
             peer.pop("logits_file", None)
         if comparison is not None:
@@ -296,6 +345,12 @@ def add_perplexity(sub: argparse._SubParsersAction) -> None:
         "--peer-logits",
         action="store_true",
         help="save llama.cpp's log-probs and compare them with ours token by token",
+    )
+    p.add_argument(
+        "--peer-tokens",
+        action="store_true",
+        help="where llama.cpp's tokens of the text differ from ours, also score every format on its "
+        "tokens (a like-for-like PPL; every format runs twice)",
     )
     p.add_argument(
         "--peer-args",

@@ -12,10 +12,16 @@ in a subprocess with a timeout, and parses its final estimate ``PPL = x +/- y``
 tokens and every scored position's log-probabilities (16-bit, over a 16-nat range below the
 maximum): :func:`read_llama_logits` reads them back, and :class:`PeerComparison` compares them token
 by token with ours (same tokens? the NLL difference, KL, top-1 agreement).
+
+:func:`run_llama_tokenize` runs llama.cpp's ``llama-tokenize`` (``$LLAMA_TOKENIZE``, else beside
+``llama-perplexity``, else on ``PATH``) on the same GGUF and text: the tokens ``llama-perplexity``
+scores, whole, without its log-probabilities.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -34,6 +40,9 @@ __all__ = [
     "find_llama_perplexity",
     "parse_llama_perplexity_output",
     "run_llama_perplexity",
+    "LLAMA_TOKENIZE_ENV",
+    "find_llama_tokenize",
+    "run_llama_tokenize",
     "LlamaLogits",
     "read_llama_logits",
     "PeerComparison",
@@ -126,6 +135,58 @@ def run_llama_perplexity(
         "build_options": _build_options(binary),
         **figures,
     }
+
+
+LLAMA_TOKENIZE_ENV = "LLAMA_TOKENIZE"
+"""The environment variable naming ``llama-tokenize`` (it wins over the one beside ``llama-perplexity``)."""
+
+_ESCAPE_FLAGS = {"-e": "--escape", "--escape": "--escape", "--no-escape": "--no-escape"}
+"""The arguments that say whether a tool reads escape sequences in the text (a backslash and ``n``
+as a newline, ...): ``llama-perplexity`` does not unless given ``-e``; ``llama-tokenize`` does unless
+given ``--no-escape``."""
+
+
+def find_llama_tokenize(beside: Path | None = None) -> Path | None:
+    """The ``llama-tokenize`` binary: ``$LLAMA_TOKENIZE`` when set, else the one in ``beside``'s
+    folder (the ``llama-perplexity`` of the same build), else on ``PATH``; None without one."""
+    if beside is not None and not os.environ.get(LLAMA_TOKENIZE_ENV):
+        sibling = Path(beside).parent / "llama-tokenize"
+        if sibling.is_file() and os.access(sibling, os.X_OK):
+            return sibling
+    return find_llama_tool("llama-tokenize", LLAMA_TOKENIZE_ENV)
+
+
+def run_llama_tokenize(
+    binary: Path,
+    gguf: Path,
+    text_file: Path,
+    *,
+    perplexity_args: Sequence[str] = (),
+    timeout_s: float = 600.0,
+) -> list[int]:
+    """``llama-tokenize -m GGUF -f TEXT --ids``: llama.cpp's tokens of the file as it is (so give it
+    the text ``llama-perplexity -f`` reads: one trailing newline dropped), with its special tokens,
+    reading escape sequences in it where ``perplexity_args`` make ``llama-perplexity`` read them
+    (its last ``-e`` / ``--escape`` / ``--no-escape``; by default it does not); ``ValueError`` (one
+    line) where it fails."""
+    escape = next((_ESCAPE_FLAGS[a] for a in reversed(perplexity_args) if a in _ESCAPE_FLAGS), "--no-escape")
+    command = [str(binary), "-m", str(gguf), "-f", str(text_file), "--ids", escape]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ValueError(
+            f"llama-tokenize ran past its {timeout_s:g} s timeout: {' '.join(command)}"
+        ) from None
+    except OSError as err:
+        raise ValueError(f"llama-tokenize did not start: {err}") from None
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[") and line.endswith("]")]
+    if done.returncode != 0 or not lines:
+        tail = " ".join((done.stdout + done.stderr).split()[-40:])
+        raise ValueError(f"llama-tokenize failed: exit status {done.returncode}: {tail}")
+    ids = json.loads(lines[-1])
+    if not all(isinstance(t, int) for t in ids):
+        raise ValueError(f"llama-tokenize printed something other than token ids: {lines[-1][:80]}")
+    return ids
 
 
 @dataclass

@@ -47,6 +47,7 @@ __all__ = [
     "tokenize_text",
     "measure",
     "evaluate_text",
+    "evaluate_tokens",
 ]
 
 BOS_MODES = ("auto", "replace", "keep")
@@ -244,8 +245,17 @@ def measure(
 
 
 def evaluate_text(
+    targets: Mapping[str, Target], text: str, *, tokenizer: Any, **options: Any
+) -> dict[str, Any]:
+    """Tokenise ``text`` (:func:`tokenize_text`) and :func:`evaluate_tokens` every target on it
+    (``options``: ``ctx``, ``chunks``, ``bos``, ``reference``, ``progress``, ``observe``,
+    ``chunks_hook``)."""
+    return evaluate_tokens(targets, tokenize_text(tokenizer, text), tokenizer=tokenizer, **options)
+
+
+def evaluate_tokens(
     targets: Mapping[str, Target],
-    text: str,
+    ids: Sequence[int],
     *,
     tokenizer: Any,
     ctx: int,
@@ -256,14 +266,13 @@ def evaluate_text(
     observe: Callable[[int, str, Scores], None] | None = None,
     chunks_hook: Callable[[torch.Tensor], None] | None = None,
 ) -> dict[str, Any]:
-    """Tokenise ``text`` (:func:`tokenize_text`), cut it into chunks (:func:`chunk_tokens`, the
-    first token per ``bos``: :data:`BOS_MODES`) and :func:`measure` every target. Returns ``ctx``,
-    ``n_chunks``, ``bos`` (``"replaced"`` or ``"kept"``), ``tokens_scored``, ``reference``,
-    ``text_tokens`` and ``weights`` (name → statistics). ``chunks_hook(chunks_NC)`` sees the chunks
-    before any target runs."""
+    """Cut a text's tokens ``ids`` (ours, or a peer's tokens of the same text) into chunks
+    (:func:`chunk_tokens`, the first token per ``bos``: :data:`BOS_MODES`, ``tokenizer``'s BOS) and
+    :func:`measure` every target. Returns ``ctx``, ``n_chunks``, ``bos`` (``"replaced"`` or
+    ``"kept"``), ``tokens_scored``, ``reference``, ``text_tokens`` and ``weights`` (name →
+    statistics). ``chunks_hook(chunks_NC)`` sees the chunks before any target runs."""
     if bos not in BOS_MODES:
         raise ValueError(f"bos must be one of {BOS_MODES}, got {bos!r}")
-    ids = tokenize_text(tokenizer, text)
     bos_id = getattr(tokenizer, "bos_token_id", None)
     replace = bos == "replace" or (bos == "auto" and tokenizer_adds_bos(tokenizer))
     if replace and bos_id is None:

@@ -2,7 +2,9 @@
 
 The record is what ``specdec perplexity --out`` writes (and the ``quality`` experiment returns):
 ``weights`` (name → :meth:`specdec.quality.perplexity.RunningStats.result`), ``reference``,
-``peers`` (name → ``{"ppl", "ppl_stderr", ...}``) and the run's sizes.
+``peers`` (name → ``{"ppl", "ppl_stderr", ...}``, with ``tokens``: its tokens of the text against
+ours, :func:`specdec.quality.tokens.compare_tokens`, and ``ours_on_its_tokens``: every format scored
+on them) and the run's sizes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from specdec.quality.tokens import describe
 from specdec.summary import Summary, Table, table_from_rows
 
 __all__ = ["COLUMNS", "rows", "table", "summarize", "markdown"]
@@ -28,15 +31,23 @@ COLUMNS = [
 """(key, LaTeX label, format) of the table's columns."""
 
 
-def rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Ours per weights (PPL over the reference's beside), then each peer's estimate."""
-    weights = record["weights"]
-    ref = weights.get(record.get("reference") or "", {}).get("ppl")
+def _ours(engine: str, weights: Mapping[str, Any], reference: str | None) -> list[dict[str, Any]]:
+    """One row per set of our weights, its PPL over the reference's beside."""
+    ref = weights.get(reference or "", {}).get("ppl")
     out = []
     for name, r in weights.items():
-        row = {"engine": "ours", "weights": name, **{k: r.get(k) for k, _, _ in COLUMNS[2:] if k in r}}
+        row = {"engine": engine, "weights": name, **{k: r.get(k) for k, _, _ in COLUMNS[2:] if k in r}}
         row["ppl_vs_reference"] = r["ppl"] / ref if ref and r.get("ppl") else None
         out.append(row)
+    return out
+
+
+def rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Ours per weights (PPL over the reference's beside), then each peer's estimate, then ours on
+    the peer's tokens where they were scored (``--peer-tokens``)."""
+    reference = record.get("reference")
+    out = _ours("ours", record["weights"], reference)
+    ref = record["weights"].get(reference or "", {}).get("ppl")
     for peer, r in (record.get("peers") or {}).items():
         out.append(
             {
@@ -47,6 +58,8 @@ def rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "ppl_vs_reference": r["ppl"] / ref if ref and r.get("ppl") else None,
             }
         )
+        if r.get("ours_on_its_tokens"):
+            out += _ours(f"ours, {peer}'s tokens", r["ours_on_its_tokens"]["weights"], reference)
     return out
 
 
@@ -73,6 +86,19 @@ def table(record: Mapping[str, Any], name: str = "perplexity") -> Table:
             f" {peer}: \\texttt{{{binary}}} on the same GGUF file, text and ctx, over its own tokens "
             f"({r.get('n_chunks')} chunks)."
         )
+        tokens = r.get("tokens") or {}
+        if tokens.get("scored_equal") is False:
+            caption += (
+                f" Its tokens differ from ours (first at token {tokens['first_different']}, "
+                f"{tokens['places']} places): its PPL is not comparable with ours"
+                + (
+                    f"; ours on its tokens: the rows `ours, {peer}'s tokens'."
+                    if r.get("ours_on_its_tokens")
+                    else "."
+                )
+            )
+        elif tokens.get("scored_equal"):
+            caption += " Its scored tokens are ours."
     return table_from_rows(name, caption.replace("_", "\\_"), COLUMNS, rows(record))
 
 
@@ -93,4 +119,11 @@ def markdown(record: Mapping[str, Any]) -> str:
     lines = [_sizes(record), "", "| " + " | ".join(labels) + " |", "|" + "---|" * len(labels)]
     for row in rows(record):
         lines.append("| " + " | ".join(_cell(row.get(k), fmt) for k, _, fmt in COLUMNS) + " |")
-    return "\n".join(lines)
+    notes = []
+    for peer, r in (record.get("peers") or {}).items():
+        if "tokens" in r:
+            hint = r["tokens"].get("scored_equal") is False and not r.get("ours_on_its_tokens")
+            notes.append(
+                describe(peer, r["tokens"]) + (" `--peer-tokens` scores ours on its tokens." if hint else "")
+            )
+    return "\n".join(lines + ([""] + notes if notes else []))

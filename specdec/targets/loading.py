@@ -50,8 +50,26 @@ __all__ = [
     "conversion_cache_path",
 ]
 
-CONVERSION_FORMAT = 2
-"""Version of the conversion cache's layout and key (2: keyed by :func:`gguf_fingerprint`)."""
+CONVERSION_FORMAT = 3
+"""Version of the conversion cache's layout and key (2: keyed by :func:`gguf_fingerprint`; 3: the
+tokenizer's pre-tokenizer as the GGUF names it, :data:`GGUF_PRE_TOKENIZERS`)."""
+
+
+def _digits_first(backend: Any) -> None:
+    """Every digit a piece of its own before the byte-level regex: SmolLM's pre-tokenizer (its
+    ``tokenizer.json``: ``Digits(individual_digits=True)`` then ``ByteLevel``; llama.cpp's ``smollm``)."""
+    from tokenizers import pre_tokenizers
+
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), backend.pre_tokenizer]
+    )
+
+
+GGUF_PRE_TOKENIZERS: dict[str, Any] = {"smollm": _digits_first}
+"""GGUF ``tokenizer.ggml.pre`` values whose pre-tokenizer ``transformers``' GGUF reader does not build
+(it falls back to GPT-2's regex alone), with the fix applied to the converted fast tokenizer. Without
+it, ``"\n\n1"`` is ``"\n" "\n" "1"`` where the model's own tokenizer (and llama.cpp) gives ``"\n\n" "1"``
+(docs/quality.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,7 +270,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     from specdec.targets.gguf import check_gguf_file
 
-    check_gguf_file(gguf)  # a damaged file or a tensor of the wrong shape: one line naming the tensor
+    index = check_gguf_file(gguf)  # a damaged file or a tensor of the wrong shape: one line naming it
     fingerprint = gguf_fingerprint(gguf)
     print(f"[specdec] converting {gguf.name} to a safetensors cache at {out} (once) ...", file=sys.stderr)
     try:
@@ -263,6 +281,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     except (OSError, ValueError, KeyError, RuntimeError, struct.error) as err:
         raise ValueError(f"{gguf}: transformers cannot convert this GGUF file ({_first_line(err)})") from None
     _refuse_incomplete(gguf, info)
+    fix = GGUF_PRE_TOKENIZERS.get(str(index.metadata.get("tokenizer.ggml.pre", "")))
+    if fix is not None and getattr(tokenizer, "backend_tokenizer", None) is not None:
+        fix(tokenizer.backend_tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
     try:
