@@ -307,6 +307,7 @@ def _config(gguf: Path, out: Path, servers=("llama-server", "llama-server:ngram-
     )  # fmt: skip
 
 
+@pytest.mark.slow  # about 6 s on 2 cores
 @needs_asgi
 def test_three_llama_modes_in_one_run_with_their_acceptance(fake_llama, tmp_path):
     gguf, calls = fake_llama

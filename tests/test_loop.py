@@ -284,6 +284,7 @@ def _exact_joint(target: TableTarget, prompt: list[int], n: int, **sampling) -> 
     return out
 
 
+@pytest.mark.slow  # 4-19 s a case on 2 cores
 @pytest.mark.statistical
 @pytest.mark.parametrize(
     "drafter,sampling",

@@ -365,6 +365,7 @@ def test_peer_logits_round_trip_and_token_by_token_comparison(tiny, tmp_path):
 # --- the held-out text -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # about 4 s on 2 cores
 def test_heldout_pydoc_topics_stay_out_of_drafter_training():
     from pydoc_data.topics import topics
 

@@ -50,6 +50,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, slack: float = 0.0) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()) + 1e-6 + slack)
 
 
+@pytest.mark.slow  # 3-6 s a case on 2 cores
 @pytest.mark.parametrize("isa", ISAS)
 def test_the_kernels_activation_quantisation_is_the_oracles_bit_for_bit(isa):
     gen = torch.Generator().manual_seed(0)

@@ -48,6 +48,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # 5-7 s a case on 2 cores
 @pytest.mark.parametrize("case", list(CASES))
 def test_generate_continuations_follow_the_target(case):
     from specdec.sampling import SamplingParams
@@ -74,6 +75,7 @@ def test_generate_continuations_follow_the_target(case):
     assert check(counts, expected, f"generate, {case}").passed
 
 
+@pytest.mark.slow  # about 11 s on 2 cores
 def test_generate_with_ragged_prompts_in_one_batch():
     """Rows with prompts of different lengths share one batch (ragged prefill and acceptance): each
     prompt's continuations follow the target given that prompt."""
@@ -124,6 +126,7 @@ def _recovered_from_target(
     return VerifyResult(tokens, n)
 
 
+@pytest.mark.slow  # about 6 s on 2 cores
 def test_generate_check_rejects_a_planted_verifier_bug(monkeypatch):
     """The loop check can fail: with the engine's verifier swapped for a mutant (test-local patch of
     the name the engine's default keyed ``exact`` rule calls, product code untouched) the same check

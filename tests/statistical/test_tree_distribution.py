@@ -92,6 +92,7 @@ def _engine_counts(mode: str, sp: SamplingParams, seed: int, verify_replacement:
     )
 
 
+@pytest.mark.slow  # 5-7 s a case on 2 cores
 @pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
 @pytest.mark.parametrize("mode", ["without", "with", "top"])
 def test_generate_with_trees_matches_target(mode, sampling):
@@ -103,6 +104,7 @@ def test_generate_with_trees_matches_target(mode, sampling):
     assert_same_distribution(counts, expected, alpha=ALPHA, label=f"tree {mode} {sampling}")
 
 
+@pytest.mark.slow  # about 5 s on 2 cores
 def test_planted_residual_bug_is_caught():
     """Children drawn without replacement but verified with the i.i.d. (SpecInfer) residual."""
     sp = SAMPLINGS["T=1"]
