@@ -10,7 +10,6 @@ One server for the module (started once, ~5-15 s), one more for the SIGTERM test
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import signal
 import subprocess
@@ -22,14 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _extras import SERVE, skip_module_without
 
-_NEEDED = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "openai", "httpx")
-_MISSING = [m for m in _NEEDED if importlib.util.find_spec(m) is None]
-if _MISSING:
-    pytest.skip(
-        f"the server tests need the [serve] extra (pip install -e '.[serve]'): missing {', '.join(_MISSING)}",
-        allow_module_level=True,
-    )
+skip_module_without(SERVE + ("openai",))
 
 import httpx  # noqa: E402
 import openai  # noqa: E402

@@ -11,21 +11,15 @@ holds it until the test finishes it.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from _extras import SERVE, skip_module_without
 
-_NEEDED = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "httpx")
-_MISSING = [m for m in _NEEDED if importlib.util.find_spec(m) is None]
-if _MISSING:
-    pytest.skip(
-        f"the server tests need the [serve] extra (pip install -e '.[serve]'): missing {', '.join(_MISSING)}",
-        allow_module_level=True,
-    )
+skip_module_without(SERVE)
 
 import httpx  # noqa: E402
 from _tiny import byte_tokenizer  # noqa: E402

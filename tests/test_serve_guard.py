@@ -11,7 +11,6 @@ One server for the module (``--max-model-len 512``: text prompts over 512 x 13 c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import threading
@@ -20,14 +19,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from _extras import SERVE, skip_module_without
 
-_NEEDED = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "httpx")
-_MISSING = [m for m in _NEEDED if importlib.util.find_spec(m) is None]
-if _MISSING:
-    pytest.skip(
-        f"the server tests need the [serve] extra (pip install -e '.[serve]'): missing {', '.join(_MISSING)}",
-        allow_module_level=True,
-    )
+skip_module_without(SERVE)
 
 import httpx  # noqa: E402
 import test_serve  # noqa: E402

@@ -58,6 +58,17 @@ _SYSTEM = re.compile(r"system_info: (.*)$", re.MULTILINE)
 _PASS = re.compile(r"([0-9.]+) seconds per pass")
 
 
+def _run_tool(name: str, command: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run one of llama.cpp's tools with a timeout; ``ValueError`` (one line) where it cannot start or
+    runs past the timeout (its exit status is the caller's to read)."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"{name} ran past its {timeout_s:g} s timeout: {' '.join(command)}") from None
+    except OSError as err:
+        raise ValueError(f"{name} did not start: {err}") from None
+
+
 def find_llama_perplexity() -> Path | None:
     """The ``llama-perplexity`` binary: ``$LLAMA_PERPLEXITY`` when set, else on ``PATH``; None
     without one. A ``$LLAMA_PERPLEXITY`` that is not an executable file is a ``ValueError``."""
@@ -115,14 +126,7 @@ def run_llama_perplexity(
     if logits_file is not None:
         command += ["--kl-divergence-base", str(logits_file)]
     command += list(extra_args)
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise ValueError(
-            f"llama-perplexity ran past its {timeout_s:g} s timeout: {' '.join(command)}"
-        ) from None
-    except OSError as err:
-        raise ValueError(f"llama-perplexity did not start: {err}") from None
+    done = _run_tool("llama-perplexity", command, timeout_s)
     output = done.stdout + done.stderr
     if done.returncode != 0:
         tail = " ".join(output.split()[-40:])
@@ -171,14 +175,7 @@ def run_llama_tokenize(
     line) where it fails."""
     escape = next((_ESCAPE_FLAGS[a] for a in reversed(perplexity_args) if a in _ESCAPE_FLAGS), "--no-escape")
     command = [str(binary), "-m", str(gguf), "-f", str(text_file), "--ids", escape]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise ValueError(
-            f"llama-tokenize ran past its {timeout_s:g} s timeout: {' '.join(command)}"
-        ) from None
-    except OSError as err:
-        raise ValueError(f"llama-tokenize did not start: {err}") from None
+    done = _run_tool("llama-tokenize", command, timeout_s)
     lines = [line for line in done.stdout.splitlines() if line.startswith("[") and line.endswith("]")]
     if done.returncode != 0 or not lines:
         tail = " ".join((done.stdout + done.stderr).split()[-40:])
