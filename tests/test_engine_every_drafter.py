@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _engine_drive import drive
+from _engine_drive import Arrival, drive
 from test_eagle_slots import (  # noqa: F401  (tiny: a fixture)
     MAX_LEN,
     assert_solo_tokens,
@@ -71,3 +71,20 @@ def test_every_drafter_runs_with_requests_joining_and_leaving(tiny, toy_corpus, 
     if drafter != "none":
         assert sum(f.metrics.num_drafted for f in finals.values()) > 0
     assert_solo_tokens(finals, settings, tiny["target"], lambda: _engine(tiny, drafter))
+
+
+@pytest.mark.parametrize("settings", [greedy, sampled])
+def test_a_request_may_turn_speculation_off(tiny, settings):  # noqa: F811
+    """``add_request(speculative=False)``: that request never drafts while its neighbours do, and
+    emits what it emits alone with no drafter (greedy: plain decoding; sampled: its keyed stream)."""
+    engine = _engine(tiny, "eagle-tree")
+    arrivals = churn(settings)
+    off = arrivals[2]
+    arrivals[2] = Arrival(off.step, off.key, off.prompt, {**off.settings, "speculative": False})
+    finals = drive(engine, arrivals)
+    assert finals[off.key].metrics.num_drafted == 0
+    assert sum(f.metrics.num_drafted for k, f in finals.items() if k != off.key) > 0
+    alone = drive(_engine(tiny, "none"), [Arrival(0, off.key, off.prompt, off.settings)])[off.key]
+    assert finals[off.key].token_ids == alone.token_ids
+    with pytest.raises(ValueError, match="speculative must be a bool"):
+        engine.add_request(off.prompt, speculative="no")

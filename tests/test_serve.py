@@ -433,6 +433,33 @@ def test_metrics_count_a_request(server):
     assert delta("vllm:inter_token_latency_seconds_count") >= 1
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_may_ask_for_no_drafting(server, stream):
+    """``"speculative": false``: the same greedy text with no draft token verified for it (usage's
+    counts stay, streamed or not); a value that is not a boolean is a 400 naming the field."""
+    client = server.client()
+    texts, drafted = [], []
+    for speculative in (True, False):
+        extra = {"ignore_eos": True, "speculative": speculative}
+        options = dict(model=server.model, prompt=PROMPT, max_tokens=24, temperature=0, extra_body=extra)
+        if stream:
+            chunks = list(
+                client.completions.create(stream=True, stream_options={"include_usage": True}, **options)
+            )
+            texts.append("".join(c.choices[0].text for c in chunks if c.choices))
+            usage = chunks[-1].usage
+        else:
+            out = client.completions.create(**options)
+            texts.append(out.choices[0].text)
+            usage = out.usage
+        drafted.append(usage.model_extra["num_draft_tokens"])
+        assert usage.completion_tokens == 24
+    assert texts[0] == texts[1]
+    assert drafted[0] > 0 and drafted[1] == 0
+    r = server.http().post("/v1/completions", json={"prompt": PROMPT, "speculative": "no"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", r.text
+
+
 def _long_stream(http: httpx.Client, max_tokens: int = 1900) -> httpx.Response:
     """A streamed request that runs for seconds: sampled, so prompt lookup's drafts are rarely accepted."""
     body = {

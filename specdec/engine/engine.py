@@ -220,10 +220,13 @@ class Engine:
         ignore_eos: bool = False,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        speculative: bool = True,
     ) -> str:
         """Queue a request; returns its id. ``seed`` None draws one at random (the output is then
         fixed by that seed, readable as ``engine.requests[id].params.seed``). ``logprobs``,
-        ``prompt_logprobs``: :mod:`specdec.engine.logprobs` (None: not reported)."""
+        ``prompt_logprobs``: :mod:`specdec.engine.logprobs` (None: not reported). ``speculative=False``:
+        the request never drafts (every step a plain one; its ``num_drafted`` stays 0), whatever the
+        engine's depth policy; its tokens are what plain decoding with its seed gives."""
         ids = check_prompt(prompt_ids, self.vocab_size)
         params = make_params(
             max_new_tokens=max_new_tokens,
@@ -238,6 +241,7 @@ class Engine:
             vocab_size=self.vocab_size,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            speculative=speculative,
         )
         # A request for one token takes it from its prompt's last position and never decodes, so
         # never drafts: it keeps no slots for draft blocks (echo scoring fills the context).

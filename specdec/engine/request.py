@@ -51,6 +51,7 @@ class RequestParams:
     eos_token_ids: frozenset[int] = frozenset()
     logprobs: int | None = None  # alternatives per generated token (None: no log-probabilities)
     prompt_logprobs: int | None = None  # alternatives per prompt token (None: none)
+    speculative: bool = True  # False: never drafts (plain decoding; its drafted count stays 0)
 
 
 def positive_int(value: Any, name: str) -> int:
@@ -124,6 +125,7 @@ def make_params(
     vocab_size: int,
     logprobs: Any = None,
     prompt_logprobs: Any = None,
+    speculative: Any = True,
 ) -> RequestParams:
     """Check ``add_request``'s arguments; ``ValueError`` naming the first bad one. Numpy scalars are
     taken where Python ints and floats are (``numpy.bool_`` is not a bool: refused like any non-bool)."""
@@ -135,6 +137,8 @@ def make_params(
     stops = _string_list(stop_strings, "stop_strings")
     if not isinstance(ignore_eos, bool):
         raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r}")
+    if not isinstance(speculative, bool):
+        raise ValueError(f"speculative must be a bool, got {speculative!r:.80}")
     if eos_token_ids is None:
         ids = _token_id_list(list(default_eos), "the target's eos_token_ids", vocab_size)
     else:
@@ -148,6 +152,7 @@ def make_params(
         eos_token_ids=eos,
         logprobs=check_num_logprobs(logprobs, "logprobs", vocab_size),
         prompt_logprobs=check_num_logprobs(prompt_logprobs, "prompt_logprobs", vocab_size),
+        speculative=speculative,
     )
 
 

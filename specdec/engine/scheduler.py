@@ -145,7 +145,7 @@ class Scheduler:
     def _depths(self, rows: list[Request]) -> list[int]:
         views = []
         for r in rows:
-            cap = max(0, min(self.gamma_max, r.room - 1))
+            cap = max(0, min(self.gamma_max, r.room - 1)) if r.params.speculative else 0
             acc = [r.acceptance(k, _PRIOR, _PRIOR_WEIGHT) for k in range(1, cap + 1)]
             views.append(RowView(acc, cap, self._free(r)))
         depths = self.policy.depths(views, self.cost, self.draft_cost)

@@ -22,6 +22,7 @@ _ENGINE_FIELDS = {
     "top_p": "top_p",
     "seed": "seed",
     "ignore_eos": "ignore_eos",
+    "speculative": "speculative",
 }
 
 

@@ -108,6 +108,7 @@ class GenerationRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    speculative: bool = True
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -143,6 +144,7 @@ class GenerationRequest:
             "seed": seed,
             "stop_strings": list(self.stop) or None,
             "ignore_eos": self.ignore_eos,
+            "speculative": self.speculative,
             "logprobs": self.logprobs,
             "prompt_logprobs": self.logprobs if self.echo else None,
         }
@@ -334,6 +336,7 @@ def _common(
         ignore_eos=_optional_bool(body, "ignore_eos"),
         stream=stream,
         include_usage=include_usage,
+        speculative=_optional_bool(body, "speculative", True),
     )
 
 
