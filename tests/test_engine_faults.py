@@ -4,6 +4,7 @@ check or a target forward that raises for one chosen row finishes that request w
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -219,3 +220,38 @@ def test_a_second_engine_on_a_busy_target_is_refused(tiny):  # noqa: F811
     assert got == alone.token_ids[0]
     assert rid not in first.requests
     del second
+
+
+@pytest.mark.parametrize("device_paths", [False, True], ids=["host", "device-paths"])
+def test_a_prefill_chunk_with_bad_logits_fails_its_row_alone(tiny, device_paths):  # noqa: F811
+    """Non-finite logits at a prompt position a prefill returns (every position, for prompt
+    log-probabilities) fail that request alone: checked on the host at once, or with the step's one
+    read on the accelerator's paths; the other request equals its solo run."""
+    from specdec.host_sync import accelerator_paths
+
+    target = tiny["target"]
+    engine = _engine(tiny, "none")
+    forward = target.forward
+
+    def poisoned(tokens_BT, start_B, **kwargs):
+        out = forward(tokens_BT, start_B, **kwargs)
+        slot, rows = _chosen_slot(engine), kwargs.get("rows_B")
+        if kwargs.get("logits_index_BN") is not None and rows is not None and slot in rows.tolist():
+            out.logits_BTV[rows.tolist().index(slot), 0, 3] = float("nan")
+        return out
+
+    settings = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True, "prompt_logprobs": 0}
+    arrivals = [
+        Arrival(0, "bad", PROMPTS[0], {**settings, "seed": 999}),
+        Arrival(0, "good", PROMPTS[1], settings),
+    ]
+    target.forward = poisoned
+    try:
+        with accelerator_paths() if device_paths else contextlib.nullcontext():
+            finals = drive(engine, arrivals)
+    finally:
+        del target.forward
+    assert finals["bad"].finish_reason == "error" and "non-finite logits" in finals["bad"].error
+    alone = drive(_engine(tiny, "none"), [Arrival(0, "good", PROMPTS[1], settings)])["good"]
+    assert finals["good"].token_ids == alone.token_ids and finals["good"].error is None
+    assert finals["good"].prompt_logprobs == alone.prompt_logprobs

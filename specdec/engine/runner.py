@@ -36,10 +36,10 @@ import torch
 
 from specdec.checks import check_logits, logits_faults
 from specdec.engine.faults import each_alone, error_message, log
+from specdec.engine.judge import Fail, Judge, Part, rows_alone
 from specdec.engine.logprobs import last_logits_only, prefill_logits_index
 from specdec.engine.plan import RowPlan, StepPlan, StepReport
 from specdec.engine.request import Request, RequestStatus
-from specdec.engine.transfer import HostTransfer
 from specdec.engine.units import Unit, checked_unit, group_state, join_outputs, row_output, slice_output
 from specdec.host_sync import avoids_host
 from specdec.metrics import MetricsRecorder, StepStats
@@ -63,28 +63,6 @@ def _decided_by(logits_BTV: torch.Tensor, verdict: Verdict, i: int) -> torch.Ten
     if verdict.path_BA is None:
         return logits_BTV[i]
     return logits_BTV[i, verdict.path_BA[i].to(logits_BTV.device)]
-
-
-def _verdict_rows(verdict: Verdict, index: list[int]) -> Verdict:
-    path = verdict.path_BA
-    return Verdict(
-        verdict.tokens_BA[index], verdict.num_accepted_B[index], None if path is None else path[index]
-    )
-
-
-class _Part:
-    """A unit with its slice of the verify forward's output and its rows' start positions; once
-    judged, its verdict."""
-
-    def __init__(self, unit: Unit, out: TargetOutput, start_G: torch.Tensor) -> None:
-        self.unit, self.out, self.start_G = unit, out, start_G
-        self.verdict: Verdict | None = None
-
-    def select(self, index: list[int]) -> _Part:
-        part = _Part(self.unit.select(index), self.out.select(index), self.start_G[index])
-        if self.verdict is not None:
-            part.verdict = _verdict_rows(self.verdict, index)
-        return part
 
 
 class Runner:
@@ -113,6 +91,7 @@ class Runner:
         self.tokens_SL, self._tokens_np = tokens_SL, tokens_SL.numpy()
         self.max_model_len, self.prefill_chunk, self.gamma_max = max_model_len, prefill_chunk, gamma_max
         self.stats, self.now = stats, now
+        self.judge = Judge(rule, stats, now)
         self.recorder: MetricsRecorder | None = None
 
     def run(self, plan: StepPlan) -> StepReport:
@@ -147,6 +126,10 @@ class Runner:
         log.warning("request %s failed alone: %s", request.request_id, request.error, exc_info=err)
         self.finish(request)
         report.new_tokens.setdefault(request.request_id, [])
+
+    def _failer(self, report: StepReport) -> Fail:
+        """:meth:`fail` for this step's report, as the judge's and ``rows_alone``'s ``fail``."""
+        return lambda request, where, err: self.fail(request, where, err, report)
 
     # --- decode -----------------------------------------------------------------------------------
     def _decode(self, plan: tuple[RowPlan, ...], tree_ok: bool, report: StepReport) -> None:
@@ -288,12 +271,12 @@ class Runner:
         parts, r0 = [], 0
         for u in units:
             parts.append(
-                _Part(
+                Part(
                     u, slice_output(out, r0, r0 + u.size, u.block.num_drafted + 1), start_B[r0 : r0 + u.size]
                 )
             )
             r0 += u.size
-        parts = self._judge(parts, int(self.stats["steps"]) + 1, report)
+        parts = self.judge(parts, int(self.stats["steps"]) + 1, self._failer(report))
         accepted: list[int] = []
         observe_s = 0.0
         for part in parts:
@@ -316,99 +299,7 @@ class Runner:
                 )
             )
 
-    def _rows_alone(
-        self, part: _Part, call: Callable[[_Part], Any], where: str, report: StepReport
-    ) -> list[tuple[_Part, Any]]:
-        """``call`` over the whole part; where it raises, over each of its rows alone, and a row whose
-        own call raises fails (:func:`specdec.engine.faults.each_alone`). Returns (part, result) pairs."""
-        whole = list(range(part.unit.size))
-        sub = lambda index: part if len(index) == len(whole) else part.select(index)  # noqa: E731
-        fail = lambda i, err: self.fail(part.unit.rows[i], where, err, report)  # noqa: E731
-        return [(sub(index), result) for index, result in each_alone(whole, lambda i: call(sub(i)), fail)]
-
-    def _judge(self, parts: list[_Part], step: int | str, report: StepReport) -> list[_Part]:
-        """Every part's verdict by the rule on the target's device, its logits checked, read to the
-        host in one copy with the checks' faults; returns the parts whose rows go on. A row whose
-        logits or proposal fail their check, or whose own rule call raises, fails alone."""
-        if not parts:
-            return []
-        transfer = HostTransfer(parts[0].out.logits_BTV.device)
-        check = lambda p: check_logits(p.out.logits_BTV, step=step, source="the target")  # noqa: E731
-        judged: list[_Part] = []
-        t_rule = self.now()
-        for part in parts:
-            on_device = avoids_host(part.out.logits_BTV)
-            pieces = (
-                [part]
-                if on_device
-                else [p for p, _ in self._rows_alone(part, check, "the target's logits", report)]
-            )
-            for piece in pieces:
-                for done, verdict in self._rows_alone(piece, self._verdict, "the verification rule", report):
-                    i = len(judged)
-                    judged.append(done)
-                    for name, value in zip(("tokens", "accepted", "path"), verdict, strict=True):
-                        if value is not None:
-                            transfer.add(f"{name}{i}", value)
-                    faults = [] if done.unit.fault is None else [done.unit.fault]
-                    if on_device:
-                        faults.append(logits_faults(done.out.logits_BTV))
-                    if faults:
-                        transfer.add(f"fault{i}", torch.stack([f.to(transfer.device) for f in faults]).any())
-        fetched = transfer.fetch() if judged else {}  # the step's one read
-        self.stats["rule_s"] += self.now() - t_rule
-        kept: list[_Part] = []
-        for i, part in enumerate(judged):
-            path = fetched.get(f"path{i}")
-            part.verdict = Verdict(
-                torch.from_numpy(fetched[f"tokens{i}"]),
-                torch.from_numpy(fetched[f"accepted{i}"]),
-                None if path is None else torch.from_numpy(path),
-            )
-            fault = fetched.get(f"fault{i}")
-            kept += [part] if fault is None or not bool(fault) else self._recheck(part, step, report)
-        return kept
-
-    def _recheck(self, part: _Part, step: int | str, report: StepReport) -> list[_Part]:
-        """A part whose device-side check found a fault: its rows' logits and proposals checked on the
-        host; the rows that fail them fail, the others go on with their verdicts."""
-
-        def check(p: _Part) -> None:
-            check_logits(p.out.logits_BTV, step=step, source="the target")
-            for i in range(p.unit.size if p.unit.recheck is not None else 0):
-                p.unit.recheck(i)
-
-        ok = self._rows_alone(part, check, "the step's checks", report)
-        if ok and ok[0][0] is part:  # the host's checks pass where the device's found a fault
-            err = ValueError(
-                "a device-side check of the target's logits or a proposal failed, the host's passed"
-            )
-            for r in part.unit.rows:
-                self.fail(r, "the step's checks", err, report)
-            return []
-        return [p for p, _ in ok]
-
-    def _verdict(self, part: _Part) -> Verdict:
-        """One unit's verdict by the rule, where the logits are, with the rows' keyed noise and the
-        output-stream index of the token each block position decides (docs/randomness.md)."""
-        unit, start_G = part.unit, part.start_G
-        rows, block = unit.rows, unit.block
-        sampling = rows[0].params.sampling
-        logits_BTV = part.out.logits_BTV
-        if sampling.greedy and isinstance(block, ChainBlock):
-            fast = block.verify_greedy(self.rule, logits_BTV)
-            if fast is not None:  # argmax matching: no noise
-                return fast
-        T = block.num_drafted + 1
-        prompt_G = torch.tensor([len(r.prompt_ids) for r in rows], dtype=torch.long)
-        offsets_T = block.forward_kwargs("cpu").get("depth_T", torch.arange(T))
-        positions_GT = (start_G + 1 - prompt_G).unsqueeze(1) + offsets_T
-        noise = PositionNoise([r.params.seed for r in rows], device=logits_BTV.device)
-        return block.verify(
-            self.rule, logits_BTV, sampling, noise=noise, positions_BK=positions_GT.to(logits_BTV.device)
-        )
-
-    def _settle(self, part: _Part, report: StepReport) -> tuple[list[int], float]:
+    def _settle(self, part: Part, report: StepReport) -> tuple[list[int], float]:
         """Commit, settle and observe one part from its verdict on the host; returns (accepted drafts
         per row, observe s). A rollback or an ``observe`` that raises is made again for each row
         alone; a row whose own call raises fails."""
@@ -424,17 +315,17 @@ class Runner:
             logits_TV = None if request.logprobs is None else _decided_by(part.out.logits_BTV, verdict, i)
             self._commit(request, tokens[i][: a + 1], report, logits_TV)
 
-        def settle(p: _Part) -> TargetOutput:  # the cache reads like what each row committed (stops aside)
+        def settle(p: Part) -> TargetOutput:  # the cache reads like what each row committed (stops aside)
             lengths_G = p.start_G + 2 + p.verdict.num_accepted_B
             slots_G = torch.tensor([r.slot for r in p.unit.rows], dtype=torch.long)
             return p.unit.block.settle(self.target, p.out, p.verdict, p.start_G, lengths_G, rows_B=slots_G)
 
-        settled = self._rows_alone(part, settle, "the cache rollback", report)
+        settled = rows_alone(part, settle, "the cache rollback", self._failer(report))
         t0 = self.now()
         for p, observed in settled:
             live = [i for i, r in enumerate(p.unit.rows) if r.status is RequestStatus.DECODE]
 
-            def observe(index: list[int], p: _Part = p, observed: TargetOutput = observed) -> None:
+            def observe(index: list[int], p: Part = p, observed: TargetOutput = observed) -> None:
                 these = [p.unit.rows[i] for i in index]
                 self.drafter.observe(
                     [r.slot for r in these],
@@ -495,12 +386,24 @@ class Runner:
             self._prefilled(part, n, out, report)
 
     def _prefilled(self, rows: list[Request], n: int, out: TargetOutput, report: StepReport) -> None:
-        """After a prefill forward over ``rows``: prompt log-probabilities, the chunk's output kept for
-        the drafter, and the first token of every row whose prompt is complete."""
+        """After a prefill forward over ``rows``: its logits checked (every position it returned:
+        prompt log-probabilities read them all; on the host now, row by row where one is bad, on a
+        device with the step's read of the rows that complete), prompt log-probabilities, the chunk's
+        output kept for the drafter, and the first token of every row whose prompt is complete."""
+        logits, G = out.logits_BTV, len(rows)
+        row_logits = lambda i: logits if i is None else logits[i : i + 1]  # noqa: E731
+        check = lambda i: check_logits(row_logits(i), step="prefill", source="the target")  # noqa: E731
+        on_host = not avoids_host(logits)
+        ok = list(range(G))
+        if on_host:
+            fail = lambda i, err: self.fail(rows[i], "the target's logits", err, report)  # noqa: E731
+            whole = lambda index: check(None if len(index) == G else index[0])  # noqa: E731
+            ok = [i for index, _ in each_alone(ok, whole, fail) for i in index]
         done: dict[Any, list[int]] = {}  # by sampling settings: the rows whose prompt is complete
-        for i, request in enumerate(rows):
+        for i in ok:
+            request = rows[i]
             try:
-                request.record_prompt_logprobs(out.logits_BTV[i], request.num_prefilled)
+                request.record_prompt_logprobs(logits[i], request.num_prefilled)
             except Exception as err:
                 self.fail(request, "the prompt's log-probabilities", err, report)
                 continue
@@ -511,15 +414,23 @@ class Runner:
                 done.setdefault(request.params.sampling, []).append(i)
         if not done:
             return
+
+        def unit(index: list[int]) -> Unit:
+            u = self._plain_unit([rows[i] for i in index])
+            if not on_host:  # the rows' whole chunk logits, read with the step's committed tokens
+                u.fault = logits_faults(logits[index])
+                u.recheck = lambda j: check(index[j])
+            return u
+
         parts = [
-            _Part(
-                self._plain_unit([rows[i] for i in index]),
-                TargetOutput(out.logits_BTV[index, -1:]),
+            Part(
+                unit(index),
+                TargetOutput(logits[index, -1:]),
                 torch.tensor([rows[i].length - 1 for i in index]),
             )
             for index in done.values()
         ]
-        parts = self._judge(parts, "prefill", report)
+        parts = self.judge(parts, "prefill", self._failer(report))
         t_first = self.now()
         for part in parts:
             for j, request in enumerate(part.unit.rows):
