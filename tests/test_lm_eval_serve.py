@@ -11,7 +11,6 @@ loads from the checkpoint's folder; nothing is downloaded.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -20,25 +19,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from _extras import skip_module_without
 
-_NEEDED = (
-    "lm_eval",
-    "aiohttp",
-    "tenacity",
-    "requests",
-    "tqdm",
-    "fastapi",
-    "uvicorn",
-    "sse_starlette",
-    "httpx",
+skip_module_without(
+    ("lm_eval", "aiohttp", "tenacity", "requests", "tqdm", "fastapi", "uvicorn", "sse_starlette", "httpx"),
+    extra="serve,eval",
 )
-_MISSING = [m for m in _NEEDED if importlib.util.find_spec(m) is None]
-if _MISSING:
-    pytest.skip(
-        f"the lm-eval test needs the [serve] and [eval] extras (pip install -e '.[serve,eval]'): missing "
-        f"{', '.join(_MISSING)}",
-        allow_module_level=True,
-    )
 
 from test_serve import metric, running, scrape, wait_idle  # noqa: E402
 

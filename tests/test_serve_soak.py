@@ -8,18 +8,13 @@ to start).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from _extras import SERVE, skip_module_without
 
-_NEEDED = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "httpx", "psutil")
-_MISSING = [m for m in _NEEDED if importlib.util.find_spec(m) is None]
-if _MISSING:
-    pytest.skip(
-        f"the soak needs the [serve] extra and psutil: missing {', '.join(_MISSING)}", allow_module_level=True
-    )
+skip_module_without(SERVE + ("psutil",))
 
 from soak import (  # noqa: E402
     IDLE_GAUGES,
