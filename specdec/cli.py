@@ -29,6 +29,7 @@ from specdec.cli_args import (
     seed_int,
     stderr_line,
 )
+from specdec.cli_controls import add_control_arguments
 from specdec.detokenize import IncrementalDetokenizer
 
 __all__ = ["main", "build_parser", "IncrementalDetokenizer"]
@@ -46,6 +47,7 @@ def _metrics_line(m: Any, drafter: str) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import specdec
+    from specdec.cli_controls import controls_from_args
     from specdec.drafters.ngram_eagle import default_name
     from specdec.engine.depth import make_depth_policy
     from specdec.prompt_sets import encode_prompt
@@ -54,7 +56,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.targets import open_target_from
 
     prompt = check_text(args.prompt, "--prompt")
-    validate_sampling(args.temperature, args.top_k, args.top_p)  # before the model loads
+    validate_sampling(args.temperature, args.top_k, args.top_p, args.min_p)  # before the model loads
+    controls = controls_from_args(args)
     drafter_options = parse_options(args.drafter_option, "--drafter-option")
     gamma_options = {} if args.gamma is None else {"gamma": args.gamma}
     policy = make_depth_policy(args.gamma_policy, gamma_options)
@@ -94,6 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         on_commit=on_commit,
         verify=args.verify,
         verify_options=parse_options(args.verify_option, "--verify-option"),
+        **controls,
     )
     token_ids = out.token_ids[0]
     if args.json:
@@ -129,6 +133,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_control_arguments(p)
     p.set_defaults(func=cmd_generate)
 
 

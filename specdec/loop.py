@@ -35,6 +35,7 @@ from specdec.drafters.request_slots import mix_seed
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
 from specdec.engine.engine import Engine
 from specdec.locks import exclusive
+from specdec.logits import SAMPLING_CONTROLS
 from specdec.metrics import MetricsRecorder, SpecMetrics
 from specdec.protocols import Drafter, Target
 from specdec.seeds import check_seed
@@ -50,8 +51,9 @@ class GenerationOutput:
     """Result of :func:`generate`.
 
     ``token_ids``: generated ids only, per row, cut at the stop condition (an EOS token or the token
-    that completed a stop string is included). ``finish_reasons``: ``"eos"``, ``"stop_string"`` or
-    ``"length"`` per row. ``seeds``: the seed each row's randomness was keyed by.
+    that completed a stop string is included). ``finish_reasons``: ``"eos"``, ``"stop_string"``,
+    ``"grammar"`` (its grammar allows no further token) or ``"length"`` per row. ``seeds``: the seed
+    each row's randomness was keyed by.
     """
 
     prompt_token_ids: list[list[int]]
@@ -138,11 +140,13 @@ def generate(
     verify: str | VerifyRule = "exact",
     verify_options: Mapping[str, Any] | None = None,
     gamma_options: Mapping[str, Any] | None = None,
+    **controls: Any,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens per prompt with speculative decoding.
 
-    The output distribution is exactly the target's (processed by ``temperature``, ``top_k``,
-    ``top_p``) for any drafter; greedy (``temperature=0``) output equals plain greedy decoding.
+    The output distribution is exactly the target's (processed by the logits processors and by
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``) for any drafter; greedy (``temperature=0``) output
+    equals plain greedy decoding with the same processors.
     Every proposal and every block of logits is checked (:mod:`specdec.checks`): a drafter or
     target that hands over NaN, negative or unnormalised probabilities, or ids out of range, stops
     the run with a ``ValueError`` naming the prompt and the step (in the engine and the server such a
@@ -171,6 +175,10 @@ def generate(
             ``verify_options``, or a :class:`specdec.verify.contract.VerifyRule`. Default ``"exact"``
             (rejection sampling, position-keyed); ``"gumbel"`` is drafter-invariant; ``"lenient"``
             (:mod:`specdec.verify.lenient`) is lossy.
+        controls: every row's sampling controls, the keywords of :meth:`specdec.Engine.add_request`
+            named in :data:`specdec.logits.SAMPLING_CONTROLS` (``min_p``, the penalties,
+            ``logit_bias``, ``min_tokens``, ``logits_processors``, ``grammar``: :mod:`specdec.logits`;
+            a grammar needs a tokenizer); another keyword is a ``ValueError`` naming it.
 
     Returns:
         :class:`GenerationOutput` with per-row generated ids, finish reasons, :class:`SpecMetrics`
@@ -182,6 +190,12 @@ def generate(
     if not isinstance(target, Target):
         raise ValueError(
             f"target must implement specdec.protocols.Target (reset/forward/rollback), got {type(target)}"
+        )
+    unknown = sorted(set(controls) - set(SAMPLING_CONTROLS))
+    if unknown:
+        raise ValueError(
+            f"generate() got unknown keyword {unknown[0]!r}; its sampling controls are "
+            f"{', '.join(SAMPLING_CONTROLS)}"
         )
     prompts = _normalise_prompts(prompt_ids, int(target.vocab_size))
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -234,6 +248,7 @@ def generate(
             "stop_strings": list(stop_strings) if stop_strings else None,
             "eos_token_ids": eos_token_ids,
             "ignore_eos": ignore_eos,
+            **controls,
         })  # fmt: skip
 
 

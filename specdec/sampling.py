@@ -1,4 +1,4 @@
-"""Logits → probabilities (temperature, top-k, top-p) and sampling from them.
+"""Logits → probabilities (temperature, top-k, top-p, min-p) and sampling from them.
 
 Legend: N any number of leading rows, V vocabulary.
 
@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MIN_TEMPERATURE", "SamplingParams", "logits_to_probs", "sample_from_probs", "validate_sampling"]
+__all__ = [
+    "MIN_TEMPERATURE",
+    "SamplingParams",
+    "logits_to_probs",
+    "sample_from_probs",
+    "sampling_probs",
+    "validate_sampling",
+]
 
 MIN_TEMPERATURE = 2.0**-149
 """The smallest usable positive temperature: the smallest positive float32 (≈ 1.4e-45). Logits are
@@ -22,33 +29,71 @@ divided by the temperature in float32, where anything smaller rounds to 0 (0 / 0
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How logits become a distribution: temperature, then top-k, then top-p.
+    """How logits become a distribution: the logits processors of :mod:`specdec.logits` (logit bias,
+    min_tokens, penalties: functions of the tokens before each position), then temperature, top-k,
+    top-p and min-p (the order of transformers' warpers).
 
-    ``temperature`` is 0 (greedy: the argmax) or a finite number that is not 0 in float32 (from
-    about :data:`MIN_TEMPERATURE` ≈ 1.4e-45, the smallest positive float32); one that rounds to 0 is refused
-    (``ValueError`` naming the smallest usable value), not rounded to greedy: near 0 a positive
-    temperature gives the uniform distribution over tied maximal logits, greedy the lowest id.
+    ``temperature`` is 0 (greedy: the argmax of the processed logits) or a finite number that is not 0
+    in float32 (from about :data:`MIN_TEMPERATURE` ≈ 1.4e-45, the smallest positive float32); one that
+    rounds to 0 is refused (``ValueError`` naming the smallest usable value), not rounded to greedy:
+    near 0 a positive temperature gives the uniform distribution over tied maximal logits, greedy the
+    lowest id.
+
+    The processors (:class:`specdec.logits.Processors` applies them, at every verify position with
+    that position's own prefix):
+
+    - ``presence_penalty``, ``frequency_penalty`` in [−2, 2] (OpenAI's): subtracted from the logit of
+      every token generated so far, once / once per occurrence;
+    - ``repetition_penalty`` > 0 (CTRL, arXiv 1909.05858, as transformers): the logit of every token
+      in the prompt or generated so far is divided by it where positive, multiplied where negative;
+    - ``logit_bias``: token id → bias in [−100, 100] added to its logit; −100 bans the token (its
+      logit becomes −inf). Given as a mapping or pairs, kept as sorted pairs (hashable);
+    - ``min_tokens``: the request's end-of-sequence tokens are banned until this many are generated.
     """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        validate_sampling(self.temperature, self.top_k, self.top_p)
+        validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
+        from specdec.logits.checks import check_bias, check_processor_params
+
+        object.__setattr__(self, "logit_bias", check_bias(self.logit_bias))
+        check_processor_params(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def processes(self) -> bool:
+        """Whether any logits processor is set (else the logits go to the rule as they are)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
-def validate_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+
+def validate_sampling(
+    temperature: float, top_k: int | None, top_p: float | None, min_p: float | None = None
+) -> None:
     """Raise ``ValueError`` naming the argument when a sampling parameter is out of range.
 
     ``temperature``: 0 (greedy) or a finite positive number that is not 0 in float32 (the smallest
     positive float32 is :data:`MIN_TEMPERATURE`, ≈ 1.4e-45; a value that rounds to 0 there would give
     NaN probabilities in the float32 division, so it is refused). ``top_k``: None or an int >= 1.
-    ``top_p``: None or (0, 1], not 0 in float32 (at least :data:`MIN_TEMPERATURE`).
+    ``top_p``: None or (0, 1], not 0 in float32 (at least :data:`MIN_TEMPERATURE`). ``min_p``: None or
+    [0, 1].
     """
     if (
         isinstance(temperature, bool)
@@ -78,6 +123,13 @@ def validate_sampling(temperature: float, top_k: int | None, top_p: float | None
             f"top_p must be at least {MIN_TEMPERATURE!r} (the smallest positive float32; the top-p mass "
             f"is compared in float32, where {top_p!r} is 0), got {top_p!r}"
         )
+    if min_p is not None and (
+        isinstance(min_p, bool)
+        or not isinstance(min_p, (int, float))
+        or math.isnan(min_p)
+        or not 0.0 <= min_p <= 1.0
+    ):
+        raise ValueError(f"min_p must be None or a float in [0, 1], got {min_p!r}")
 
 
 def logits_to_probs(
@@ -86,22 +138,25 @@ def logits_to_probs(
     top_k: int | None = None,
     top_p: float | None = None,
     *,
+    min_p: float | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Turn ``logits [..., V]`` into float32 probabilities ``[..., V]``.
 
-    Order: temperature, then top-k, then top-p.
+    Order: temperature, then top-k, then top-p, then min-p.
 
     - ``temperature == 0`` returns the one-hot argmax (ties go to the lowest id).
     - top-k keeps the k largest logits; ties at the k-th place go to the lower ids, so exactly
       ``min(k, V)`` tokens survive.
     - top-p keeps the smallest prefix of the sorted (top-k) distribution whose mass reaches p: the
       token that crosses p is kept.
+    - min-p (Nguyen et al. 2024, arXiv 2407.01082) keeps the tokens whose probability is at least
+      ``min_p`` times the most likely one's (after top-k and top-p), so the most likely stays.
 
     ``validate=False`` skips the check that every row is finite (a host read of the logits: the
     engine checks its logits once per step, in its one transfer).
     """
-    validate_sampling(temperature, top_k, top_p)
+    validate_sampling(temperature, top_k, top_p, min_p)
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     if not logits.is_floating_point():
@@ -124,7 +179,7 @@ def logits_to_probs(
     use_k = top_k is not None and top_k < V
     use_p = top_p is not None and top_p < 1.0
     if not use_k and not use_p:
-        return torch.softmax(logits, dim=-1)
+        return _min_p(torch.softmax(logits, dim=-1), min_p)
 
     # One stable sort serves both filters: equal logits keep ascending-id order, so the tie
     # break is deterministic and identical for draft and target.
@@ -141,7 +196,25 @@ def logits_to_probs(
         keep_sorted[..., 0] = True  # the most likely token always stays: a mask never empties a row
         sorted_probs = sorted_probs.masked_fill(~keep_sorted, 0.0)
         sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+    return _min_p(torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs), min_p)
+
+
+def _min_p(probs: torch.Tensor, min_p: float | None) -> torch.Tensor:
+    """Keep the tokens with at least ``min_p`` × the largest probability of their row, renormalised
+    (the largest always stays: a mask never empties a row)."""
+    if not min_p:
+        return probs
+    keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)
+    probs = probs.masked_fill(~keep, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sampling_probs(logits: torch.Tensor, sampling: SamplingParams, *, validate: bool = True) -> torch.Tensor:
+    """:func:`logits_to_probs` with every warper of ``sampling`` (temperature, top-k, top-p, min-p):
+    the one call both sides of verification make, so draft and target are warped alike."""
+    return logits_to_probs(
+        logits, sampling.temperature, sampling.top_k, sampling.top_p, min_p=sampling.min_p, validate=validate
+    )
 
 
 def _first_bad(row_stat_N1: torch.Tensor) -> str:

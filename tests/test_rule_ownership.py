@@ -98,13 +98,13 @@ def test_exact_greedy_fast_path_needs_no_probabilities(monkeypatch):
     tokens_BK = torch.where(torch.rand(4, 3, generator=g) < 0.6, logits_BKV[:, :3].argmax(-1), 0)
 
     def no_probs(*args, **kwargs):
-        raise AssertionError("logits_to_probs called on the greedy fast path")
+        raise AssertionError("sampling_probs called on the greedy fast path")
 
-    monkeypatch.setattr(verify_rules, "logits_to_probs", no_probs)
+    monkeypatch.setattr(verify_rules, "sampling_probs", no_probs)
     got = verify_chain(ExactVerify(), logits_BKV, tokens_BK, None, sampling=GREEDY)
     want = greedy_verify(logits_BKV, tokens_BK)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
-    with pytest.raises(AssertionError, match="logits_to_probs"):  # a subclass's own rule runs instead
+    with pytest.raises(AssertionError, match="sampling_probs"):  # a subclass's own rule runs instead
         verify_chain(CountingExact(), logits_BKV, tokens_BK, None, sampling=GREEDY)
 
 

@@ -112,7 +112,8 @@ def test_a_long_model_name_is_not_echoed_whole():
     [
         "temperature", "top_p", "top_k", "max_tokens", "n", "seed", "stop", "stream", "echo", "logprobs",
         "best_of", "suffix", "logit_bias", "presence_penalty", "frequency_penalty", "min_tokens",
-        "response_format", "stream_options", "ignore_eos", "prompt",
+        "response_format", "stream_options", "ignore_eos", "prompt", "min_p", "repetition_penalty",
+        "guided_json", "guided_regex", "guided_grammar", "guided_choice",
     ],
 )  # fmt: skip
 @pytest.mark.parametrize(
@@ -125,8 +126,11 @@ def test_no_message_quotes_a_value_whole(field, value):
     except APIError as err:
         assert len(err.message) < 400, (field, err.message[:500])
         assert err.param is not None and err.param.startswith(field), err.param
-    else:  # valid: a long stop string; stream_options' unknown keys are ignored
-        assert (field, value) in (("stop", BIG), ("stop", [BIG]), ("stream_options", {"k": BIG}))
+    else:  # valid: a long stop string, regex, grammar or choice; stream_options' unknown keys are ignored
+        assert (field, value) in (
+            ("stop", BIG), ("stop", [BIG]), ("stream_options", {"k": BIG}), ("guided_regex", BIG),
+            ("guided_grammar", BIG), ("guided_choice", [BIG]), ("guided_json", {"k": BIG}),
+        )  # fmt: skip
 
 
 def test_a_long_key_in_a_path_is_cut():

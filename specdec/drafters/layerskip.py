@@ -16,7 +16,7 @@ drafter needs no prefill and no rollback of its own. In the engine ``layerskip``
 given as an object gives each request an instance at its cache row (``slot``: ``rows_B=[slot]``), which
 writes that row only, past the row's length, where the row's verify block then overwrites those slots.
 
-Draft tokens are sampled from ``logits_to_probs(early-exit logits, state.sampling)`` and those
+Draft tokens are sampled from ``sampling_probs(early-exit logits, state.sampling)`` and those
 probabilities (full vocabulary, float32) are returned, so verification stays exact.
 
 Without early-exit training (SmolLM2 has none) the exit layer's predictions are weak for small N,
@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from specdec.protocols import DecodeState, Proposal, Target, TargetOutput
-from specdec.sampling import logits_to_probs, sample_from_probs
+from specdec.sampling import sample_from_probs, sampling_probs
 
 __all__ = ["LayerSkipDrafter", "DEFAULT_EXIT_FRACTION"]
 
@@ -99,9 +99,7 @@ class LayerSkipDrafter:
         tokens, probs = [], []
         for k in range(gamma):
             out = self.target.forward_layers(token_B1, start_B + k, num_layers=self.num_layers, **self._rows)
-            probs_BV = logits_to_probs(
-                out.logits_BTV[:, -1], sampling.temperature, sampling.top_k, sampling.top_p
-            )
+            probs_BV = sampling_probs(out.logits_BTV[:, -1], sampling)
             if sampling.greedy:
                 token_B = probs_BV.argmax(-1)
             else:

@@ -35,7 +35,7 @@ import torch
 
 from specdec.drafters.confidence import ConfidenceStop, check_min_prob
 from specdec.protocols import DecodeState, Proposal, Target, TargetOutput
-from specdec.sampling import logits_to_probs, sample_from_probs
+from specdec.sampling import sample_from_probs, sampling_probs
 
 __all__ = ["ModelDrafter", "SharedDraftModel", "check_same_vocab", "fit_vocab"]
 
@@ -285,7 +285,7 @@ class ModelDrafter:
             fed += 1
             # decided where the state lives (the host in the engine), whatever the draft model's device
             logits_BV = fit_vocab(out.logits_BTV[:, -1], self.vocab_size).to(lengths_B.device)
-            draft_probs_BV = logits_to_probs(logits_BV, s.temperature, s.top_k, s.top_p)
+            draft_probs_BV = sampling_probs(logits_BV, s)
             token_B = sample_from_probs(draft_probs_BV, generator)
             # Greedy: the draft model's own softmax at T = 1; sampled: the verified draft distribution.
             if not stop.keep(token_B, probs_BV=None if s.greedy else draft_probs_BV, logits_BV=logits_BV):

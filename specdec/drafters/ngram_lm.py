@@ -19,7 +19,7 @@ order-(n−1) model (uniform below the unigram)::
     draft_probs(y | x) ∝ c(x, y) + k · V · unigram(y)   bigram  (add-k with a unigram base)
 
 so an unseen context falls back to the unigram instead of a uniform guess. A proposal samples from
-``logits_to_probs(log draft_probs, state.sampling)`` (temperature, top-k, top-p, as the target) and
+``sampling_probs(log draft_probs, state.sampling)`` (temperature, top-k, top-p, as the target) and
 returns those probabilities, so verification stays exact.
 """
 
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from specdec.protocols import DecodeState, Proposal, Target, TargetOutput
-from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from specdec.sampling import SamplingParams, sample_from_probs, sampling_probs
 
 __all__ = [
     "CORPUS_SOURCES",
@@ -314,7 +314,7 @@ class UnigramDrafter(_CountDrafter):
     def draft_probs_V(self, sampling: SamplingParams) -> torch.Tensor:
         """The processed unigram law (computed once per sampling setting)."""
         if self._probs is None or self._probs[0] != sampling:
-            probs_V = logits_to_probs(self.log_draft_V, sampling.temperature, sampling.top_k, sampling.top_p)
+            probs_V = sampling_probs(self.log_draft_V, sampling)
             self._probs = (sampling, probs_V)
         return self._probs[1]
 
@@ -380,7 +380,7 @@ class BigramDrafter(_CountDrafter):
         prev_B = state.last_tokens_B().cpu()
         tokens, probs = [], []
         for _ in range(gamma):
-            probs_BV = logits_to_probs(self.log_draft_BV(prev_B), s.temperature, s.top_k, s.top_p)
+            probs_BV = sampling_probs(self.log_draft_BV(prev_B), s)
             prev_B = _sample(probs_BV, s, generator)
             tokens.append(prev_B)
             probs.append(probs_BV)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from specdec.protocols import DecodeState
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams, sampling_probs
 from specdec.verify.noise import PositionNoise, sample_keyed
 
 __all__ = ["SlotTable", "StatelessSlots", "draw_draft"]
@@ -30,7 +30,7 @@ def draw_draft(
     was drawn from (None for a greedy row: its argmax, a point mass)."""
     if params.greedy:
         return int(logits_V.argmax()), None
-    probs_1V = logits_to_probs(logits_V[None], params.temperature, params.top_k, params.top_p)
+    probs_1V = sampling_probs(logits_V[None], params)
     one = PositionNoise(noise.seeds_B[[row]])
     token = sample_keyed(probs_1V, one, torch.tensor([position]), stream="draft")
     return int(token[0]), probs_1V[0]

@@ -51,6 +51,7 @@ from specdec.engine.request import (
 )
 from specdec.engine.runner import Runner
 from specdec.engine.scheduler import Scheduler
+from specdec.logits import Grammar, GrammarCompiler, GrammarSpec, LogitsProcessor, Processors
 from specdec.metrics import MetricsRecorder
 from specdec.protocols import Drafter, SlotDrafter, Target, TreeTarget
 from specdec.stop_strings import StopStrings
@@ -97,7 +98,7 @@ class Engine:
         prefill_chunk: tokens per prefill forward (fixed chunk boundaries).
         measure_cost: time the verify-cost grid (policies that read it; measured once per target
             and row count, :func:`specdec.engine.cost_model.verify_cost_for`); False uses none.
-        tokenizer: for stop strings (default ``target.tokenizer``).
+        tokenizer: for stop strings and grammars (default ``target.tokenizer``).
 
     ``stats`` (seconds, summed over every step): ``total_s`` inside :meth:`step`; ``forward_s`` the
     target's forwards (prefill chunks included, ``prefill_s``); ``draft_s`` the drafter (``propose``,
@@ -156,6 +157,7 @@ class Engine:
         self.vocab_size = int(target.vocab_size)
         self.rule: VerifyRule = make_verify_rule(verify, verify_options)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
+        self._grammars: GrammarCompiler | None = None  # built at the first request with a grammar
         self.requests: dict[str, Request] = {}
         self._claim_target()
         cost: VerifyCostModel | None = None
@@ -221,12 +223,27 @@ class Engine:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         speculative: bool = True,
+        min_p: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        min_tokens: int | None = None,
+        logits_processors: Sequence[LogitsProcessor] = (),
+        grammar: Any = None,
     ) -> str:
         """Queue a request; returns its id. ``seed`` None draws one at random (the output is then
         fixed by that seed, readable as ``engine.requests[id].params.seed``). ``logprobs``,
         ``prompt_logprobs``: :mod:`specdec.engine.logprobs` (None: not reported). ``speculative=False``:
         the request never drafts (every step a plain one; its ``num_drafted`` stays 0), whatever the
-        engine's depth policy; its tokens are what plain decoding with its seed gives."""
+        engine's depth policy; its tokens are what plain decoding with its seed gives.
+
+        ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``,
+        ``min_tokens``: :class:`~specdec.sampling.SamplingParams` (None: off); ``logits_processors``: the
+        request's own (:data:`specdec.logits.LogitsProcessor`); ``grammar``: a
+        :class:`specdec.logits.GrammarSpec` its output must follow (structured output). They apply at
+        every verify position with its own prefix (:mod:`specdec.logits`), so speculation keeps the
+        processed distribution exactly."""
         ids = check_prompt(prompt_ids, self.vocab_size)
         params = make_params(
             max_new_tokens=max_new_tokens,
@@ -242,6 +259,32 @@ class Engine:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             speculative=speculative,
+            processors={
+                "min_p": min_p,
+                "presence_penalty": presence_penalty,
+                "frequency_penalty": frequency_penalty,
+                "repetition_penalty": repetition_penalty,
+                "logit_bias": logit_bias,
+                "min_tokens": min_tokens,
+            },
+        )
+        if min_tokens is not None and params.sampling.min_tokens > params.max_new_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_new_tokens ({params.max_new_tokens}), got {min_tokens}"
+            )
+        if not isinstance(logits_processors, Sequence) or not all(callable(f) for f in logits_processors):
+            raise ValueError(
+                "logits_processors must be a list of callables fn(prompt_ids, output_ids, logits_V) -> "
+                f"logits_V, got {logits_processors!r:.80}"
+            )
+        matcher = None if grammar is None else self._grammar_matcher(grammar, params)
+        processors = Processors.build(
+            params.sampling,
+            ids,
+            vocab_size=self.vocab_size,
+            stop_ids=sorted(params.eos_token_ids),
+            custom=list(logits_processors),
+            grammar=matcher,
         )
         # A request for one token takes it from its prompt's last position and never decodes, so
         # never drafts: it keeps no slots for draft blocks (echo scoring fills the context).
@@ -266,6 +309,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         request = Request(request_id, ids, params, stops)
+        request.processors = processors
         request.metrics.arrival_s = self.now()
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
@@ -290,6 +334,17 @@ class Engine:
         if self.has_unfinished():
             raise ValueError("reset_target() needs an idle engine: requests are waiting or running")
         self._claim_target(force=True)
+
+    def _grammar_matcher(self, spec: Any, params: Any) -> Grammar:
+        """A request's grammar state (``ValueError`` naming the field where it does not compile)."""
+        if not isinstance(spec, GrammarSpec):
+            raise ValueError(f"grammar must be a specdec.logits.GrammarSpec, got {type(spec).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("grammar needs a tokenizer: pass tokenizer= (the target has none)")
+        if self._grammars is None:
+            eos = sorted(getattr(self.target, "eos_token_ids", ()))
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
+        return self._grammars.matcher(spec, sorted(params.eos_token_ids))
 
     def _claim_target(self, *, force: bool = False) -> None:
         """Hold the target's cache: reset it to this engine's rows and length unless it already is.

@@ -19,6 +19,7 @@ import torch
 
 from specdec.checks import check_logits, logits_faults
 from specdec.engine.faults import each_alone
+from specdec.engine.processing import processed_logits
 from specdec.engine.transfer import HostTransfer
 from specdec.engine.units import Unit
 from specdec.host_sync import avoids_host
@@ -136,12 +137,13 @@ class Judge:
         return [p for p, _ in ok]
 
     def verdict(self, part: Part) -> Verdict:
-        """One part's verdict by the rule, where the logits are, with the rows' keyed noise and the
-        output-stream index of the token each block position decides (docs/randomness.md)."""
+        """One part's verdict by the rule, where the logits are, on its rows' processed logits
+        (:mod:`specdec.engine.processing`), with the rows' keyed noise and the output-stream index of
+        the token each block position decides (docs/randomness.md)."""
         unit, start_G = part.unit, part.start_G
         rows, block = unit.rows, unit.block
         sampling = rows[0].params.sampling
-        logits_BTV = part.out.logits_BTV
+        logits_BTV = processed_logits(unit, part.out.logits_BTV)
         if sampling.greedy and isinstance(block, ChainBlock):
             fast = block.verify_greedy(self.rule, logits_BTV)
             if fast is not None:  # argmax matching: no noise

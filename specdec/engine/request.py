@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.engine.faults import log
 from specdec.engine.logprobs import TokenLogprob, check_num_logprobs, token_logprobs
+from specdec.logits.processors import Processors
 from specdec.sampling import SamplingParams
 from specdec.seeds import check_seed
 from specdec.stop_strings import StopStrings
@@ -126,12 +128,19 @@ def make_params(
     logprobs: Any = None,
     prompt_logprobs: Any = None,
     speculative: Any = True,
+    processors: dict[str, Any] | None = None,
 ) -> RequestParams:
     """Check ``add_request``'s arguments; ``ValueError`` naming the first bad one. Numpy scalars are
-    taken where Python ints and floats are (``numpy.bool_`` is not a bool: refused like any non-bool)."""
+    taken where Python ints and floats are (``numpy.bool_`` is not a bool: refused like any non-bool).
+    ``processors``: the :class:`~specdec.sampling.SamplingParams` fields past top-p (``min_p``, the
+    penalties, ``logit_bias``, ``min_tokens``) given by the caller; None values take the defaults."""
     max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
+    extra = {k: _plain_number(v) for k, v in (processors or {}).items() if v is not None}
     sampling = SamplingParams(  # validates
-        temperature=_plain_number(temperature), top_k=_plain_number(top_k), top_p=_plain_number(top_p)
+        temperature=_plain_number(temperature),
+        top_k=_plain_number(top_k),
+        top_p=_plain_number(top_p),
+        **extra,
     )
     seed = 0 if seed is None else check_seed(seed)
     stops = _string_list(stop_strings, "stop_strings")
@@ -252,6 +261,7 @@ class Request:
         self.accepted_k: list[float] = []
         self.idle_steps = 0  # steps since it last drafted (the engine probes after PROBE_EVERY)
         self.reached_k: list[float] = []
+        self.processors: Processors | None = None  # its logits processors (specdec.logits), if any
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         if params.prompt_logprobs is not None:
@@ -282,6 +292,11 @@ class Request:
             if end is not None:
                 new, reason = new[: end - num_old], "stop_string"
         self.generated.extend(new)
+        if self.processors is not None:
+            self.processors.commit(new)
+            if reason is None and self.processors.ended is not None:
+                reason = "grammar"
+                log.info("request %s stops: %s", self.request_id, self.processors.ended)
         if reason is None and self.room <= 0:
             reason = "length"
         if reason is not None:

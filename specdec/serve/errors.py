@@ -23,6 +23,19 @@ _ENGINE_FIELDS = {
     "seed": "seed",
     "ignore_eos": "ignore_eos",
     "speculative": "speculative",
+    "min_p": "min_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "min_tokens": "min_tokens",
+    # a grammar that does not compile names the field it came from (specdec.serve.controls)
+    "response_format.json_schema": "response_format.json_schema",
+    "response_format": "response_format",
+    "guided_json": "guided_json",
+    "guided_regex": "guided_regex",
+    "guided_grammar": "guided_grammar",
+    "guided_choice": "guided_choice",
 }
 
 

@@ -145,7 +145,9 @@ class ServerMetrics:
         track.drafted, track.accepted = m.num_drafted, m.num_accepted
         track.accepted_per_pos = list(m.accepted_per_pos)
         if out.finished:
-            reason = {"eos": "stop", "stop_string": "stop"}.get(out.finish_reason or "", out.finish_reason)
+            reason = {"eos": "stop", "stop_string": "stop", "grammar": "stop"}.get(
+                out.finish_reason or "", out.finish_reason
+            )
             self.request_success.labels(name, reason or "abort").inc()
             if out.finish_reason != "abort" and m.finished_s is not None:
                 self.e2e.labels(name).observe(max(0.0, m.finished_s - track.arrival_s))

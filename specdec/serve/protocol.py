@@ -2,10 +2,12 @@
 
 Every field is checked here, before the request reaches the engine, and a bad one is a 400 that
 names it (:class:`specdec.serve.errors.APIError`). Fields OpenAI defines that the server does not
-implement (``best_of`` > 1, ``suffix``, penalties, tools, ...) are refused unless they hold their
-neutral value; other unknown fields are ignored, as vLLM does. A 400's ``param`` is the path of the
-field at fault, as OpenAI writes it (``prompt[1]``, ``stream_options.include_usage``,
-``messages[0].content``), and a message quotes at most 80 characters of what the client sent.
+implement (``best_of`` > 1, ``suffix``, tools, functions) are refused unless they hold their
+neutral value; the sampling controls (penalties, ``logit_bias``, ``min_p``, ``min_tokens``,
+``response_format`` and vLLM's ``guided_*``) are checked by :mod:`specdec.serve.controls`; other
+unknown fields are ignored, as vLLM does. A 400's ``param`` is the path of the field at fault, as
+OpenAI writes it (``prompt[1]``, ``stream_options.include_usage``, ``messages[0].content``), and a
+message quotes at most 80 characters of what the client sent.
 
 One request may ask for several **choices**: ``/v1/completions`` takes a list of prompts, and both
 endpoints take ``n``; every choice is its own engine request (:meth:`GenerationRequest.choices`),
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.drafters.request_slots import mix_seed
@@ -28,6 +30,7 @@ from specdec.prompt_sets import has_chat_template
 from specdec.sampling import validate_sampling
 from specdec.seeds import check_seed
 from specdec.serve.chat import chat_prompt_ids
+from specdec.serve.controls import parse_controls
 from specdec.serve.errors import APIError, bad_request, prompt_overflow
 
 __all__ = ["ServedModel", "GenerationRequest", "Choice", "parse_completion", "parse_chat", "check_model"]
@@ -40,16 +43,10 @@ MAX_CHOICES = 128  # choices (prompts x n) in one request, at most
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "min_tokens": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -109,6 +106,8 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     speculative: bool = True
+    controls: dict[str, Any] = field(default_factory=dict)
+    """``Engine.add_request``'s keywords for the sampling controls (:mod:`specdec.serve.controls`)."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -147,6 +146,7 @@ class GenerationRequest:
             "speculative": self.speculative,
             "logprobs": self.logprobs,
             "prompt_logprobs": self.logprobs if self.echo else None,
+            **self.controls,
         }
 
 
@@ -337,6 +337,7 @@ def _common(
         stream=stream,
         include_usage=include_usage,
         speculative=_optional_bool(body, "speculative", True),
+        controls=parse_controls(body, model.vocab_size, max(max_tokens, 1)),
     )
 
 

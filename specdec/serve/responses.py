@@ -22,6 +22,7 @@ __all__ = ["FINISH_REASONS", "ResponseShape", "usage"]
 FINISH_REASONS = {
     "eos": "stop",
     "stop_string": "stop",
+    "grammar": "stop",  # the grammar allows no further token (logged)
     "length": "length",
     "abort": "abort",
     "error": "error",

@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec.logits import LogitsProcessor
 from specdec.sampling import SamplingParams
 from specdec.testing.probe import ProbeError, StepOutcome, VerifyFn, verifier_step_law
+from specdec.testing.processed import processed_next_token_probs
 from specdec.testing.toy import NextTokenModel
 from specdec.verify import rejection_sample
 
@@ -56,6 +58,7 @@ def _step_laws(
     draft: str,
     sampling: SamplingParams | None,
     verify_fn: VerifyFn,
+    processed: dict | None = None,
 ) -> list[list[tuple[float, StepOutcome]]]:
     """Per context: (draft-sequence probability, verify path) pairs of one speculative step."""
     # Draft sequences: (context index, draft tokens, probability, draft rows).
@@ -74,7 +77,11 @@ def _step_laws(
         items = grown
     M, V = len(items), target.vocab_size
     target_ctx = [contexts[c] + d[:k] for c, d, _, _ in items for k in range(gamma + 1)]
-    target_probs_MKV = target.next_token_probs(target_ctx, sampling).reshape(M, gamma + 1, V)
+    if processed is None:  # the target unprocessed (one step's law)
+        target_probs_MKV = target.next_token_probs(target_ctx, sampling)
+    else:
+        target_probs_MKV = processed_next_token_probs(target, target_ctx, sampling, **processed)
+    target_probs_MKV = target_probs_MKV.reshape(M, gamma + 1, V)
     draft_tokens_MK = torch.tensor([d for _, d, _, _ in items], dtype=torch.long).reshape(M, gamma)
     draft_probs_MKV = None
     if draft == "sample":
@@ -101,6 +108,7 @@ def expected_output_distribution(
     sampling: SamplingParams | None = None,
     eos_token_ids: Sequence[int] = (),
     verify_fn: VerifyFn = rejection_sample,
+    logits_processors: Sequence[LogitsProcessor] = (),
 ) -> dict[tuple[int, ...], float]:
     """Exact distribution of what speculative decoding emits after ``context``, by enumeration.
 
@@ -115,7 +123,11 @@ def expected_output_distribution(
             which must equal the target's joint (:func:`target_sequence_distribution`).
         draft: ``"sample"`` (drafts sampled from the drafter, its probabilities passed to the
             verifier) or ``"point_mass"`` (the drafter's argmax, ``draft_probs=None``).
-        sampling: temperature / top-k / top-p, applied to both models' logits.
+        sampling: temperature / top-k / top-p / min-p, applied to both models' logits; its logits
+            processors (penalties, ``logit_bias``, ``min_tokens``) and ``logits_processors`` apply to
+            the target's, at every draft position with that position's own output
+            (:func:`specdec.testing.processed.processed_next_token_probs`); the drafter drafts from
+            its own unprocessed distribution.
         eos_token_ids: a sequence is cut after its first EOS (as :func:`specdec.generate` does).
         verify_fn: the verifier to evaluate (signature of :func:`specdec.verify.rejection_sample`).
 
@@ -129,11 +141,17 @@ def expected_output_distribution(
         raise ValueError(f"num_tokens must be None or an int >= 1, got {num_tokens!r}")
     eos = frozenset(int(t) for t in eos_token_ids)
     context = tuple(int(t) for t in context)
+    processed = {
+        "prompt_len": len(context),
+        "logits_processors": logits_processors,
+        "eos_token_ids": sorted(eos),
+    }
     final: dict[tuple[int, ...], float] = {}
     states: dict[tuple[int, ...], float] = {(): 1.0}
     while states:
         prefixes = list(states)
-        laws = _step_laws(target, drafter, [context + s for s in prefixes], gamma, draft, sampling, verify_fn)
+        contexts = [context + s for s in prefixes]
+        laws = _step_laws(target, drafter, contexts, gamma, draft, sampling, verify_fn, processed)
         grown: dict[tuple[int, ...], float] = {}
         for s, law in zip(prefixes, laws, strict=True):
             for draft_prob, outcome in law:
@@ -174,8 +192,10 @@ def target_sequence_distribution(
     context: Sequence[int] = (),
     sampling: SamplingParams | None = None,
     eos_token_ids: Sequence[int] = (),
+    logits_processors: Sequence[LogitsProcessor] = (),
 ) -> dict[tuple[int, ...], float]:
-    """The target's own joint over its next ``num_tokens`` tokens (chain rule; cut after an EOS).
+    """The target's own joint over its next ``num_tokens`` tokens (chain rule; cut after an EOS),
+    processed by ``sampling``'s processors and ``logits_processors`` with each prefix's own output.
 
     This is the reference a correct speculative decoder must reproduce; it involves no verifier.
     """
@@ -187,7 +207,14 @@ def target_sequence_distribution(
     states: dict[tuple[int, ...], float] = {(): 1.0}
     while states:
         prefixes = list(states)
-        probs_NV = target.next_token_probs([context + s for s in prefixes], sampling)
+        probs_NV = processed_next_token_probs(
+            target,
+            [context + s for s in prefixes],
+            sampling,
+            prompt_len=len(context),
+            logits_processors=logits_processors,
+            eos_token_ids=sorted(eos),
+        )
         grown: dict[tuple[int, ...], float] = {}
         for s, row in zip(prefixes, probs_NV, strict=True):
             for y in torch.nonzero(row > 0).flatten().tolist():

@@ -169,6 +169,7 @@ def _sample_via_generate(
     sampling: SamplingParams,
     eos_token_ids: Sequence[int],
     seed: int,
+    logits_processors: Sequence[Any] = (),
 ) -> Counter:
     from specdec.loop import generate  # the engine is imported only when asked for
 
@@ -185,6 +186,13 @@ def _sample_via_generate(
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
+        min_p=sampling.min_p,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=dict(sampling.logit_bias),
+        min_tokens=sampling.min_tokens,
+        logits_processors=logits_processors,
         gamma=gamma,
         seed=seed,
         eos_token_ids=list(eos_token_ids) or None,
@@ -209,6 +217,7 @@ def sample_output_distribution(
     seed: int = 0,
     batch_size: int = 1 << 17,
     dtype: torch.dtype = torch.float32,
+    logits_processors: Sequence[Any] = (),
 ) -> Counter:
     """Count what speculative decoding emits in ``num_samples`` independent runs of the real code.
 
@@ -228,6 +237,10 @@ def sample_output_distribution(
         seed: seeds one ``torch.Generator`` for drafts and verification (per batch: seed + batch index).
         batch_size: rows per verify (or generate) call.
         dtype: dtype of the probabilities handed to the verifier (float32 like the engine).
+        logits_processors: a request's own processors (:data:`specdec.logits.LogitsProcessor`), with
+            ``sampling``'s penalties, ``logit_bias`` and ``min_tokens``: ``via="generate"`` only (the
+            engine applies them at every verify position), compared with the processed references
+            of :mod:`specdec.testing.enumeration`.
 
     Returns:
         ``Counter`` of emitted token tuples, totalling ``num_samples``.
@@ -269,8 +282,14 @@ def sample_output_distribution(
                 sampling or SamplingParams(),
                 eos_token_ids,
                 seed + i,
+                logits_processors,
             )
         else:
+            if (sampling is not None and sampling.processes) or logits_processors:
+                raise ValueError(
+                    "logits processors run in the engine: sample with via='generate' (via='verify' "
+                    "calls the rule alone, on unprocessed probabilities)"
+                )
             if not isinstance(target, NextTokenModel) or not isinstance(drafter, NextTokenModel):
                 raise ValueError("via='verify' needs toy models with next_token_probs (specdec.testing.toy)")
             if target.vocab_size != drafter.vocab_size:

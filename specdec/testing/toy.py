@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specdec.protocols import DecodeState, Proposal, TargetOutput
-from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from specdec.sampling import SamplingParams, sample_from_probs, sampling_probs
 from specdec.verify.noise import PositionNoise, sample_keyed
 
 __all__ = ["NextTokenModel", "MarkovModel", "PositionalModel", "MarkovTarget", "MarkovDrafter"]
@@ -111,7 +111,7 @@ class MarkovModel:
         """float64 ``[N, V]``: ``logits_to_probs`` of the logits after each context, renormalised."""
         s = sampling or SamplingParams()
         logits_NV = self.logits_for(self.context_index(contexts))
-        return _as_float64_rows(logits_to_probs(logits_NV, s.temperature, s.top_k, s.top_p))
+        return _as_float64_rows(sampling_probs(logits_NV, s))
 
     def as_target(self) -> MarkovTarget:
         """This model behind the :class:`~specdec.protocols.Target` protocol."""
@@ -274,7 +274,7 @@ class MarkovDrafter:
         s = state.sampling
         tokens, probs = [], []
         for k in range(gamma):
-            probs_BV = logits_to_probs(self.model.logits_for(ctx_BO), s.temperature, s.top_k, s.top_p)
+            probs_BV = sampling_probs(self.model.logits_for(ctx_BO), s)
             if self.point_mass:
                 x_B = probs_BV.argmax(dim=-1)
             elif noise is not None:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from specdec.registry import Registry
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams, sampling_probs
 from specdec.verify.contract import TreeVerifyRule, VerifyResult, VerifyRule
 from specdec.verify.token_tree import TreeProposal
 from specdec.verify.tree import TreeVerifyResult
@@ -87,9 +87,7 @@ def verify_chain(
         result = fast(target_logits_BKV, draft_tokens_BK, draft_probs_BKV) if callable(fast) else None
         if result is not None:
             return result
-    target_probs_BKV = logits_to_probs(
-        target_logits_BKV, sampling.temperature, sampling.top_k, sampling.top_p, validate=validate
-    )
+    target_probs_BKV = sampling_probs(target_logits_BKV, sampling, validate=validate)
     return rule(
         target_probs_BKV,
         draft_tokens_BK,

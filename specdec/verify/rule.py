@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from specdec.host_sync import avoids_host
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams, sampling_probs
 from specdec.verify.chain import greedy_verify, rejection_sample
 from specdec.verify.contract import VerifyResult, need_noise, validate_keyed_inputs, validate_verify_inputs
 from specdec.verify.noise import PositionNoise
@@ -119,9 +119,7 @@ class Rule:
             return self.tree_greedy(target_logits_BNV, proposal)
         need_noise(self.name, noise, positions_BK)
         validate = not avoids_host(target_logits_BNV)
-        target_probs_BNV = logits_to_probs(
-            target_logits_BNV, sampling.temperature, sampling.top_k, sampling.top_p, validate=validate
-        )
+        target_probs_BNV = sampling_probs(target_logits_BNV, sampling, validate=validate)
         return self.tree(
             target_probs_BNV, proposal, noise=noise, positions_BN=positions_BK, validate=validate
         )

@@ -31,7 +31,7 @@ from specdec.drafters.eagle.packed import PackedEagleHead
 from specdec.drafters.eagle.queue import FeatureQueue
 from specdec.drafters.eagle.weights import load_packed_head
 from specdec.protocols import DecodeState, Proposal, TargetOutput
-from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from specdec.sampling import SamplingParams, sample_from_probs, sampling_probs
 
 __all__ = ["EagleDrafter", "draft_distribution", "DEFAULT_MAX_QUEUED", "check_max_queued"]
 
@@ -55,7 +55,7 @@ def draft_distribution(
     Equal to ``logits_to_probs`` over the full vocabulary with −inf outside the draft vocabulary
     (the draft vocabulary is sorted by id, so top-k/top-p tie breaks agree).
     """
-    probs_BN = logits_to_probs(logits_BN, sampling.temperature, sampling.top_k, sampling.top_p)
+    probs_BN = sampling_probs(logits_BN, sampling)
     out = torch.zeros(*probs_BN.shape[:-1], vocab_size, dtype=torch.float32, device=probs_BN.device)
     return out.index_copy_(-1, draft_vocab_N, probs_BN)
 

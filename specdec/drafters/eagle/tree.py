@@ -37,7 +37,7 @@ from specdec.drafters.confidence import check_min_prob
 from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, EagleDrafter
 from specdec.drafters.eagle.packed import PackedEagleHead
 from specdec.protocols import DecodeState, Proposal, TreeTarget
-from specdec.sampling import logits_to_probs
+from specdec.sampling import sampling_probs
 from specdec.verify.token_tree import PRESET_TREES, TokenTree, TreeProposal
 
 __all__ = ["EagleTreeDrafter", "resolve_tree"]
@@ -179,7 +179,7 @@ class EagleTreeDrafter(EagleDrafter):
         vocab = self.head.draft_vocab_N
         if sampling.greedy:
             return vocab[logits_BN.topk(k, dim=-1).indices]
-        probs_BN = logits_to_probs(logits_BN, sampling.temperature, sampling.top_k, sampling.top_p)
+        probs_BN = sampling_probs(logits_BN, sampling)
         draft_probs_BNV[:, node].index_copy_(-1, vocab, probs_BN)
         u = torch.rand(probs_BN.shape, generator=generator, device=probs_BN.device).clamp_(1e-20, 1 - 1e-7)
         keys = probs_BN.log() - (-u.log()).log()  # log q + Gumbel(0, 1); −inf where q = 0

@@ -1,0 +1,164 @@
+"""One request's logits processors, applied at every position of a verify block with that position's
+own prefix.
+
+Legend: T positions of a block (chain: the root and each draft; tree: its nodes), V vocabulary.
+
+A processor changes the target's distribution at a position as a function of the tokens before it:
+penalties count them, ``min_tokens`` counts them, a grammar walks them. Speculative sampling keeps the
+*processed* target distribution exactly (Leviathan et al. 2023, arXiv 2211.17192) only if every
+position of a verify block is processed with its own prefix: the request's committed tokens **and the
+draft tokens before it on its path**, never a neighbour's and never a rejected draft's. So the
+processors here are functions of (prompt, output so far): :meth:`Processors.process` takes the logits
+of T positions and each position's draft path, and :meth:`Processors.commit` moves the committed state
+forward by the tokens the rule kept (rejected drafts never enter it: nothing to roll back). Greedy
+rows take the processed argmax; sampled rows the processed distribution, warped by temperature, top-k,
+top-p and min-p (:func:`specdec.sampling.sampling_probs`).
+
+The order (transformers' and vLLM's up to where they differ): repetition, frequency and presence
+penalties on the raw logits, then ``logit_bias`` (−100 bans), then ``min_tokens`` (the request's
+end-of-sequence tokens banned while the output is shorter), then the grammar's mask
+(:mod:`specdec.logits.grammar`), then each of the request's own processors (:data:`LogitsProcessor`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from specdec.logits.checks import BAN
+from specdec.sampling import SamplingParams
+
+__all__ = ["SAMPLING_CONTROLS", "LogitsProcessor", "Processors"]
+
+SAMPLING_CONTROLS = (
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "logits_processors",
+    "grammar",
+)
+"""The keywords of :meth:`specdec.Engine.add_request` that set a request's sampling controls (None or
+absent: off); :func:`specdec.generate` takes the same for every row."""
+
+LogitsProcessor = Callable[[Sequence[int], Sequence[int], torch.Tensor], torch.Tensor]
+"""A request's own processor: ``fn(prompt_ids, output_ids, logits_V) -> logits_V`` (vLLM's per-request
+form), a pure function of the prompt and the tokens generated before the position: it is called once
+per verify position with that position's output so far (committed tokens, then the drafts before it),
+so it must not keep state between calls. Its ``logits_V`` are float32; −inf bans a token."""
+
+
+class Processors:
+    """The processors of one request over its committed output: built by :meth:`build` (None when the
+    request sets none), applied by :meth:`process`, moved forward by :meth:`commit`."""
+
+    def __init__(
+        self,
+        sampling: SamplingParams,
+        prompt_ids: Sequence[int],
+        *,
+        vocab_size: int,
+        stop_ids: Sequence[int] = (),
+        custom: Sequence[LogitsProcessor] = (),
+        grammar: Any = None,
+    ) -> None:
+        self.sampling, self.prompt_ids, self.vocab_size = sampling, list(prompt_ids), vocab_size
+        self.stop_ids = sorted(set(stop_ids))
+        self.custom, self.grammar = list(custom), grammar
+        self.output: list[int] = []
+        self.counts_V = torch.zeros(vocab_size, dtype=torch.float32)
+        self.in_prompt_V: torch.Tensor | None = None
+        if sampling.repetition_penalty != 1.0:
+            self.in_prompt_V = torch.zeros(vocab_size, dtype=torch.bool)
+            self.in_prompt_V[torch.tensor(self.prompt_ids, dtype=torch.long)] = True
+        bias = sampling.logit_bias
+        for token, _ in bias:
+            if token >= vocab_size:
+                raise ValueError(f"logit_bias: token id {token} is not in the vocabulary (size {vocab_size})")
+        self.bias_ids = torch.tensor([t for t, b in bias if b > BAN], dtype=torch.long)
+        self.bias_values = torch.tensor([b for t, b in bias if b > BAN], dtype=torch.float32)
+        self.banned_ids = torch.tensor([t for t, b in bias if b <= BAN], dtype=torch.long)
+
+    @classmethod
+    def build(cls, sampling: SamplingParams, prompt_ids: Sequence[int], **options: Any) -> Processors | None:
+        """The request's processors (``options``: the constructor's keywords), or None when it sets
+        none (its logits then go to the rule as they are: no cost)."""
+        if not sampling.processes and not options.get("custom") and options.get("grammar") is None:
+            return None
+        return cls(sampling, prompt_ids, **options)
+
+    # --- the committed state --------------------------------------------------------------------
+    def commit(self, tokens: Sequence[int]) -> None:
+        """The rule kept ``tokens`` (in order): they join the output the next positions see."""
+        if not tokens:
+            return
+        self.output.extend(int(t) for t in tokens)
+        self.counts_V.index_add_(
+            0, torch.tensor(tokens, dtype=torch.long), torch.ones(len(tokens), dtype=torch.float32)
+        )
+        if self.grammar is not None:
+            self.grammar.commit(tokens)
+
+    @property
+    def ended(self) -> str | None:
+        """Why the request must end now (its grammar allows no further token), or None."""
+        return None if self.grammar is None else self.grammar.ended
+
+    # --- processing -----------------------------------------------------------------------------
+    def process(self, logits_TV: torch.Tensor, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``logits_TV`` processed, position t with the committed output followed by ``paths[t]`` (the
+        draft tokens between the last committed token and position t); float32, a new tensor."""
+        T, V = logits_TV.shape
+        if len(paths) != T:
+            raise ValueError(f"paths must give one draft path per position ({T}), got {len(paths)}")
+        x = logits_TV.float().clone()
+        s = self.sampling
+        device = x.device
+        if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
+            counts_TV = self._counts(paths).to(device)
+            if s.repetition_penalty != 1.0:
+                seen_TV = (counts_TV > 0) | self.in_prompt_V.to(device)  # type: ignore[union-attr]
+                r = s.repetition_penalty
+                x = torch.where(seen_TV, torch.where(x > 0, x / r, x * r), x)
+            if s.frequency_penalty:
+                x -= s.frequency_penalty * counts_TV
+            if s.presence_penalty:
+                x -= s.presence_penalty * (counts_TV > 0).float()
+        if len(self.bias_ids):
+            x[:, self.bias_ids.to(device)] += self.bias_values.to(device)
+        if len(self.banned_ids):
+            x[:, self.banned_ids.to(device)] = float("-inf")
+        if s.min_tokens and self.stop_ids:
+            short = [t for t, p in enumerate(paths) if len(self.output) + len(p) < s.min_tokens]
+            if short:
+                x[
+                    torch.tensor(short, device=device).unsqueeze(1),
+                    torch.tensor(self.stop_ids, device=device),
+                ] = float("-inf")
+        if self.grammar is not None:
+            x = self.grammar.mask(x, paths)
+        for fn in self.custom:
+            for t, path in enumerate(paths):
+                row = fn(self.prompt_ids, self.output + list(path), x[t])
+                if not isinstance(row, torch.Tensor) or row.shape != (V,):
+                    raise ValueError(
+                        f"a logits processor must return a tensor of shape ({V},), got "
+                        f"{getattr(row, 'shape', type(row).__name__)}"
+                    )
+                x[t] = row.to(device=device, dtype=torch.float32)
+        return x
+
+    def _counts(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``[T, V]`` occurrences of every token in the output before each position."""
+        counts_TV = self.counts_V.expand(len(paths), -1).clone()
+        rows = [t for t, p in enumerate(paths) for _ in p]
+        if rows:
+            tokens = [int(tok) for p in paths for tok in p]
+            counts_TV.index_put_(
+                (torch.tensor(rows), torch.tensor(tokens)), torch.ones(len(rows)), accumulate=True
+            )
+        return counts_TV
