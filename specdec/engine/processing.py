@@ -37,8 +37,8 @@ def processed_logits(unit: Unit, logits_GTV: torch.Tensor) -> torch.Tensor:
     rows = unit.rows
     if all(r.processors is None for r in rows):
         return logits_GTV
-    out = logits_GTV.float().clone() if logits_GTV.dtype != torch.float32 else logits_GTV.clone()
+    out = logits_GTV.float() if logits_GTV.dtype != torch.float32 else logits_GTV.clone()
     for i, r in enumerate(rows):
         if r.processors is not None:
-            out[i] = r.processors.process(out[i], block_paths(unit, i))
+            r.processors.process(out[i], block_paths(unit, i), inplace=True)
     return out

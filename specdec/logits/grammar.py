@@ -154,18 +154,30 @@ class Grammar:
         return len(path)
 
     def mask(self, x_TV: torch.Tensor, paths: Sequence[Sequence[int]]) -> torch.Tensor:
-        """``x_TV`` with each position's forbidden tokens at −inf (a position past a forbidden draft is
-        left as it is: never reached); a dead-end position allows the end-of-sequence token alone."""
+        """``x_TV`` (float32) with each position's forbidden tokens at −inf, in place (a position past a
+        forbidden draft is left as it is: never reached); a dead-end position allows the
+        end-of-sequence token alone."""
+        T = len(paths)
+        bitmask_TW = self.xgr.allocate_token_bitmask(T, self.vocab_size)  # every token allowed
         for t, path in enumerate(paths):
             accepted = self._walk(path)
             if accepted >= 0:
-                allowed_V = self.allowed()
-                if not bool(allowed_V.any()):
-                    allowed_V[self.stop_ids[0]] = True
-                x_TV[t].masked_fill_(~allowed_V.to(x_TV.device), float("-inf"))
+                if self.matcher.is_terminated():
+                    bitmask_TW[t].zero_()
+                else:
+                    self.matcher.fill_next_token_bitmask(bitmask_TW, t)
+                if not bool(bitmask_TW[t].any()):  # a dead end: the end-of-sequence token alone
+                    stop = self.stop_ids[0]
+                    bitmask_TW[t, stop // 32] = 1 << (stop % 32)
             n = accepted if accepted >= 0 else ~accepted
             if n:
                 self.matcher.rollback(n)
+        if x_TV.device.type == "cpu":
+            self.xgr.apply_token_bitmask_inplace(x_TV, bitmask_TW, vocab_size=self.vocab_size)
+        else:
+            bits_TV = (bitmask_TW.unsqueeze(-1) >> self._shifts_32) & 1
+            allowed_TV = bits_TV.reshape(T, -1)[:, : self.vocab_size].bool().to(x_TV.device)
+            x_TV.masked_fill_(~allowed_TV, float("-inf"))
         return x_TV
 
     # --- drafts ---------------------------------------------------------------------------------

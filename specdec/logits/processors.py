@@ -70,11 +70,15 @@ class Processors:
         self.stop_ids = sorted(set(stop_ids))
         self.custom, self.grammar = list(custom), grammar
         self.output: list[int] = []
-        self.counts_V = torch.zeros(vocab_size, dtype=torch.float32)
-        self.in_prompt_V: torch.Tensor | None = None
+        # The penalties' state: the columns they touch (the repetition penalty's prompt tokens, then each
+        # generated token as it first comes), each column's count in the output, whether it is in the prompt.
+        self._columns: dict[int, int] = {}
+        self._counts: list[float] = []
+        self._in_prompt: list[bool] = []
+        self._tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if sampling.repetition_penalty != 1.0:
-            self.in_prompt_V = torch.zeros(vocab_size, dtype=torch.bool)
-            self.in_prompt_V[torch.tensor(self.prompt_ids, dtype=torch.long)] = True
+            for token in dict.fromkeys(self.prompt_ids):
+                self._column(int(token), in_prompt=True)
         bias = sampling.logit_bias
         for token, _ in bias:
             if token >= vocab_size:
@@ -96,10 +100,10 @@ class Processors:
         """The rule kept ``tokens`` (in order): they join the output the next positions see."""
         if not tokens:
             return
-        self.output.extend(int(t) for t in tokens)
-        self.counts_V.index_add_(
-            0, torch.tensor(tokens, dtype=torch.long), torch.ones(len(tokens), dtype=torch.float32)
-        )
+        for t in tokens:
+            self.output.append(int(t))
+            self._counts[self._column(int(t))] += 1
+        self._tensors = None
         if self.grammar is not None:
             self.grammar.commit(tokens)
 
@@ -109,25 +113,22 @@ class Processors:
         return None if self.grammar is None else self.grammar.ended
 
     # --- processing -----------------------------------------------------------------------------
-    def process(self, logits_TV: torch.Tensor, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+    def process(
+        self, logits_TV: torch.Tensor, paths: Sequence[Sequence[int]], *, inplace: bool = False
+    ) -> torch.Tensor:
         """``logits_TV`` processed, position t with the committed output followed by ``paths[t]`` (the
-        draft tokens between the last committed token and position t); float32, a new tensor."""
+        draft tokens between the last committed token and position t); float32. ``inplace``: the
+        float32 ``logits_TV`` itself is changed and returned (else a new tensor)."""
         T, V = logits_TV.shape
         if len(paths) != T:
             raise ValueError(f"paths must give one draft path per position ({T}), got {len(paths)}")
-        x = logits_TV.float().clone()
+        if inplace and logits_TV.dtype != torch.float32:
+            raise ValueError(f"inplace processing needs float32 logits, got {logits_TV.dtype}")
+        x = logits_TV if inplace else logits_TV.float().clone()
         s = self.sampling
         device = x.device
         if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
-            counts_TV = self._counts(paths).to(device)
-            if s.repetition_penalty != 1.0:
-                seen_TV = (counts_TV > 0) | self.in_prompt_V.to(device)  # type: ignore[union-attr]
-                r = s.repetition_penalty
-                x = torch.where(seen_TV, torch.where(x > 0, x / r, x * r), x)
-            if s.frequency_penalty:
-                x -= s.frequency_penalty * counts_TV
-            if s.presence_penalty:
-                x -= s.presence_penalty * (counts_TV > 0).float()
+            self._penalise(x, paths)
         if len(self.bias_ids):
             x[:, self.bias_ids.to(device)] += self.bias_values.to(device)
         if len(self.banned_ids):
@@ -135,12 +136,10 @@ class Processors:
         if s.min_tokens and self.stop_ids:
             short = [t for t, p in enumerate(paths) if len(self.output) + len(p) < s.min_tokens]
             if short:
-                x[
-                    torch.tensor(short, device=device).unsqueeze(1),
-                    torch.tensor(self.stop_ids, device=device),
-                ] = float("-inf")
+                rows = torch.tensor(short, device=device).unsqueeze(1)
+                x[rows, torch.tensor(self.stop_ids, device=device)] = float("-inf")
         if self.grammar is not None:
-            x = self.grammar.mask(x, paths)
+            self.grammar.mask(x, paths)
         for fn in self.custom:
             for t, path in enumerate(paths):
                 row = fn(self.prompt_ids, self.output + list(path), x[t])
@@ -152,13 +151,51 @@ class Processors:
                 x[t] = row.to(device=device, dtype=torch.float32)
         return x
 
-    def _counts(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
-        """``[T, V]`` occurrences of every token in the output before each position."""
-        counts_TV = self.counts_V.expand(len(paths), -1).clone()
+    def _column(self, token: int, *, in_prompt: bool = False) -> int:
+        """The penalties' column of ``token`` (added with count 0 where it has none)."""
+        j = self._columns.get(token)
+        if j is None:
+            j = self._columns[token] = len(self._counts)
+            self._counts.append(0.0)
+            self._in_prompt.append(in_prompt)
+        return j
+
+    def _penalise(self, x_TV: torch.Tensor, paths: Sequence[Sequence[int]]) -> None:
+        """The penalties, in place, on the columns they touch: the tokens generated so far and on the
+        paths, and the prompt's tokens for the repetition penalty (``[T, n]`` work, n those tokens)."""
+        s = self.sampling
+        if self._tensors is None:
+            self._tensors = (
+                torch.tensor(list(self._columns), dtype=torch.long),
+                torch.tensor(self._counts, dtype=torch.float32),
+                torch.tensor(self._in_prompt, dtype=torch.bool),
+            )
+        cols_n, counts_n, prompt_n = self._tensors
+        extra = [int(t) for p in paths for t in p if int(t) not in self._columns]
+        extra = list(dict.fromkeys(extra))  # path tokens not generated before: columns of this call only
+        if extra:
+            cols_n = torch.cat([cols_n, torch.tensor(extra, dtype=torch.long)])
+            counts_n = torch.cat([counts_n, torch.zeros(len(extra))])
+            prompt_n = torch.cat([prompt_n, torch.zeros(len(extra), dtype=torch.bool)])
+        if not len(cols_n):
+            return
+        counts_Tn = counts_n.expand(len(paths), -1).clone()
         rows = [t for t, p in enumerate(paths) for _ in p]
         if rows:
-            tokens = [int(tok) for p in paths for tok in p]
-            counts_TV.index_put_(
-                (torch.tensor(rows), torch.tensor(tokens)), torch.ones(len(rows)), accumulate=True
+            local = {token: len(self._columns) + k for k, token in enumerate(extra)}
+            at = [self._columns.get(int(token), local.get(int(token))) for p in paths for token in p]
+            counts_Tn.index_put_(
+                (torch.tensor(rows), torch.tensor(at)), torch.ones(len(rows)), accumulate=True
             )
-        return counts_TV
+        device = x_TV.device
+        cols_n, counts_Tn = cols_n.to(device), counts_Tn.to(device)
+        sub_Tn = x_TV[:, cols_n]
+        if s.repetition_penalty != 1.0:
+            seen_Tn = (counts_Tn > 0) | prompt_n.to(device)
+            r = s.repetition_penalty
+            sub_Tn = torch.where(seen_Tn, torch.where(sub_Tn > 0, sub_Tn / r, sub_Tn * r), sub_Tn)
+        if s.frequency_penalty:
+            sub_Tn -= s.frequency_penalty * counts_Tn
+        if s.presence_penalty:
+            sub_Tn -= s.presence_penalty * (counts_Tn > 0).float()
+        x_TV[:, cols_n] = sub_Tn
