@@ -14,7 +14,9 @@ here for ``ours:DRAFTER`` and ``llama-server[:MODE]``, with the same threads and
 the closed-loop ``--concurrency`` levels, then the open-loop ``--request-rate`` levels
 (:mod:`~specdec.bench.serve_load`), each between two reads of the server's ``/metrics``. The figures,
 table and plots: :mod:`~specdec.bench.serve_report`; the JSON and Markdown files are written after
-every level, the plots at the end.
+every level, the plots at the end. The requests of a schema set (``--prompt-set json``:
+:mod:`~specdec.bench.json_prompts`) carry their JSON schema as ``response_format``, and every level's
+outputs to them are checked against it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class BenchServeConfig:
     goodput_ms: dict[str, float] = field(init=False)
 
     def __post_init__(self) -> None:
+        from specdec.bench.json_prompts import SCHEMA_PROMPT_SETS
         from specdec.bench.serve_load import ENDPOINTS
         from specdec.bench.serve_peers import parse_servers
         from specdec.bench.serve_report import parse_goodput
@@ -101,10 +104,11 @@ class BenchServeConfig:
             raise ValueError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        known = [*PROMPT_SETS, *SCHEMA_PROMPT_SETS]
         for name in self.prompt_sets:
-            if name not in PROMPT_SETS:
-                raise ValueError(f"--prompt-set: unknown set {name!r}; known: {', '.join(PROMPT_SETS)}")
-            if name in CHAT_PROMPT_SETS and self.endpoint != "chat":
+            if name not in known:
+                raise ValueError(f"--prompt-set: unknown set {name!r}; known: {', '.join(known)}")
+            if (name in CHAT_PROMPT_SETS or name in SCHEMA_PROMPT_SETS) and self.endpoint != "chat":
                 raise ValueError(f"--prompt-set {name} holds chat turns: use it with --endpoint chat")
         if not self.prompt_sets:
             raise ValueError("--prompt-set names no set")
@@ -148,13 +152,20 @@ class BenchServeConfig:
 
 
 def _requests(config: BenchServeConfig) -> list[Any]:
+    from specdec.bench.json_prompts import SCHEMA_PROMPT_SETS, load_schema_prompts
     from specdec.bench.serve_load import BenchRequest
     from specdec.prompt_sets import load_prompts
 
     out = []
     for name in config.prompt_sets:
-        for text in load_prompts(name, config.num_prompts):
-            out.append(BenchRequest(index=len(out), prompt=text, prompt_set=name))
+        if name in SCHEMA_PROMPT_SETS:
+            items = [(p.prompt, p.response_format()) for p in load_schema_prompts(name, config.num_prompts)]
+        else:
+            items = [(text, None) for text in load_prompts(name, config.num_prompts)]
+        for text, response_format in items:
+            out.append(
+                BenchRequest(index=len(out), prompt=text, prompt_set=name, response_format=response_format)
+            )
     return out
 
 
@@ -195,6 +206,11 @@ def _level_line(name: str, label: str, f: dict[str, Any], acc: dict | None) -> s
         text += f" | α {acc['alpha']:.2f}, τ {acc['tau']:.2f}"
         if acc.get("per_position"):
             text += " (by position " + " / ".join(f"{a:.2f}" for a in acc["per_position"]) + ")"
+    if f.get("json_valid") is not None:
+        text += (
+            f" | JSON: {f['json_valid']} valid, {f['json_invalid']} invalid (stop), "
+            f"{f['json_length']} at max_tokens"
+        )
     if f.get("usage_drafted"):
         text += f" | responses: {f['usage_accepted']} of {f['usage_drafted']} drafted accepted"
     if f["errors"]:
@@ -248,6 +264,7 @@ def _load(
     """Warm-up, then every level against the server at ``entry["base_url"]``; figures into ``entry``."""
     from specdec.bench import serve_load as load
     from specdec.bench import serve_probe as probe
+    from specdec.bench.json_prompts import json_validity, schema_of
     from specdec.bench.serve_peers import REQUEST_EXTRAS
     from specdec.bench.serve_report import level_figures, level_label
 
@@ -258,6 +275,7 @@ def _load(
     sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "seed": config.seed}
     sampling |= ({"ignore_eos": True} if config.ignore_eos else {}) | REQUEST_EXTRAS.get(entry["kind"], {})
     common = dict(endpoint=config.endpoint, model=model, timeout_s=config.request_timeout_s, **auth)
+    schemas = [schema_of(r.response_format) for r in requests]
     if config.warmup_requests:
         warm = load.run_closed_loop(
             base, requests[: config.warmup_requests], concurrency=1,
@@ -280,9 +298,15 @@ def _load(
         if acc is not None:
             acc["per_position"] = probe.per_position(before_pos, after_pos, acc["drafts"])
         figures = level_figures(run, config.goodput_ms)
-        entry["levels"].append(
-            {**level, **figures, "acceptance": acc, "requests": [r.to_dict() for r in run.results]}
-        )
+        validity, verdicts = json_validity(schemas, run.results)
+        figures |= validity
+        results = [r.to_dict() for r in run.results]
+        for result, verdict, schema in zip(results, verdicts, schemas, strict=True):
+            if verdict is not None:
+                result["json_valid"] = verdict
+            if schema is None:  # the text is kept where it is checked
+                result.pop("text")
+        entry["levels"].append({**level, **figures, "acceptance": acc, "requests": results})
         say(_level_line(entry["name"], level_label(level), figures, acc))
         write()
 
@@ -399,7 +423,13 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
         "--model", default=None, help="the model name sent (default: the server's first in /v1/models)"
     )
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--prompt-set", type=csv(str), default=("humaneval", "mtbench"), help="humaneval,mtbench")
+    p.add_argument(
+        "--prompt-set",
+        type=csv(str),
+        default=("humaneval", "mtbench"),
+        help="humaneval, mtbench, mtbench-chat (chat), json (chat, each request with a JSON schema) "
+        "(default: humaneval,mtbench)",
+    )
     p.add_argument(
         "--num-prompts", type=positive_int, default=8, help="prompts per set, evenly spaced (held out)"
     )
@@ -503,7 +533,12 @@ def config_from_args(args: argparse.Namespace) -> BenchServeConfig:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Run the benchmark; exit status 1 if a server did not start."""
-    missing = [m for m in ("httpx", "matplotlib") if importlib.util.find_spec(m) is None]
+    from specdec.bench.json_prompts import SCHEMA_PROMPT_SETS
+
+    needed = ["httpx", "matplotlib"] + (
+        ["jsonschema"] if set(args.prompt_set) & set(SCHEMA_PROMPT_SETS) else []
+    )
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"specdec bench-serve needs {', '.join(missing)} (pip install -e '.[serve,eval]')")
     config = config_from_args(args)

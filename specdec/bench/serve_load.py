@@ -1,8 +1,8 @@
 """The load loop of ``specdec bench-serve``: streamed OpenAI requests, timed at the client.
 
 Every request is a ``POST /v1/completions`` (or ``/v1/chat/completions``) with ``"stream": true`` and
-``"stream_options": {"include_usage": true}``, sent by one asyncio ``httpx`` client. Two ways to load
-the server, as ``vllm bench serve``:
+``"stream_options": {"include_usage": true}`` (and the request's ``response_format``, if it has one),
+sent by one asyncio ``httpx`` client. Two ways to load the server, as ``vllm bench serve``:
 
 - **closed loop** (:func:`run_closed_loop`): ``concurrency`` workers, each sending its next request
   when its last one has ended, so that exactly that many are in flight until the prompts run out;
@@ -22,6 +22,8 @@ a chat stream's opening role chunk and an empty finishing chunk are not token ch
 - E2EL: sent → the last event that carries a choice;
 - TPOT: ``(E2EL − TTFT) / (output tokens − 1)``, for requests with more than one output token;
 - output tokens: the server's ``usage.completion_tokens``, else the number of token chunks;
+- text and finish reason: the choices' texts joined, and the first ``finish_reason`` (kept for
+  checks of the output, such as :mod:`specdec.bench.json_prompts`);
 - draft and accepted tokens: the server's ``usage.num_draft_tokens`` and ``usage.num_accepted_tokens``
   (``specdec serve``), else llama-server's ``timings.draft_n`` and ``timings.draft_n_accepted`` (it
   leaves both out of a response it drafted nothing for: 0 then).
@@ -69,11 +71,13 @@ ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 @dataclass(frozen=True, kw_only=True)
 class BenchRequest:
-    """One request of a level: the prompt (text) and where it comes from."""
+    """One request of a level: the prompt (text), where it comes from, and the ``response_format`` its
+    body carries (structured output; None: none)."""
 
     index: int
     prompt: str
     prompt_set: str
+    response_format: Mapping[str, Any] | None = None
 
 
 @dataclass(kw_only=True)
@@ -95,6 +99,10 @@ class RequestResult:
     """``usage.num_draft_tokens`` (``specdec serve``) or ``timings.draft_n`` (llama-server), when the
     server reports it."""
     accepted_tokens: int | None = None
+    text: str = ""
+    """The output: every choice's text (``delta.content`` for chat) joined, in stream order."""
+    finish_reason: str | None = None
+    """The first ``finish_reason`` the stream gave (``"stop"``, ``"length"``, ...), if any."""
 
     @property
     def tpot_s(self) -> float | None:
@@ -104,7 +112,8 @@ class RequestResult:
         return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
 
     def to_dict(self) -> dict[str, Any]:
-        """The request's figures for the results file (ITLs summarised by their count)."""
+        """The request's figures, finish reason and text for the results file (ITLs summarised by their
+        count)."""
         return {
             "index": self.index,
             "ok": self.ok,
@@ -118,6 +127,8 @@ class RequestResult:
             "prompt_tokens": self.prompt_tokens,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "finish_reason": self.finish_reason,
+            "text": self.text,
         }
 
 
@@ -140,6 +151,8 @@ def result_from_trace(
     start_s: float = 0.0,
     finish_s: float | None = None,
     timings: Mapping[str, Any] | None = None,
+    text: str = "",
+    finish_reason: str | None = None,
 ) -> RequestResult:
     """The figures of one streamed request from its timestamps (module doc for the definitions).
 
@@ -148,12 +161,20 @@ def result_from_trace(
     ``error``: why it failed (None if the stream ended with ``[DONE]``); ``start_s``: the level's
     start (``RequestResult.sent_s`` is relative to it); ``finish_s``: when the first choice with a
     ``finish_reason`` arrived (the first token's time of a response without text); ``timings``:
-    llama-server's ``timings`` object, if any. One clock."""
+    llama-server's ``timings`` object, if any; ``text``, ``finish_reason``: the output and the first
+    finish reason, kept as they are. One clock."""
     chunks = len(token_times_s)
     if error is None and not token_times_s and finish_s is None:
         error = "the stream carried neither text nor a finish_reason"
     if error is not None:
-        return RequestResult(index=index, ok=False, error=error, sent_s=sent_s - start_s)
+        return RequestResult(
+            index=index,
+            ok=False,
+            error=error,
+            sent_s=sent_s - start_s,
+            text=text,
+            finish_reason=finish_reason,
+        )
     times = list(token_times_s) or [finish_s]  # no text: an end-of-sequence token alone came
     counted = usage.get("completion_tokens") if usage else None
     output_tokens = counted if isinstance(counted, int) and counted >= 0 else chunks
@@ -183,6 +204,8 @@ def result_from_trace(
         prompt_tokens=count("prompt_tokens"),
         draft_tokens=drafted,
         accepted_tokens=accepted,
+        text=text,
+        finish_reason=finish_reason,
     )
 
 
@@ -217,6 +240,8 @@ def _payload(request: BenchRequest, endpoint: str, model: str, sampling: Mapping
         body["messages"] = [{"role": "user", "content": request.prompt}]
     else:
         body["prompt"] = request.prompt
+    if request.response_format is not None:
+        body["response_format"] = dict(request.response_format)
     return body
 
 
@@ -288,6 +313,8 @@ async def stream_request(
     token_times: list[float] = []
     last_choice: float | None = None
     finish: float | None = None
+    finish_reason: str | None = None
+    pieces: list[str] = []
     usage: Mapping[str, Any] | None = None
     timings: Mapping[str, Any] | None = None
     sent = time.perf_counter()
@@ -314,10 +341,12 @@ async def stream_request(
         choices = event.get("choices")
         if choices and isinstance(choices[0], Mapping):
             last_choice = now
-            if _choice_text(choices[0], endpoint):
+            piece = _choice_text(choices[0], endpoint)
+            if piece:
                 token_times.append(now)
+                pieces.append(piece)
             if finish is None and choices[0].get("finish_reason"):
-                finish = now
+                finish, finish_reason = now, str(choices[0]["finish_reason"])
         if isinstance(event.get("usage"), Mapping):
             usage = event["usage"]
         if isinstance(event.get("timings"), Mapping):
@@ -334,6 +363,8 @@ async def stream_request(
         start_s=start_s,
         finish_s=finish,
         timings=timings,
+        text="".join(pieces),
+        finish_reason=finish_reason,
     )
 
 

@@ -19,6 +19,11 @@ level (α, τ, and α at each draft position: accepted at that position / drafts
 responses' own counts, summed over the level (accepted of drafted: ``usage`` for ours, ``timings``
 for llama-server); both servers count the same way, so ours and llama.cpp's compare on the same
 prompts and head.
+
+Structured output, for a level with requests that carry a JSON schema (``--prompt-set json``): the
+counts of :func:`specdec.bench.json_prompts.json_validity`, ``json_valid``, ``json_invalid`` and
+``json_length`` in the level's JSON, and one Markdown column, valid / stop / length (stop: the
+outputs that ended by themselves, valid or not; length: those cut at ``max_tokens``).
 """
 
 from __future__ import annotations
@@ -174,6 +179,7 @@ def _rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
             drafted, accepted = level.get("usage_drafted"), level.get("usage_accepted")
             row |= {"response_drafted": drafted, "response_accepted": accepted}
             row["response_alpha"] = accepted / drafted if drafted and accepted is not None else None
+            row |= {k: level.get(k) for k in ("json_valid", "json_invalid", "json_length")}
             rows.append(row)
     return rows
 
@@ -197,6 +203,9 @@ _COLUMNS = [
     ("response_drafted", "drafted (responses)", "d"),
     ("response_accepted", "accepted (responses)", "d"),
     ("response_alpha", "$\\alpha$ (responses)", ".2f"),
+    ("json_valid", "JSON valid", "d"),
+    ("json_invalid", "JSON invalid", "d"),
+    ("json_length", "JSON at max tokens", "d"),
 ]
 
 
@@ -215,7 +224,9 @@ def summarize(record: Mapping[str, Any]) -> Summary:
         f"Load on OpenAI-compatible servers ({record['num_requests']} streamed requests per level, at most "
         f"{record['config']['max_tokens']} tokens each); latencies at the client, in ms, with vllm bench "
         "serve's definitions; $\\alpha$, $\\tau$ (and $\\alpha$ at each draft position) from the server's "
-        "/metrics, drafted and accepted tokens from its responses"
+        "/metrics, drafted and accepted tokens from its responses; for requests with a JSON schema, the "
+        "outputs that ended by themselves and validate, those that ended by themselves and do not, and "
+        "those cut at max tokens"
     )
     figures = tuple(
         Figure(
@@ -266,11 +277,13 @@ def markdown(record: Mapping[str, Any]) -> str:
         "",
         f"{record['num_requests']} requests per level; latencies in ms at the client (mean / P50 / P90 / "
         "P99), as `vllm bench serve` defines them; α, τ and α by draft position from the server's "
-        "`/metrics`; accepted / drafted tokens as its responses count them.",
+        "`/metrics`; accepted / drafted tokens as its responses count them; JSON valid / stop / length: of "
+        "the requests with a JSON schema, the outputs that ended by themselves (finish_reason stop) and "
+        "validate, all that ended by themselves, and those cut at max_tokens.",
         "",
         "| server | load | ok | failed | req/s | out tok/s | goodput req/s | TTFT ms | TPOT ms | ITL ms "
-        "| E2EL ms | α | τ | α by position | accepted / drafted (responses) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| E2EL ms | α | τ | α by position | accepted / drafted (responses) | JSON valid / stop / length |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in _rows(record):
         cells = [row["server"], row["load"], _cell(row["completed"], "d"), _cell(row["failed"], "d")]
@@ -285,6 +298,10 @@ def markdown(record: Mapping[str, Any]) -> str:
             if drafted is None
             else f"{row['response_accepted']} / {drafted}"
             + ("" if row["response_alpha"] is None else f" ({row['response_alpha']:.2f})")
+        )
+        valid = row["json_valid"]
+        cells.append(
+            "–" if valid is None else f"{valid} / {valid + row['json_invalid']} / {row['json_length']}"
         )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
