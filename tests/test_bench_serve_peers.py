@@ -46,6 +46,8 @@ def test_every_mode_parses_in_one_list_and_unknown_modes_are_refused():
         ("llama-server", None, "eagle3"),
     ]
     assert [s.name for s in specs] == list(ALL_SERVERS)
+    (plain,) = peers.parse_servers(["ours:plain"])  # drafter none, every request without drafts
+    assert (plain.drafter, plain.request_extras) == ("none", {"speculative": False})
     assert [s.mode for s in peers.parse_servers(["llama-server:eagle3"], "--peers", ours=False)] == ["eagle3"]
     with pytest.raises(
         ValueError, match=r"--servers: unknown llama-server mode 'dflash'; known: ngram-mod, eagle3"

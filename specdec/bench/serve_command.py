@@ -274,6 +274,7 @@ def _load(
     entry["model"] = model
     sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "seed": config.seed}
     sampling |= ({"ignore_eos": True} if config.ignore_eos else {}) | REQUEST_EXTRAS.get(entry["kind"], {})
+    sampling |= entry.get("request_extras", {})
     common = dict(endpoint=config.endpoint, model=model, timeout_s=config.request_timeout_s, **auth)
     schemas = [schema_of(r.response_format) for r in requests]
     if config.warmup_requests:
@@ -348,6 +349,7 @@ def run_bench_serve(
             "name": spec.name,
             "kind": spec.kind,
             "base_url": spec.base_url,
+            "request_extras": dict(spec.request_extras),
             "levels": [],
         }
         servers.append(entry)

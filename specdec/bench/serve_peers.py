@@ -3,7 +3,8 @@
 ``--servers`` names them, run one after another on the same prompts:
 
 - ``ours:DRAFTER``: ``python -m specdec serve --target TARGET --drafter DRAFTER --max-num-seqs SLOTS
-  --threads THREADS --host 127.0.0.1 --port PORT``;
+  --threads THREADS --host 127.0.0.1 --port PORT``; ``ours:plain`` is ``ours:none`` whose requests carry
+  ``"speculative": false`` (no drafts at all: a grammar's forced tokens are not drafted either);
 - ``llama-server``: the binary at ``$LLAMA_SERVER``, else ``llama-server`` on ``PATH``, on the GGUF
   file the target comes as (:func:`specdec.targets.loading.gguf_source`, the file llama-bench gets):
   ``llama-server -m GGUF -t THREADS -np SLOTS -c SLOTS·CTX --host 127.0.0.1 --port PORT --metrics -a
@@ -74,6 +75,8 @@ class ServerSpec:
     drafter: str | None = None
     mode: str | None = None
     base_url: str | None = None
+    request_extras: dict[str, Any] = field(default_factory=dict)
+    """Fields added to every request to it, past its kind's :data:`REQUEST_EXTRAS`."""
 
 
 def parse_servers(items: Sequence[str], flag: str = "--servers", *, ours: bool = True) -> list[ServerSpec]:
@@ -84,7 +87,11 @@ def parse_servers(items: Sequence[str], flag: str = "--servers", *, ours: bool =
     for item in items:
         item = item.strip()
         kind, colon, rest = item.partition(":")
-        if ours and kind == "ours" and colon and rest.strip():
+        if ours and item == "ours:plain":
+            specs.append(
+                ServerSpec(name=item, kind="ours", drafter="none", request_extras={"speculative": False})
+            )
+        elif ours and kind == "ours" and colon and rest.strip():
             specs.append(ServerSpec(name=f"ours:{rest.strip()}", kind="ours", drafter=rest.strip()))
         elif kind == "llama-server" and colon:
             if rest not in LLAMA_MODES:
