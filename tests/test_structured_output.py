@@ -71,8 +71,9 @@ def test_greedy_under_a_grammar_equals_plain_decoding_for_every_drafter(tiny, pl
     for key, alone in plain.items():
         assert finals[key].token_ids == alone.token_ids, (drafter, key)
         assert finals[key].finish_reason == alone.finish_reason
-    drafted = finals[0].metrics.num_drafted  # the schema's punctuation and keys: free drafts
-    assert drafted > 0 and finals[0].metrics.num_accepted > 0
+    assert finals[0].metrics.num_drafted > 0
+    if "tree" not in drafter:  # a chain takes the schema's punctuation and keys as free drafts
+        assert finals[0].metrics.num_accepted > 0
     assert plain[0].metrics.num_drafted == 0
 
 

@@ -1,10 +1,14 @@
 """Drafts shaped by a request's grammar (:mod:`specdec.logits.grammar`): a drafter's chain cut at its
 first token the grammar forbids (that token's target probability is 0: it would be rejected without
 a comparison, and everything after it with it), then the tokens the grammar forces from there, as
-point-mass **free drafts** whatever the drafter said. A row at depth 0 drafts the forced tokens alone.
+point-mass **free drafts** whatever the drafter said, up to the row's planned depth.
 
-Any proposal keeps the processed target distribution exactly (the rule compares it like any draft), so
-this changes speed only. Rows in a token tree keep their tree (the mask rejects a forbidden node).
+Forced tokens cost no drafting but do cost verification (a longer block, padded for the step's other
+rows), so the depth controller decides how many a row drafts: it sees the row's first forced positions
+as accepted with probability :data:`FORCED_ACCEPTANCE` (:mod:`specdec.engine.scheduler`), a function of
+the row alone. Any proposal keeps the processed target distribution exactly (the rule compares it like
+any draft), so this changes speed only. Rows in a token tree keep their tree (the mask rejects a
+forbidden node).
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ import torch
 
 from specdec.protocols import SlotProposal
 
-__all__ = ["free_drafts", "grammar_of", "shape_chains"]
+__all__ = ["FORCED_ACCEPTANCE", "free_drafts", "grammar_of", "shape_chains"]
+
+FORCED_ACCEPTANCE = 0.9
+"""The acceptance the depth controller assumes at a forced position (the target may still prefer
+another spelling of the forced text: SmolLM2 accepted 0.93, then 0.79-0.70 given the one before, on
+the JSON prompt set)."""
 
 
 def grammar_of(request: Any) -> Any:
@@ -31,10 +40,10 @@ def free_drafts(request: Any, limit: int) -> list[int]:
     return [] if grammar is None or not request.params.speculative else grammar.forced([], limit)
 
 
-def shape_chains(proposal: SlotProposal, rows: Sequence[Any], limit: int) -> SlotProposal:
+def shape_chains(proposal: SlotProposal, rows: Sequence[Any], limits: Sequence[int]) -> SlotProposal:
     """``proposal`` (over ``rows``, in order) with every grammar row's chain cut at its first forbidden
-    token and extended by its forced tokens, up to ``limit`` drafts; the proposal itself where no row
-    has a grammar (or it is one row's tree)."""
+    token and extended by its forced tokens, up to its ``limits[i]`` drafts (its planned depth); the
+    proposal itself where no row has a grammar (or it is one row's tree)."""
     if proposal.tree is not None or all(grammar_of(r) is None for r in rows):
         return proposal
     in_trees = {i for index, _ in proposal.trees for i in index}
@@ -43,7 +52,7 @@ def shape_chains(proposal: SlotProposal, rows: Sequence[Any], limit: int) -> Slo
     sources: list[list[int | None]] = []  # each draft's row of probs_TV (None: a point mass)
     counts: list[int] = []
     offset = 0
-    for i, (request, count) in enumerate(zip(rows, proposal.counts_B, strict=True)):
+    for i, (request, count, limit) in enumerate(zip(rows, proposal.counts_B, limits, strict=True)):
         chain, source = tokens[offset : offset + count], list(range(offset, offset + count))
         offset += count
         grammar = grammar_of(request)

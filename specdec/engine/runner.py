@@ -36,7 +36,7 @@ import torch
 
 from specdec.checks import check_logits, logits_faults
 from specdec.engine.faults import each_alone, error_message, log
-from specdec.engine.grammar_drafts import free_drafts, shape_chains
+from specdec.engine.grammar_drafts import shape_chains
 from specdec.engine.judge import Fail, Judge, Part, rows_alone
 from specdec.engine.logprobs import last_logits_only, prefill_logits_index
 from specdec.engine.plan import RowPlan, StepPlan, StepReport
@@ -156,20 +156,10 @@ class Runner:
         each row's seed), its ragged chains split into units of rows sharing count and sampling. A
         call that raises is made again for each row alone; a row whose own call raises fails."""
         plain: dict[Any, list[Request]] = {}
-        units: list[Unit] = []
         for p in plan:
             if p.depth == 0:
-                try:  # a grammar's forced tokens: free drafts
-                    forced = free_drafts(p.request, self.gamma_max)
-                    if forced:
-                        drafts = Proposal(torch.tensor([forced], dtype=torch.long))
-                        units.append(self._unit(drafts, [p.request], len(forced)))
-                        continue
-                except Exception as err:
-                    self.fail(p.request, "the grammar's free drafts", err, report)
-                    continue
                 plain.setdefault(p.request.params.sampling, []).append(p.request)
-        units += [self._plain_unit(group) for group in plain.values()]
+        units = [self._plain_unit(group) for group in plain.values()]
         drafting = [p for p in plan if p.depth > 0]
         if not drafting:
             return units
@@ -198,7 +188,7 @@ class Runner:
             report.steady = False
             self.stats["owed_s"] += report.catch_up_s
         for part, proposal in proposals:
-            proposal = shape_chains(proposal, [p.request for p in part], self.gamma_max)
+            proposal = shape_chains(proposal, [p.request for p in part], [p.depth for p in part])
             units += self._units(part, proposal, report)
         return units
 

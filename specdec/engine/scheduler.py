@@ -20,6 +20,7 @@ from collections import deque
 from specdec.engine.cost_model import VerifyCostModel
 from specdec.engine.depth import DepthPolicy, RowView
 from specdec.engine.draft_cost import DraftCost
+from specdec.engine.grammar_drafts import FORCED_ACCEPTANCE, free_drafts
 from specdec.engine.plan import RowPlan, StepPlan, StepReport
 from specdec.engine.request import Request, RequestStatus
 
@@ -147,6 +148,8 @@ class Scheduler:
         for r in rows:
             cap = max(0, min(self.gamma_max, r.room - 1)) if r.params.speculative else 0
             acc = [r.acceptance(k, _PRIOR, _PRIOR_WEIGHT) for k in range(1, cap + 1)]
+            forced = len(free_drafts(r, cap)) if cap else 0  # a grammar's forced tokens
+            acc = [max(a, FORCED_ACCEPTANCE) if k < forced else a for k, a in enumerate(acc)]
             views.append(RowView(acc, cap, self._free(r)))
         depths = self.policy.depths(views, self.cost, self.draft_cost)
         # Probes share a step: a probe pads every row of the forward to 2 tokens, so once one row is
