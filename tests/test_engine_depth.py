@@ -140,8 +140,32 @@ def test_goodput_matches_the_closed_form_optimum():
     T_grid = tuple(range(1, 10))
     t_verify = {T: 0.03 + 0.003 * (T - 1) for T in T_grid}
     model = VerifyCostModel((1,), T_grid, (tuple(t_verify[T] for T in T_grid),))
-    best = max(range(9), key=lambda K: expected_tokens_per_step(alpha, K) / (K * t_draft + t_verify[K + 1]))
-    assert GoodputDepth(gamma=8).depths([RowView([alpha] * 8, 8, True)], model, t_draft) == [best]
+    rate = {K: expected_tokens_per_step(alpha, K) / (K * t_draft + t_verify[K + 1]) for K in range(9)}
+    best = max(rate, key=rate.get)
+    row = [RowView([alpha] * 8, 8, True)]
+    assert GoodputDepth(gamma=8, margin=0).depths(row, model, t_draft) == [best]
+    # with a margin: the deepest depth predicted within it of the best (the model is unsure there)
+    near = max(K for K in rate if rate[K] >= (1 - 0.04) * rate[best])
+    assert near > best and GoodputDepth(gamma=8).depths(row, model, t_draft) == [near]
+
+
+def test_goodput_keeps_its_depth_where_the_model_is_unsure():
+    """Hysteresis: the previous K stays while its predicted rate is within the margin of the best, so a
+    few per cent of timing noise does not flip the depth; a clear change does."""
+    T_grid = (1, 2, 3, 4, 5)
+    row = [RowView([0.7] * 4, 4, True)]
+    policy = GoodputDepth(gamma=4)
+
+    def grid(slope: float) -> VerifyCostModel:
+        return VerifyCostModel((1,), T_grid, (tuple(0.01 + slope * (T - 1) for T in T_grid),))
+
+    noisy = (0.0019, 0.0017, 0.0019, 0.0017)  # one verify curve measured with ±6 % noise
+    exact = GoodputDepth(gamma=4, margin=0)
+    assert [exact.depths(row, grid(slope), 0.0005)[0] for slope in noisy] == [2, 3, 2, 3]  # flips
+    assert [policy.depths(row, grid(slope), 0.0005)[0] for slope in noisy] == [3, 3, 3, 3]
+    assert policy.depths(row, grid(0.02), 0.0005) == [0]  # drafting no longer pays: it stops
+    with pytest.raises(ValueError, match="margin"):
+        GoodputDepth(margin=1.5)
 
 
 def test_goodput_tracks_a_step_shaped_verify_curve():

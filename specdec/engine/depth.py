@@ -18,7 +18,11 @@ Policies (:data:`DEPTH_POLICIES`):
   (``table={1: 5, 4: 3, 8: 1}``: the entry of the largest size ≤ B).
 - ``goodput``: SmartSpec's rule (arXiv 2406.14066): the K that maximises the step's expected tokens
   per second, ``Σ_r E_r(min(K, cap_r)) / (c(B, K+1) + d(G, K))``, over K = 0..γ;
-  K = 0 wins where speculation does not pay, at any load.
+  K = 0 wins where speculation does not pay, at any load. **Where the model is unsure** (depths whose
+  predicted rates lie within ``margin``, 4 %, of the best: closer than the timings' noise between
+  runs), the choice is reproducible, not the noise's: the previous step's K stays while it is among
+  them (hysteresis), else the deepest of them where the best drafts at all (the most tokens per target
+  call for the same predicted rate), K = 0 where drafting does not pay.
 - ``auto`` (the default): ``goodput``.
 
 A row that the policy kept at K = 0 for ``PROBE_EVERY`` (16) steps drafts one token (a probe, in
@@ -146,11 +150,14 @@ class BatchTableDepth(DepthPolicy):
 class GoodputDepth(DepthPolicy):
     """SmartSpec's goodput argmax over the step's common depth (module doc)."""
 
-    def __init__(self, gamma: int = 6, local_cost: float = 0.35) -> None:
+    def __init__(self, gamma: int = 6, local_cost: float = 0.35, margin: float = 0.04) -> None:
         self.gamma = _check_gamma(gamma)
         if not 0 < local_cost:
             raise ValueError(f"local_cost must be > 0, got {local_cost!r}")
-        self.local_cost = float(local_cost)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ValueError(f"margin must be a number in [0, 1), got {margin!r}")
+        self.local_cost, self.margin = float(local_cost), float(margin)
+        self.previous: int | None = None  # the last step's K (hysteresis)
 
     def depths(
         self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: DraftCost | float
@@ -166,7 +173,7 @@ class GoodputDepth(DepthPolicy):
         )
         fixed = [p for p in pinned if p is not None]
         fixed_overhead = sum(r.overhead for r, p in zip(rows, pinned, strict=True) if p)
-        best, best_k = -1.0, 0
+        rates = []
         for K in range(self.gamma + 1):
             ks = [min(K, r.cap) for r in free]
             gains = [expected_tokens(r.acceptance, k) for r, k in zip(free, ks, strict=True)]
@@ -174,10 +181,23 @@ class GoodputDepth(DepthPolicy):
             depth = max([*fixed, *ks])
             overhead = fixed_overhead + sum(r.overhead for r, k in zip(free, ks, strict=True) if k)
             seconds = cost.cost(B, depth + 1) + draft.step_seconds([*fixed, *ks]) + overhead
-            rate = tokens / seconds
-            if rate > best * (1 + 1e-9):
-                best, best_k = rate, K
+            rates.append(tokens / seconds)
+        best_k = self._choose(rates) if free else 0
         return [min(best_k, r.cap) if p is None else p for r, p in zip(rows, pinned, strict=True)]
+
+    def _choose(self, rates: Sequence[float]) -> int:
+        """The K of the predicted ``rates`` (one per K = 0..γ): the best, or where the model is unsure
+        (within ``margin`` of the best) the previous K, else the deepest (module doc)."""
+        best = max(range(len(rates)), key=lambda K: (rates[K], -K))  # the first of equal rates
+        near = [K for K, rate in enumerate(rates) if rate >= rates[best] * (1 - self.margin)]
+        if self.previous in near:
+            K = self.previous
+        elif best == 0:
+            K = 0
+        else:
+            K = max(k for k in near if k > 0)
+        self.previous = K
+        return K
 
 
 DEPTH_POLICIES = Registry(

@@ -183,6 +183,9 @@ class RequestMetrics:
     num_steps: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     """Entry k: how many times draft position k+1 was accepted (vLLM's per-position counter)."""
+    depth_changes: int = 0
+    """How many times the depth this request drafted at changed from one step to its next."""
+    last_depth: int | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -214,6 +217,7 @@ class RequestMetrics:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_tokens": self.mean_accepted_tokens,
             "accepted_per_pos": list(self.accepted_per_pos),
+            "depth_changes": self.depth_changes,
         }
 
 
@@ -343,6 +347,8 @@ class Request:
                 self.accepted_k[k] += 1.0
         m = self.metrics
         m.num_accepted += num_accepted
+        m.depth_changes += m.last_depth is not None and m.last_depth != num_drafted
+        m.last_depth = num_drafted
         while len(m.accepted_per_pos) < num_drafted:
             m.accepted_per_pos.append(0)
         for k in range(num_accepted):
