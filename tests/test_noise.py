@@ -14,7 +14,7 @@ import torch
 import specdec.verify.noise as noise_module
 from specdec.sampling import logits_to_probs
 from specdec.testing import goodness_of_fit
-from specdec.verify.noise import STREAMS, PositionNoise, draft_keyed, sample_keyed
+from specdec.verify.noise import STREAMS, PositionNoise, draft_keyed, sample_keyed, sample_keyed_inverse
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,6 +157,28 @@ def test_sample_keyed_is_gumbel_max_and_never_picks_a_zero():
         assert torch.equal(
             sample_keyed(probs_BKV[:, k], sub, positions_BK[:, k]), tokens.view(B // 4, 4)[:, k]
         )
+
+
+def test_sample_keyed_inverse_is_an_exact_batch_invariant_draw():
+    """One keyed uniform per row, inverse CDF: the draws follow the row's distribution (G-test at
+    1e-6 over 60,000 keys), never a zero-probability index, and a row draws the same alone or among
+    others; the stream and the position change the draw."""
+    V, N = 12, 60_000
+    probs_V = logits_to_probs(torch.randn(V, generator=torch.Generator().manual_seed(3)) * 1.5, 1.0, top_k=8)
+    noise = PositionNoise(list(range(N)))
+    positions = torch.arange(N) % 5
+    tokens = sample_keyed_inverse(probs_V.expand(N, V), noise, positions)
+    counts = torch.bincount(tokens, minlength=V)
+    assert int(counts[probs_V == 0].sum()) == 0
+    result = goodness_of_fit({v: int(counts[v]) for v in range(V)}, {v: float(probs_V[v]) for v in range(V)})
+    assert result.p_value > 1e-6, result
+    alone = [
+        int(sample_keyed_inverse(probs_V[None], PositionNoise([b]), positions[b : b + 1])) for b in range(50)
+    ]
+    assert alone == tokens[:50].tolist()
+    other = sample_keyed_inverse(probs_V.expand(N, V), noise, positions, stream="sample")
+    assert not torch.equal(other, tokens)
+    assert not torch.equal(sample_keyed_inverse(probs_V.expand(N, V), noise, positions + 1), tokens)
 
 
 def test_sparse_and_dense_passes_give_the_same_tokens(monkeypatch):

@@ -39,7 +39,10 @@ top 23 bits, both ``(m + ½)·2^-bits``, in the open interval (0, 1).
 (one logarithm instead of three, the same winner): an exact sample from ``w / Σw`` (weights need
 not be normalised; a zero weight scores −∞ and is never chosen). When few weights are non-zero
 (top-k, top-p, residuals) only those are hashed: the noise at a vocab index does not depend on the
-others.
+others. :func:`sample_keyed_inverse` is inverse-CDF sampling with **one** keyed uniform per row (one
+hash, a cumulative sum): also an exact sample, not coupled to any other draw's Gumbel noise, for a
+stream nothing else reads per token (the drafters' ``"draft"``: their proposals only need to be drawn
+from the distribution they report).
 """
 
 from __future__ import annotations
@@ -52,7 +55,14 @@ import torch
 from specdec.host_sync import avoids_host
 from specdec.seeds import check_seed
 
-__all__ = ["STREAMS", "PositionNoise", "sample_keyed", "sample_with_keys", "draft_keyed"]
+__all__ = [
+    "STREAMS",
+    "PositionNoise",
+    "sample_keyed",
+    "sample_keyed_inverse",
+    "sample_with_keys",
+    "draft_keyed",
+]
 
 STREAMS: dict[str, int] = {"sample": 1, "accept": 2, "residual": 3, "draft": 4, "tree": 5}
 """Stream name -> the id mixed into the key."""
@@ -283,6 +293,26 @@ def _race_argmax(weights_NV: torch.Tensor, keys_N: torch.Tensor) -> torch.Tensor
         scores = _race_scores_(_bits_to_unit_(z, torch.float32), weights_NV[r0:r1])
         out_N[r0:r1] = scores.argmax(dim=-1)
     return out_N
+
+
+def sample_keyed_inverse(
+    probs_BV: torch.Tensor, noise: PositionNoise, positions_B: torch.Tensor, *, stream: str = "draft"
+) -> torch.Tensor:
+    """Inverse-CDF sample from each row of ``probs [B, V]`` (non-negative, positive mass; checked by
+    the caller) with one keyed uniform per row, ``u = unit(mix64(key))`` of the row's (seed,
+    position, stream) key; long ``[B]``. The index whose float64 cumulative interval holds ``u·Σ``; a
+    zero-probability index owns an empty interval and is never drawn. A row's draw depends on its own
+    probabilities and key only (batch invariant)."""
+    B, V = probs_BV.shape
+    if B == 0:
+        return torch.empty(0, dtype=torch.long, device=probs_BV.device)
+    keys_B = noise.keys(positions_B, stream, validate=False).reshape(-1)
+    u_B1 = _bits_to_unit_(_mix64(keys_B), torch.float64).to(probs_BV.device).unsqueeze(1)
+    cdf_BV = probs_BV.double().cumsum(dim=-1)
+    total_B1 = cdf_BV[:, -1:].contiguous()
+    out_B = torch.searchsorted(cdf_BV, u_B1 * total_B1, right=True).squeeze(-1)
+    last_B = torch.searchsorted(cdf_BV, total_B1, right=False).squeeze(-1)  # rounding at the top
+    return torch.minimum(out_B, last_B)
 
 
 def sample_keyed(

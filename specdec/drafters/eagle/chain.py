@@ -33,7 +33,7 @@ from specdec.drafters.eagle.weights import load_packed_head
 from specdec.protocols import DecodeState, Proposal, TargetOutput
 from specdec.sampling import SamplingParams, sample_from_probs, sampling_probs
 
-__all__ = ["EagleDrafter", "draft_distribution", "DEFAULT_MAX_QUEUED", "check_max_queued"]
+__all__ = ["EagleDrafter", "draft_distribution", "full_vocabulary", "DEFAULT_MAX_QUEUED", "check_max_queued"]
 
 _NO_FEATURES = "the EAGLE drafter needs target features: the target returned hidden_BTD=None"
 DEFAULT_MAX_QUEUED = 512
@@ -55,7 +55,11 @@ def draft_distribution(
     Equal to ``logits_to_probs`` over the full vocabulary with −inf outside the draft vocabulary
     (the draft vocabulary is sorted by id, so top-k/top-p tie breaks agree).
     """
-    probs_BN = sampling_probs(logits_BN, sampling)
+    return full_vocabulary(sampling_probs(logits_BN, sampling), draft_vocab_N, vocab_size)
+
+
+def full_vocabulary(probs_BN: torch.Tensor, draft_vocab_N: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary probabilities ``[B, N]`` as full-vocabulary ones ``[B, V]`` (0 elsewhere)."""
     out = torch.zeros(*probs_BN.shape[:-1], vocab_size, dtype=torch.float32, device=probs_BN.device)
     return out.index_copy_(-1, draft_vocab_N, probs_BN)
 

@@ -21,9 +21,10 @@ by shape, runs row by row over the row's own queries and visible slots, the same
 
 Randomness: a sampled row draws its draft token at output position p (the draft's index in the output
 stream) from the keyed ``noise`` it is given (:class:`specdec.verify.noise.PositionNoise`, stream
-``"draft"``), so its drafts depend on its seed and position only. Greedy rows propose the head's argmax
-as a point mass. Draft probabilities are zero outside the draft vocabulary, which never affects
-exactness (verification handles any proposal).
+``"draft"``; one keyed uniform per row over the draft vocabulary's probabilities:
+:func:`~specdec.verify.noise.sample_keyed_inverse`), so its drafts depend on its seed and position only.
+Greedy rows propose the head's argmax as a point mass. Draft probabilities are zero outside the draft
+vocabulary, which never affects exactness (verification handles any proposal).
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ import torch.nn.functional as F
 
 from specdec.drafters.confidence import row_confidence
 from specdec.drafters.eagle.cache import EagleCache
-from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, EagleDrafter, draft_distribution
+from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, EagleDrafter, full_vocabulary
 from specdec.drafters.eagle.packed import PackedEagleHead
 from specdec.drafters.eagle.queue import FeatureQueue
 from specdec.drafters.slot_table import SlotTable
 from specdec.protocols import DecodeState, SlotProposal, TargetOutput
-from specdec.sampling import SamplingParams
-from specdec.verify.noise import PositionNoise, sample_keyed
+from specdec.sampling import SamplingParams, sampling_probs
+from specdec.verify.noise import PositionNoise, sample_keyed_inverse
 
 __all__ = ["EagleSlotDrafter"]
 
@@ -202,11 +203,12 @@ class EagleSlotDrafter(SlotTable):
                 if params.greedy:
                     token_G[at] = self.head.draft_vocab_N[logits_GN[at].argmax(dim=-1)]
                     continue
-                probs_JV = draft_distribution(
-                    logits_GN[at], self.head.draft_vocab_N, self.eagle.vocab_size, params
-                )
+                # drawn over the draft vocabulary (one keyed uniform per row), reported over the full one
+                probs_JN = sampling_probs(logits_GN[at], params)
                 sub = PositionNoise(noise.seeds_B[[rows[j] for j in js]], device=device)
-                token_G[at] = sample_keyed(probs_JV, sub, position_G[js].to(device) + k, stream="draft")
+                drawn_J = sample_keyed_inverse(probs_JN, sub, position_G[js].to(device) + k, stream="draft")
+                token_G[at] = self.head.draft_vocab_N[drawn_J]
+                probs_JV = full_vocabulary(probs_JN, self.head.draft_vocab_N, self.eagle.vocab_size)
                 for n, j in enumerate(js):
                     probs_G[j] = probs_JV[n]
             decided = self._confident(rows, sampling, running, logits_GN, token_G, probs_G)
