@@ -23,7 +23,6 @@ The header names the CPU, the kernels' ISA path, the threads and the commit.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -33,10 +32,11 @@ from typing import Any
 
 import torch
 
-from specdec.bench.report import environment, machine_line
+from specdec.bench.report import benchmark_document, environment, machine_line
 from specdec.cli_args import ArgumentParser, csv, finite_float, positive_int
+from specdec.summary import Summary, table_from_rows, write_json
 
-__all__ = ["head_bytes", "measure_level", "main"]
+__all__ = ["head_bytes", "measure_level", "summarize", "main"]
 
 
 def head_bytes(head: Any) -> dict[str, int]:
@@ -187,7 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "draft-floor.json").write_text(json.dumps(result, indent=1) + "\n")
+        document = benchmark_document(
+            result, experiment="draft-floor", summarize=summarize, description=__doc__.split("\n")[0]
+        )
+        write_json(args.out / "draft-floor.json", document)
         (args.out / "draft-floor.md").write_text(text + "\n")
     return 0
 
@@ -202,6 +205,32 @@ def _engine_head(target: Any, drafter: str) -> Any:
     if head is None or not hasattr(head, "lm_head"):
         raise ValueError(f"--drafter {drafter!r} has no packed EAGLE head to measure")
     return head
+
+
+def summarize(result: dict[str, Any]) -> Summary:
+    """The results file's table (``specdec.summary/1``)."""
+    rows = [
+        {**lv, "sampling": "greedy" if lv["temperature"] == 0 else f"T={lv['temperature']:g}"}
+        for lv in result["levels"]
+    ]
+    columns = [
+        ("rows", "rows", "d"),
+        ("sampling", "sampling", ""),
+        ("draft_ms", "drafting ms/step", ".2f"),
+        ("catch_up_ms", "catch-up ms", ".2f"),
+        ("floor_ms", "floor ms", ".2f"),
+        ("over_floor", "$\\times$ floor", ".2f"),
+        ("over_greedy", "$\\times$ greedy", ".2f"),
+        ("over_one_row", "$\\times$ one row", ".2f"),
+    ]
+    caption = (
+        f"EAGLE drafting per engine step at depth {result['levels'][0]['depth']} against the head's "
+        f"weight-streaming floor ({result['read_bandwidth_gb_s']:.1f} GB/s read bandwidth)"
+    )
+    return Summary(
+        title="EAGLE drafting against its floor",
+        tables=(table_from_rows("draft-floor", caption, columns, rows),),
+    )
 
 
 def markdown(result: dict[str, Any]) -> str:
