@@ -18,6 +18,7 @@ skip_module_without(SERVE + ("jsonschema", "starlette"))
 import _fake_openai_server as fake  # noqa: E402
 import httpx  # noqa: E402
 import jsonschema  # noqa: E402
+from test_bench_serve import fast_env  # noqa: E402,F401  (a fixture)
 
 from specdec.bench import serve_load as load  # noqa: E402
 from specdec.bench.json_prompts import (  # noqa: E402
@@ -45,20 +46,6 @@ VALID = {  # one output per variant that its schema accepts
     "answer": {"topic": "math", "answer": "4", "confidence": "high"},
     "outline": {"title": "Hawaii", "key_points": ["beaches", "volcanoes"]},
 }
-
-
-@pytest.fixture
-def fast_env(monkeypatch):
-    """A fixed environment record (the real one imports transformers: seconds)."""
-    env = {
-        "cpu": "Test CPU 9000",
-        "isa": "avx512-test",
-        "commit": "abc1234",
-        "torch_threads": 1,
-        "torch": "x",
-    }
-    monkeypatch.setattr("specdec.bench.report.environment", lambda: dict(env))
-    return env
 
 
 # --- the prompt set ------------------------------------------------------------------------------
@@ -228,7 +215,7 @@ def test_the_table_has_the_validity_columns():
     assert markdown(_record({})).rstrip().endswith("| – |")  # a level without schemas
 
 
-def test_run_against_the_fake_server_counts_the_cut_outputs(fast_env, tmp_path):
+def test_run_against_the_fake_server_counts_the_cut_outputs(fast_env, tmp_path):  # noqa: F811
     server = fake.ThreadedServer(fake.build_app())
     try:
         config = BenchServeConfig(
