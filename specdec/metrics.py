@@ -19,9 +19,10 @@ Definitions (one run, all rows together):
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from specdec.percentile import percentile
 
 __all__ = [
     "StepStats",
@@ -111,16 +112,6 @@ class SpecMetrics:
         d["verify_time_by_block"] = {str(k): v for k, v in self.verify_time_by_block.items()}
         d["verify_count_by_block"] = {str(k): v for k, v in self.verify_count_by_block.items()}
         return d
-
-
-def _percentile(sorted_xs: Sequence[float], q: float) -> float:
-    """Linear-interpolation percentile (numpy's default) of an already sorted list."""
-    if not sorted_xs:
-        return 0.0
-    pos = (len(sorted_xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
 
 
 class MetricsRecorder:
@@ -215,8 +206,8 @@ class MetricsRecorder:
             tokens_per_second=self.num_generated / total_time_s if total_time_s > 0 else 0.0,
             ttft_s=self.ttft_s,
             tpot_s=sum(lat) / len(lat) if lat else 0.0,
-            latency_p50_s=_percentile(lat, 50),
-            latency_p99_s=_percentile(lat, 99),
+            latency_p50_s=percentile(lat, 50) or 0.0,
+            latency_p99_s=percentile(lat, 99) or 0.0,
             target_time_s=self.target_time_s,
             draft_time_s=self.draft_time_s,
             check_time_s=self.check_time_s,
@@ -278,8 +269,8 @@ def merge_metrics(runs: Sequence[SpecMetrics]) -> SpecMetrics:
         tokens_per_second=gen / total if total > 0 else 0.0,
         ttft_s=sum(m.ttft_s for m in runs) / len(runs),
         tpot_s=sum(lat) / len(lat) if lat else 0.0,
-        latency_p50_s=_percentile(lat, 50),
-        latency_p99_s=_percentile(lat, 99),
+        latency_p50_s=percentile(lat, 50) or 0.0,
+        latency_p99_s=percentile(lat, 99) or 0.0,
         target_time_s=sum(m.target_time_s for m in runs),
         draft_time_s=sum(m.draft_time_s for m in runs),
         check_time_s=sum(m.check_time_s for m in runs),

@@ -25,8 +25,9 @@ from specdec.bench import serve_peers as peers  # noqa: E402
 from specdec.bench import serve_probe as probe  # noqa: E402
 from specdec.bench.serve_command import BenchServeConfig, run_bench_serve  # noqa: E402
 from specdec.bench.serve_load import BenchRequest, LevelRun, RequestResult, result_from_trace  # noqa: E402
-from specdec.bench.serve_report import level_figures, parse_goodput, percentile  # noqa: E402
+from specdec.bench.serve_report import level_figures, parse_goodput  # noqa: E402
 from specdec.cli import build_parser, main  # noqa: E402
+from specdec.percentile import percentile  # noqa: E402
 
 _ASGI = all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn"))
 needs_asgi = pytest.mark.skipif(

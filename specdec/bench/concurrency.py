@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from specdec.percentile import percentile
+
 __all__ = [
     "run_concurrency",
     "add_concurrency_arguments",
@@ -45,14 +47,6 @@ __all__ = [
     "draft_scaling",
     "main",
 ]
-
-
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[k]
 
 
 def _drive(engine: Any, prompts: list[list[int]], c: int, mode: str, params: dict[str, Any]) -> dict:
@@ -91,8 +85,8 @@ def _drive(engine: Any, prompts: list[list[int]], c: int, mode: str, params: dic
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_second": tokens / wall,
-        "tpot_p50_s": _percentile(tpots, 0.5),
-        "tpot_p99_s": _percentile(tpots, 0.99),
+        "tpot_p50_s": percentile(tpots, 50),
+        "tpot_p99_s": percentile(tpots, 99),
         "alpha": accepted / drafted if drafted else 0.0,
         "tau": (accepted + steps) / steps if steps else 1.0,
         "scheduler_share": scheduler_seconds(delta) / delta["total_s"] if delta["total_s"] else None,

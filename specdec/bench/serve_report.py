@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from specdec.bench.serve_load import LevelRun
+from specdec.percentile import percentile
 from specdec.summary import Figure, Summary, series_from_points, table_from_rows
 
 __all__ = [
     "GOODPUT_METRICS",
     "LATENCIES",
     "STATS",
-    "percentile",
     "parse_goodput",
     "level_figures",
     "level_label",
@@ -60,19 +60,6 @@ STATS = ("mean", "p50", "p90", "p99")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 """What ``--goodput`` may bound (``vllm bench serve``'s names), in milliseconds."""
 EXPERIMENT = "bench-serve"
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) with linear interpolation between order statistics, as
-    ``numpy.percentile``'s default; None for no values."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def parse_goodput(items: Sequence[str]) -> dict[str, float]:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from specdec.percentile import percentile
 from specdec.protocols import Target
 from specdec.quality.logprobs import log_softmax, sequence_logits
 
@@ -41,7 +42,6 @@ __all__ = [
     "chunk_tokens",
     "score_chunk",
     "kl_divergence",
-    "percentile",
     "ppl_with_stderr",
     "tokenizer_adds_bos",
     "tokenize_text",
@@ -124,22 +124,6 @@ def kl_divergence(ref_logprobs_NV: torch.Tensor, logprobs_NV: torch.Tensor) -> t
     return (ref.exp() * (ref - logprobs_NV.double())).sum(dim=-1)
 
 
-def percentile(sorted_values: Sequence[float], fraction: float) -> float:
-    """llama.cpp's percentile of ascending ``sorted_values``: linear interpolation at
-    ``fraction * (n - 1)``."""
-    n = len(sorted_values)
-    if n == 0:
-        raise ValueError("percentile of no values")
-    if fraction <= 0:
-        return float(sorted_values[0])
-    if fraction >= 1:
-        return float(sorted_values[-1])
-    p = fraction * (n - 1)
-    i = int(p)
-    p -= i
-    return float((1 - p) * sorted_values[i] + p * sorted_values[min(i + 1, n - 1)])
-
-
 def ppl_with_stderr(sum_nll: float, sum_nll2: float, count: int) -> tuple[float, float | None]:
     """llama.cpp's final estimate: ``exp(mean)`` ± ``exp(mean) * sqrt(var / (count - 1))`` with
     ``var = E[NLL²] - E[NLL]²`` (None where the variance is not positive or count < 2)."""
@@ -199,7 +183,7 @@ class RunningStats:
             out |= {
                 "kld_mean": mean,
                 "kld_mean_stderr": math.sqrt(var / (n - 1)) if var > 0 and n > 10 else 0.0,
-                "kld_p99": percentile(ordered, 0.99),
+                "kld_p99": percentile(ordered, 99),
                 "kld_max": ordered[-1],
                 "top1_agree": agree,
                 "top1_agree_stderr": math.sqrt(agree * (1 - agree) / (n - 1)) if n > 1 else None,
