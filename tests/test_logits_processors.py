@@ -15,6 +15,7 @@ import pytest
 import torch
 from _engine_drive import Arrival, drive
 from test_eagle_slots import MAX_LEN, PROMPTS, tiny  # noqa: F401  (tiny: a fixture)
+from test_engine_every_drafter import toy_corpus  # noqa: F401  (a fixture)
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -160,14 +161,30 @@ def _arrivals(temperature: float) -> list[Arrival]:
 
 def _engine(tiny, drafter: str) -> Engine:  # noqa: F811
     options = {"weights": tiny["weights"]} if "eagle" in drafter else {}
+    options |= {"sources": ["toy"]} if drafter in ("unigram", "bigram") else {}
     return Engine(
         tiny["target"], drafter=drafter, drafter_options=options, gamma=3, max_num_seqs=3,
         max_model_len=MAX_LEN, measure_cost=False,
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "eagle", "eagle-tree", "ngram-eagle"])
-def test_greedy_with_processors_equals_plain_decoding_for_every_drafter(tiny, drafter):  # noqa: F811
+DRAFTERS = [
+    "none",
+    "ngram",
+    "unigram",
+    "bigram",
+    "qself",
+    "layerskip",
+    "eagle",
+    "eagle-tree",
+    "ngram-eagle",
+    "ngram-eagle-tree",
+    "ngram-eagle-auto",
+]  # fmt: skip  (``model`` needs a draft model: tests/test_engine_drafters.py's fixture)
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_with_processors_equals_plain_decoding_for_every_drafter(tiny, toy_corpus, drafter):  # noqa: F811
     finals = drive(_engine(tiny, drafter), _arrivals(0.0))
     target = tiny["target"]
     changed = 0

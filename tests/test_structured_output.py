@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from _engine_drive import Arrival, drive
 from test_eagle_slots import MAX_LEN, PROMPTS, tiny  # noqa: F401  (tiny: a fixture)
+from test_engine_every_drafter import toy_corpus  # noqa: F401  (a fixture)
+from test_logits_processors import DRAFTERS
 
 from specdec.engine import Engine
 from specdec.logits import GrammarSpec
@@ -50,6 +52,7 @@ def _arrivals(temperature: float, speculative: bool = True) -> list[Arrival]:
 
 def _engine(tiny, drafter: str, slots: int = 3) -> Engine:  # noqa: F811
     options = {"weights": tiny["weights"]} if "eagle" in drafter else {}
+    options |= {"sources": ["toy"]} if drafter in ("unigram", "bigram") else {}
     return Engine(
         tiny["target"], drafter=drafter, drafter_options=options, gamma=3, max_num_seqs=slots,
         max_model_len=MAX_LEN, measure_cost=False,
@@ -65,8 +68,8 @@ def plain(tiny):  # noqa: F811
     }
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "eagle", "eagle-tree", "ngram-eagle"])
-def test_greedy_under_a_grammar_equals_plain_decoding_for_every_drafter(tiny, plain, drafter):  # noqa: F811
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_under_a_grammar_equals_plain_decoding_for_every_drafter(tiny, toy_corpus, plain, drafter):  # noqa: F811
     finals = drive(_engine(tiny, drafter), _arrivals(0.0))
     for key, alone in plain.items():
         assert finals[key].token_ids == alone.token_ids, (drafter, key)
