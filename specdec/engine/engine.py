@@ -38,6 +38,7 @@ import torch
 
 from specdec.drafters.engine_drafter import drafter_name, make_slot_drafter
 from specdec.drafters.request_slots import CohortSlots, RequestSlots
+from specdec.engine.controls import RequestControls
 from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
 from specdec.engine.draft_cost import DraftCost, measure_draft_cost
@@ -51,7 +52,7 @@ from specdec.engine.request import (
 )
 from specdec.engine.runner import Runner
 from specdec.engine.scheduler import Scheduler
-from specdec.logits import Grammar, GrammarCompiler, GrammarSpec, LogitsProcessor, Processors
+from specdec.logits import LogitsProcessor
 from specdec.metrics import MetricsRecorder
 from specdec.protocols import Drafter, SlotDrafter, Target, TreeTarget
 from specdec.stop_strings import StopStrings
@@ -157,7 +158,9 @@ class Engine:
         self.vocab_size = int(target.vocab_size)
         self.rule: VerifyRule = make_verify_rule(verify, verify_options)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
-        self._grammars: GrammarCompiler | None = None  # built at the first request with a grammar
+        self.controls = RequestControls(
+            self.tokenizer, self.vocab_size, tuple(getattr(target, "eos_token_ids", ()))
+        )
         self.requests: dict[str, Request] = {}
         self._claim_target()
         cost: VerifyCostModel | None = None
@@ -268,24 +271,7 @@ class Engine:
                 "min_tokens": min_tokens,
             },
         )
-        if min_tokens is not None and params.sampling.min_tokens > params.max_new_tokens:
-            raise ValueError(
-                f"min_tokens must be at most max_new_tokens ({params.max_new_tokens}), got {min_tokens}"
-            )
-        if not isinstance(logits_processors, Sequence) or not all(callable(f) for f in logits_processors):
-            raise ValueError(
-                "logits_processors must be a list of callables fn(prompt_ids, output_ids, logits_V) -> "
-                f"logits_V, got {logits_processors!r:.80}"
-            )
-        matcher = None if grammar is None else self._grammar_matcher(grammar, params)
-        processors = Processors.build(
-            params.sampling,
-            ids,
-            vocab_size=self.vocab_size,
-            stop_ids=sorted(params.eos_token_ids),
-            custom=list(logits_processors),
-            grammar=matcher,
-        )
+        processors = self.controls.processors(ids, params, logits_processors, grammar)
         # A request for one token takes it from its prompt's last position and never decodes, so
         # never drafts: it keeps no slots for draft blocks (echo scoring fills the context).
         reserve = self.gamma_max + 1 if params.max_new_tokens > 1 else 0
@@ -334,17 +320,6 @@ class Engine:
         if self.has_unfinished():
             raise ValueError("reset_target() needs an idle engine: requests are waiting or running")
         self._claim_target(force=True)
-
-    def _grammar_matcher(self, spec: Any, params: Any) -> Grammar:
-        """A request's grammar state (``ValueError`` naming the field where it does not compile)."""
-        if not isinstance(spec, GrammarSpec):
-            raise ValueError(f"grammar must be a specdec.logits.GrammarSpec, got {type(spec).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("grammar needs a tokenizer: pass tokenizer= (the target has none)")
-        if self._grammars is None:
-            eos = sorted(getattr(self.target, "eos_token_ids", ()))
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
-        return self._grammars.matcher(spec, sorted(params.eos_token_ids))
 
     def _claim_target(self, *, force: bool = False) -> None:
         """Hold the target's cache: reset it to this engine's rows and length unless it already is.
