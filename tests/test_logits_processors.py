@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (fixtures imported from other test modules are test parameters here)
 """Logits processors (:mod:`specdec.logits`): their definitions against transformers' and OpenAI's, and
 exactness under speculation in the engine: greedy requests with processors equal plain decoding with
 the same processors for every drafter, while requests join and leave and their neighbours process
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from _engine_drive import Arrival, drive
+from _tiny import save_tiny_checkpoint
 from test_eagle_slots import MAX_LEN, PROMPTS, tiny  # noqa: F401  (tiny: a fixture)
 from test_engine_every_drafter import toy_corpus  # noqa: F401  (a fixture)
 from transformers.generation.logits_process import (
@@ -159,9 +161,16 @@ def _arrivals(temperature: float) -> list[Arrival]:
     return out
 
 
-def _engine(tiny, drafter: str) -> Engine:  # noqa: F811
+@pytest.fixture(scope="module")
+def draft_model(tmp_path_factory) -> str:
+    """A second tiny Llama, the ``model`` drafter's draft model."""
+    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("draft") / "draft", num_layers=2, seed=4))
+
+
+def _engine(tiny, drafter: str, draft_model: str | None = None) -> Engine:  # noqa: F811
     options = {"weights": tiny["weights"]} if "eagle" in drafter else {}
     options |= {"sources": ["toy"]} if drafter in ("unigram", "bigram") else {}
+    options |= {"model": draft_model, "backend": "llama"} if drafter == "model" else {}
     return Engine(
         tiny["target"], drafter=drafter, drafter_options=options, gamma=3, max_num_seqs=3,
         max_model_len=MAX_LEN, measure_cost=False,
@@ -173,6 +182,7 @@ DRAFTERS = [
     "ngram",
     "unigram",
     "bigram",
+    "model",
     "qself",
     "layerskip",
     "eagle",
@@ -184,8 +194,13 @@ DRAFTERS = [
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_greedy_with_processors_equals_plain_decoding_for_every_drafter(tiny, toy_corpus, drafter):  # noqa: F811
-    finals = drive(_engine(tiny, drafter), _arrivals(0.0))
+def test_greedy_with_processors_equals_plain_decoding_for_every_drafter(
+    tiny,
+    toy_corpus,
+    draft_model,
+    drafter,
+):
+    finals = drive(_engine(tiny, drafter, draft_model), _arrivals(0.0))
     target = tiny["target"]
     changed = 0
     for a in _arrivals(0.0):

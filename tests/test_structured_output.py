@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (fixtures imported from other test modules are test parameters here)
 """Structured output in the engine (:mod:`specdec.logits.grammar`, :mod:`specdec.engine.grammar_drafts`):
 a request under a JSON schema or a regex emits what plain decoding (no drafts at all:
 ``speculative=False``) emits under the same grammar, for every drafter, while requests with and
@@ -16,7 +17,7 @@ import pytest
 from _engine_drive import Arrival, drive
 from test_eagle_slots import MAX_LEN, PROMPTS, tiny  # noqa: F401  (tiny: a fixture)
 from test_engine_every_drafter import toy_corpus  # noqa: F401  (a fixture)
-from test_logits_processors import DRAFTERS
+from test_logits_processors import DRAFTERS, draft_model  # noqa: F401  (draft_model: a fixture)
 
 from specdec.engine import Engine
 from specdec.logits import GrammarSpec
@@ -50,9 +51,10 @@ def _arrivals(temperature: float, speculative: bool = True) -> list[Arrival]:
     return out
 
 
-def _engine(tiny, drafter: str, slots: int = 3) -> Engine:  # noqa: F811
+def _engine(tiny, drafter: str, slots: int = 3, draft_model: str | None = None) -> Engine:  # noqa: F811
     options = {"weights": tiny["weights"]} if "eagle" in drafter else {}
     options |= {"sources": ["toy"]} if drafter in ("unigram", "bigram") else {}
+    options |= {"model": draft_model, "backend": "llama"} if drafter == "model" else {}
     return Engine(
         tiny["target"], drafter=drafter, drafter_options=options, gamma=3, max_num_seqs=slots,
         max_model_len=MAX_LEN, measure_cost=False,
@@ -69,8 +71,14 @@ def plain(tiny):  # noqa: F811
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_greedy_under_a_grammar_equals_plain_decoding_for_every_drafter(tiny, toy_corpus, plain, drafter):  # noqa: F811
-    finals = drive(_engine(tiny, drafter), _arrivals(0.0))
+def test_greedy_under_a_grammar_equals_plain_decoding_for_every_drafter(
+    tiny,
+    toy_corpus,
+    draft_model,
+    plain,
+    drafter,
+):
+    finals = drive(_engine(tiny, drafter, draft_model=draft_model), _arrivals(0.0))
     for key, alone in plain.items():
         assert finals[key].token_ids == alone.token_ids, (drafter, key)
         assert finals[key].finish_reason == alone.finish_reason
