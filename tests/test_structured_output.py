@@ -146,3 +146,22 @@ def test_smollm2_json_schema_with_the_default_drafter_equals_plain_and_is_valid(
     assert outs["default"].finish_reason == "eos"
     jsonschema.validate(json.loads(tok.decode(outs["default"].token_ids, skip_special_tokens=True)), schema)
     assert outs["default"].metrics.mean_accepted_tokens > 2.0
+
+
+def test_the_bitmask_unpacking_equals_xgrammars_kernel():
+    """The accelerator path's unpacking of the token bitmask masks what xgrammar's CPU kernel masks,
+    bit 31 (the int32 sign) included."""
+    import torch
+    import xgrammar as xgr
+
+    from specdec.logits.grammar import _bit, allowed_tokens
+
+    V = 100
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, (V + 31) // 32), dtype=torch.int32)
+    bitmask[1, 0] = _bit(31)  # one token allowed in that word: the sign bit
+    x = torch.randn(3, V)
+    want = x.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=V)
+    got = x.masked_fill(~allowed_tokens(bitmask, V), float("-inf"))
+    assert torch.equal(got, want)
+    assert bool(allowed_tokens(bitmask, V)[1, 31]) and not bool(allowed_tokens(bitmask, V)[1, 30])

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GRAMMAR_KINDS", "Grammar", "GrammarCompiler", "GrammarSpec"]
+__all__ = ["GRAMMAR_KINDS", "Grammar", "GrammarCompiler", "GrammarSpec", "allowed_tokens"]
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 
@@ -69,6 +69,19 @@ class GrammarSpec:
         if not isinstance(schema, dict):
             raise ValueError(f"{field} must be a JSON object (a schema), got {type(schema).__name__}")
         return cls("json_schema", json.dumps(schema), field)
+
+
+def _bit(b: int) -> int:
+    """Bit ``b`` of an int32 bitmask word as an int32 value (bit 31 is the sign)."""
+    return 1 << b if b < 31 else -(1 << 31)
+
+
+def allowed_tokens(bitmask_TW: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[T, V]`` bool from xgrammar's int32 token bitmask ``[T, W]`` (token v is bit v % 32 of word
+    v // 32): the unpacking where xgrammar's own kernel does not run (an accelerator's logits)."""
+    shifts_32 = torch.arange(32, dtype=torch.int32, device=bitmask_TW.device)
+    bits_TW32 = (bitmask_TW.unsqueeze(-1) >> shifts_32) & 1
+    return bits_TW32.reshape(bitmask_TW.shape[0], -1)[:, :vocab_size].bool()
 
 
 class GrammarCompiler:
@@ -115,7 +128,6 @@ class Grammar:
         self.stop_ids = stop_ids
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids)
         self.ended: str | None = None
-        self._shifts_32 = torch.arange(32, dtype=torch.int32)
 
     # --- the committed state --------------------------------------------------------------------
     def commit(self, tokens: Sequence[int]) -> None:
@@ -135,19 +147,10 @@ class Grammar:
             self.ended = "the grammar is complete"
 
     # --- masks ----------------------------------------------------------------------------------
-    def allowed(self) -> torch.Tensor:
-        """``[V]`` bool: the tokens the matcher's current state allows."""
-        bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
-        if not self.matcher.is_terminated():
-            self.matcher.fill_next_token_bitmask(bitmask, 0)
-        else:
-            bitmask.zero_()
-        bits = (bitmask[0].unsqueeze(-1) >> self._shifts_32) & 1
-        return bits.reshape(-1)[: self.vocab_size].bool()
-
-    def _walk(self, path: Sequence[int]) -> int | None:
-        """Accept ``path`` from the committed state; how many were accepted, or None if one was
-        forbidden (the matcher then holds the accepted ones: roll them back)."""
+    def _walk(self, path: Sequence[int]) -> int:
+        """Accept ``path`` from the committed state: ``len(path)``, or ``~n`` (negative) where its
+        token n is forbidden after n accepted. The matcher then holds the accepted tokens: the caller
+        rolls them back."""
         for n, t in enumerate(path):
             if self.matcher.is_terminated() or not self.matcher.accept_token(int(t)):
                 return ~n  # -(n + 1): forbidden after n accepted
@@ -168,16 +171,14 @@ class Grammar:
                     self.matcher.fill_next_token_bitmask(bitmask_TW, t)
                 if not bool(bitmask_TW[t].any()):  # a dead end: the end-of-sequence token alone
                     stop = self.stop_ids[0]
-                    bitmask_TW[t, stop // 32] = 1 << (stop % 32)
+                    bitmask_TW[t, stop // 32] = _bit(stop % 32)
             n = accepted if accepted >= 0 else ~accepted
             if n:
                 self.matcher.rollback(n)
         if x_TV.device.type == "cpu":
             self.xgr.apply_token_bitmask_inplace(x_TV, bitmask_TW, vocab_size=self.vocab_size)
         else:
-            bits_TV = (bitmask_TW.unsqueeze(-1) >> self._shifts_32) & 1
-            allowed_TV = bits_TV.reshape(T, -1)[:, : self.vocab_size].bool().to(x_TV.device)
-            x_TV.masked_fill_(~allowed_TV, float("-inf"))
+            x_TV.masked_fill_(~allowed_tokens(bitmask_TW, self.vocab_size).to(x_TV.device), float("-inf"))
         return x_TV
 
     # --- drafts ---------------------------------------------------------------------------------
