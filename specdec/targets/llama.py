@@ -57,7 +57,7 @@ from specdec.targets.llama_checks import (
 )
 from specdec.targets.llama_config import LlamaConfig, load_safetensors_state
 from specdec.targets.llama_layer import decoder_layer, stacked_attention_mask
-from specdec.targets.llama_native import run_native, run_native_chunks
+from specdec.targets.llama_native import run_native
 from specdec.targets.llama_weights import WEIGHT_MODES, ModelWeights, build_weights, native_decoder
 from specdec.targets.placement import resolve_placement
 from specdec.targets.rmsnorm import RMSNorm
@@ -335,11 +335,9 @@ class LlamaTarget:
         if self._native is not None and (T <= MAX_BLOCK or (tree_mask_TT is None and depth_T is None)):
             capture = [i for i in layers if i in self.aux_layers] if aux_out is not None else []
             tables = (self._native, self.cache, self.embed_tokens.weight, self._cos, self._sin)
-            if T <= MAX_BLOCK:
-                return run_native(
-                    *tables, tokens_BT, start_B, layers, tree_mask_TT, depth_T, capture, aux_out, rows_B
-                )
-            return run_native_chunks(*tables, tokens_BT, start_B, layers, capture, aux_out, rows_B)
+            return run_native(
+                *tables, tokens_BT, start_B, layers, tree_mask_TT, depth_T, capture, aux_out, rows_B
+            )
         starts = start_B.tolist()  # start_B is host-side bookkeeping (see _check_block)
         uniform = starts[0] if starts.count(starts[0]) == B else None
         num_slots = max(starts) + T
