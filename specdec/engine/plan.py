@@ -20,11 +20,14 @@ __all__ = ["RowPlan", "StepPlan", "StepReport"]
 
 @dataclass(frozen=True)
 class RowPlan:
-    """One request in a step: ``num_tokens`` tokens to compute and ``depth`` drafts after them."""
+    """One request in a step: ``num_tokens`` tokens to compute and ``depth`` drafts after them;
+    ``forced``: the tokens its grammar forces after its committed output, as the scheduler found them
+    (:func:`specdec.engine.grammar_drafts.free_drafts`; empty without a grammar)."""
 
     request: Request
     num_tokens: int
     depth: int = 0
+    forced: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import torch
 
 from specdec.checks import check_logits, logits_faults
 from specdec.engine.faults import each_alone, error_message, log
-from specdec.engine.grammar_drafts import free_drafts, shape_chains
+from specdec.engine.grammar_drafts import shape_chains
 from specdec.engine.judge import Fail, Judge, Part, rows_alone
 from specdec.engine.logprobs import last_logits_only, prefill_logits_index
 from specdec.engine.plan import RowPlan, StepPlan, StepReport
@@ -162,16 +162,11 @@ class Runner:
         units = [self._plain_unit(group) for group in plain.values()]
         drafting = []
         for p in plan:
-            if p.depth > 0:
-                forced = self._forced(p, report)
-                if forced is None:  # the drafter drafts (what the grammar forces comes after its chain)
-                    drafting.append(p)
-                elif forced:  # the grammar forces the whole depth: the drafter is not asked
-                    units.append(
-                        self._unit(
-                            Proposal(torch.tensor([forced], dtype=torch.long)), [p.request], len(forced)
-                        )
-                    )
+            if p.depth > 0 and len(p.forced) >= p.depth:  # the grammar forces the whole depth:
+                forced = Proposal(torch.tensor([p.forced[: p.depth]], dtype=torch.long))  # no drafter
+                units.append(self._unit(forced, [p.request], p.depth))
+            elif p.depth > 0:  # the drafter drafts (what the grammar forces comes after its chain)
+                drafting.append(p)
         if not drafting:
             return units
         drafter = self.drafter
@@ -202,16 +197,6 @@ class Runner:
             proposal = shape_chains(proposal, [p.request for p in part], [p.depth for p in part])
             units += self._units(part, proposal, report)
         return units
-
-    def _forced(self, p: RowPlan, report: StepReport) -> list[int] | None:
-        """The tokens a row's grammar forces where they fill its planned depth (free drafts: the
-        drafter is not asked for that row), else None; ``[]`` where the row failed."""
-        try:
-            forced = free_drafts(p.request, p.depth)
-        except Exception as err:
-            self.fail(p.request, "the grammar's free drafts", err, report)
-            return []
-        return forced if len(forced) >= p.depth else None
 
     def _units(self, drafting: list[RowPlan], proposal: SlotProposal, report: StepReport) -> list[Unit]:
         """One proposal's units, each checked; a row whose own proposal fails its check fails."""

@@ -20,6 +20,7 @@ from collections import deque
 from specdec.engine.cost_model import VerifyCostModel
 from specdec.engine.depth import DepthPolicy, RowView
 from specdec.engine.draft_cost import DraftCost
+from specdec.engine.faults import log
 from specdec.engine.grammar_drafts import FORCED_ACCEPTANCE, free_drafts
 from specdec.engine.plan import RowPlan, StepPlan, StepReport
 from specdec.engine.request import Request, RequestStatus
@@ -81,9 +82,10 @@ class Scheduler:
         budget left (the decode rows' blocks padded to the deepest)."""
         self._admit()
         decoding = [r for r in self.running if r.status is RequestStatus.DECODE]
-        depths = self._depths(decoding) if decoding else []
+        forced = [self._forced(r) for r in decoding]
+        depths = self._depths(decoding, forced) if decoding else []
         budget = self.budget - len(decoding) * (max(depths, default=-1) + 1)
-        decode = tuple(RowPlan(r, 1, K) for r, K in zip(decoding, depths, strict=True))
+        decode = tuple(RowPlan(r, 1, K, f) for r, K, f in zip(decoding, depths, forced, strict=True))
         return StepPlan(decode, self._prefill(budget), self.tree_pays and len(decoding) == 1)
 
     def update(self, report: StepReport) -> None:
@@ -143,13 +145,29 @@ class Scheduler:
         """May this row's depth follow load and timings without changing its output?"""
         return request.params.sampling.greedy or self.drafter_invariant
 
-    def _depths(self, rows: list[Request]) -> list[int]:
+    def _cap(self, r: Request) -> int:
+        """The deepest ``r`` may draft now: γ, what it may still emit after the step's token, 0 where
+        it does not speculate."""
+        return max(0, min(self.gamma_max, r.room - 1)) if r.params.speculative else 0
+
+    def _forced(self, r: Request) -> tuple[int, ...]:
+        """The tokens ``r``'s grammar forces, up to its cap; none where finding them raises (the row's
+        grammar mask then raises too, where the row fails alone)."""
+        cap = self._cap(r)
+        try:
+            return tuple(free_drafts(r, cap)) if cap else ()
+        except Exception:
+            log.exception("request %s: the grammar's forced tokens", r.request_id)
+            return ()
+
+    def _depths(self, rows: list[Request], forced: list[tuple[int, ...]] | None = None) -> list[int]:
+        """Every row's depth (``forced``: each row's forced tokens, found here where not given)."""
         views = []
-        for r in rows:
-            cap = max(0, min(self.gamma_max, r.room - 1)) if r.params.speculative else 0
+        for i, r in enumerate(rows):
+            cap = self._cap(r)
             acc = [r.acceptance(k, _PRIOR, _PRIOR_WEIGHT) for k in range(1, cap + 1)]
-            forced = len(free_drafts(r, cap)) if cap else 0  # a grammar's forced tokens
-            acc = [max(a, FORCED_ACCEPTANCE) if k < forced else a for k, a in enumerate(acc)]
+            n = len(forced[i] if forced is not None else self._forced(r))  # a grammar's forced tokens
+            acc = [max(a, FORCED_ACCEPTANCE) if k < n else a for k, a in enumerate(acc)]
             views.append(RowView(acc, cap, self._free(r)))
         depths = self.policy.depths(views, self.cost, self.draft_cost)
         # Probes share a step: a probe pads every row of the forward to 2 tokens, so once one row is
