@@ -93,8 +93,9 @@ def measure_level(
     max_model_len: int | None = None,
 ) -> dict[str, Any]:
     """One level: ``rows`` requests at once, every step drafting ``depth``; median seconds per drafting
-    step (drafting, and the catch-up within it) and the steps counted (``drafter_options``,
-    ``max_model_len``: the engine's)."""
+    step (drafting, and the catch-up within it), the steps counted and the bytes of the head its
+    drafter runs (:func:`head_bytes`; ``ValueError`` naming ``--drafter`` where it runs none).
+    ``drafter_options``, ``max_model_len``: the engine's."""
     from specdec.engine import Engine
 
     engine = Engine(
@@ -106,6 +107,9 @@ def measure_level(
         max_model_len=max_model_len,
         measure_cost=False,
     )
+    head = getattr(engine.drafter, "head", None)
+    if head is None or not hasattr(head, "lm_head"):
+        raise ValueError(f"--drafter {drafter!r} has no packed EAGLE head to measure")
     timed = _Timed(engine.drafter)
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
     for i in range(rows):
@@ -121,6 +125,7 @@ def measure_level(
         "steps": len(steady),
         "draft_ms": 1e3 * statistics.median(steady),
         "catch_up_ms": 1e3 * statistics.median(catch),
+        "head_bytes": head_bytes(head),
     }
 
 
@@ -160,8 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )  # fmt: skip
             levels.append(level)
             print(f"G={rows} T={temperature:g}: {level['draft_ms']:.2f} ms/step", file=sys.stderr)
-    head = _engine_head(target, args.drafter)
-    bytes_ = head_bytes(head)
+    bytes_ = levels[0]["head_bytes"]  # the same head at every level
+    for lv in levels:
+        del lv["head_bytes"]
     bandwidth = read_bandwidth()
     K = args.depth
     floor_ms = 1e3 * (K * (bytes_["layer"] + bytes_["lm_head"]) + bytes_["aux"]) / bandwidth
@@ -193,18 +199,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(args.out / "draft-floor.json", document)
         (args.out / "draft-floor.md").write_text(text + "\n")
     return 0
-
-
-def _engine_head(target: Any, drafter: str) -> Any:
-    """The packed head the engine's drafter runs (built as the engine builds it)."""
-    from specdec.engine import Engine
-
-    head = getattr(
-        Engine(target, drafter=drafter, gamma=1, max_num_seqs=1, measure_cost=False).drafter, "head", None
-    )
-    if head is None or not hasattr(head, "lm_head"):
-        raise ValueError(f"--drafter {drafter!r} has no packed EAGLE head to measure")
-    return head
 
 
 def summarize(result: dict[str, Any]) -> Summary:
