@@ -37,7 +37,7 @@ def grammar_of(request: Any) -> Any:
 def free_drafts(request: Any, limit: int) -> list[int]:
     """The tokens the request's grammar forces after its committed output (at most ``limit``)."""
     grammar = grammar_of(request)
-    return [] if grammar is None or not request.params.speculative else grammar.forced([], limit)
+    return [] if grammar is None or not request.params.speculative else grammar.drafts([], limit)[1]
 
 
 def shape_chains(proposal: SlotProposal, rows: Sequence[Any], limits: Sequence[int]) -> SlotProposal:
@@ -58,8 +58,7 @@ def shape_chains(proposal: SlotProposal, rows: Sequence[Any], limits: Sequence[i
         grammar = grammar_of(request)
         if grammar is not None and i not in in_trees:
             try:
-                n = grammar.valid_prefix(chain)
-                forced = grammar.forced(chain[:n], limit - n)
+                n, forced = grammar.drafts(chain, limit)
             except Exception:  # no drafts: the row's mask raises again where it fails alone (the judge)
                 n, forced = 0, []
             chain, source = chain[:n] + forced, source[:n] + [None] * len(forced)

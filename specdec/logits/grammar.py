@@ -18,7 +18,7 @@ or a hang.
 (xgrammar's jump-forward string: JSON's punctuation, a schema's keys), its tokens are proposed as
 point-mass drafts whatever the drafter says. Any deterministic proposal keeps the processed target
 distribution exactly (the rule compares it with the target like any other draft), and these cost no
-drafting. :meth:`Grammar.valid_prefix` finds a drafter's chain's first token the grammar forbids (the
+drafting. :meth:`Grammar.drafts` also finds a drafter's chain's first token the grammar forbids (the
 engine cuts the chain there: :mod:`specdec.engine.grammar_drafts`).
 """
 
@@ -182,31 +182,21 @@ class Grammar:
         return x_TV
 
     # --- drafts ---------------------------------------------------------------------------------
-    def valid_prefix(self, drafts: Sequence[int]) -> int:
-        """How many of ``drafts`` (from the committed state) the grammar allows in a row."""
-        walked = self._walk(drafts)
-        n = walked if walked >= 0 else ~walked
-        if n:
-            self.matcher.rollback(n)
-        return n
-
-    def forced(self, after: Sequence[int], limit: int) -> list[int]:
-        """At most ``limit`` tokens of the string the grammar forces after the committed output and
-        ``after`` (allowed drafts), each checked by the matcher: free drafts."""
-        if limit <= 0 or self.ended is not None:
-            return []
-        walked = self._walk(after)
-        if walked < 0:
-            self.matcher.rollback(~walked)
-            return []
+    def drafts(self, chain: Sequence[int], limit: int) -> tuple[int, list[int]]:
+        """A drafter's ``chain`` (from the committed state) as the grammar shapes it, in one walk: how
+        many of its tokens the grammar allows in a row (n), then at most ``limit - n`` tokens of the
+        string it forces after those (xgrammar's jump-forward string, re-tokenised, each checked by
+        the matcher): free drafts. The matcher ends where it began."""
+        walked = self._walk(chain)
+        n = walked if walked >= 0 else ~walked  # the matcher holds the n allowed tokens
         tokens: list[int] = []
-        if not self.matcher.is_terminated():
+        if n < limit and self.ended is None and not self.matcher.is_terminated():
             text = self.matcher.find_jump_forward_string()
             if text:
-                for t in self.tokenizer.encode(text, add_special_tokens=False)[:limit]:
+                for t in self.tokenizer.encode(text, add_special_tokens=False)[: limit - n]:
                     if not self.matcher.accept_token(int(t)):
                         break
                     tokens.append(int(t))
-        if walked + len(tokens):
-            self.matcher.rollback(walked + len(tokens))
-        return tokens
+        if n + len(tokens):
+            self.matcher.rollback(n + len(tokens))
+        return n, tokens
