@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.serve.command import add_serve
 
     add_serve(sub)
-    from specdec.bench.serve_command import add_bench_serve
+    from specdec.bench.serve_cli import add_bench_serve
 
     add_bench_serve(sub)
     from specdec.quality.command import add_perplexity

@@ -385,7 +385,7 @@ def test_eagle3_without_a_llama_server_is_skipped_without_converting(monkeypatch
 
 
 def test_the_llama_flags_reach_the_config():
-    from specdec.bench.serve_command import config_from_args
+    from specdec.bench.serve_cli import config_from_args
     from specdec.cli import build_parser
 
     argv = ["bench-serve", "--servers", ",".join(ALL_SERVERS), "--llama-head", "h.safetensors"]
