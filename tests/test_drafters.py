@@ -10,7 +10,7 @@ import specdec
 from specdec.drafters.model import ModelDrafter, check_same_vocab
 from specdec.drafters.ngram import NGramDrafter, lookup
 from specdec.drafters.none import NoDrafter
-from specdec.protocols import DecodeState, Drafter, TargetOutput
+from specdec.protocols import DecodeState, Drafter, SlotDrafter, TargetOutput
 from specdec.registry import DRAFTERS, create_drafter
 from specdec.sampling import SamplingParams
 
@@ -36,11 +36,14 @@ def state_for(
 
 def test_builtin_drafters_are_registered_and_follow_the_protocol():
     target = TableTarget(random_table(5, seed=0))
-    for name in ("none", "ngram"):
-        assert name in DRAFTERS
-        assert isinstance(create_drafter(name, target), Drafter)
+    assert isinstance(create_drafter("none", target), Drafter)  # one request, one instance for every row
+    assert isinstance(create_drafter("ngram", target), SlotDrafter)
+    assert (
+        create_drafter("ngram", target).num_slots == 1
+        and create_drafter("ngram", target, num_slots=3).num_slots == 3
+    )
     assert DRAFTERS.resolve("default") in DRAFTERS.names()
-    assert isinstance(create_drafter("default", target), Drafter)
+    assert isinstance(create_drafter("default", target), SlotDrafter)  # prompt lookup: no shipped head
 
 
 # --- none -----------------------------------------------------------------------------------------------

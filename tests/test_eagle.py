@@ -15,13 +15,14 @@ import specdec
 from specdec.drafters.eagle import (
     EagleCache,
     EagleDrafter,
-    EagleTreeDrafter,
     PackedEagleHead,
     draft_distribution,
+    eagle_tree,
     load_eagle_head,
 )
 from specdec.drafters.eagle.train.config import TrainConfig
 from specdec.drafters.eagle.train.objective import unrolled_features
+from specdec.protocols import Proposal
 from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.targets.hf import HFTarget
@@ -130,12 +131,17 @@ def _reference_logits(head, feats_TD, committed: list[int], path: list[int], pre
     return head.logits(f_hat)
 
 
-def _recording(cls, target, weights, **options):
-    class Recording(cls):
-        def propose(self, state, gamma, generator=None):
-            p = super().propose(state, gamma, generator)
-            n = int(state.lengths_B[0])
-            self.log.append((state.tokens_BL[0, :n].tolist(), p))
+def _recording(target, weights, **options):
+    """An EAGLE drafter that logs, for its one request, (committed tokens, the step's proposal: a chain
+    or a tree :class:`Proposal`) at every drafting step."""
+
+    class Recording(EagleDrafter):
+        def propose(self, slots, depths, *, state, **kwargs):
+            p = super().propose(slots, depths, state=state, **kwargs)
+            if depths[0] > 0:
+                n = int(state.lengths_B[0])
+                step = p.tree if p.tree is not None else Proposal(p.tokens_T[None], None)
+                self.log.append((state.tokens_BL[0, :n].tolist(), step))
             return p
 
     d = Recording(target, weights=weights, weight_dtype="float32", **options)
@@ -164,9 +170,9 @@ def test_prev_token_head_drafts_equal_recomputing_the_reference_forward(tiny_pre
     index_V = torch.full((259,), -1, dtype=torch.long)
     index_V[head.draft_vocab_N] = torch.arange(head.draft_vocab_N.numel())
     if tree is None:
-        d = _recording(EagleDrafter, target, weights)
+        d = _recording(target, weights)
     else:
-        d = _recording(EagleTreeDrafter, target, weights, tree=tree, tree_width=3)
+        d = _recording(target, weights, trees="always", tree=tree, tree_width=3)
     prompt = _prompts()[1]
     specdec.generate(
         target, [prompt], drafter=d, max_new_tokens=16, temperature=0.0, gamma=3, ignore_eos=True
@@ -489,17 +495,20 @@ def test_confidence_stop_keeps_greedy_output_and_drafts_less(tiny, drafter, opti
 
 
 def test_batched_proposals_equal_single_row_proposals(tiny):
-    """Row b's drafts among several requests are exactly its drafts when run alone (the engine gives
-    each request its own copy of the drafter object; the log is shared by the copies)."""
+    """Row b's drafts among several requests, drafted in one call, are exactly its drafts when run
+    alone."""
     target, prompts = tiny["target"], _prompts()
     log: list = []
 
     class Recording(EagleDrafter):
-        def propose(self, state, gamma, generator=None):
-            p = super().propose(state, gamma, generator)
-            n = int(state.lengths_B[0])
-            prompt = tuple(state.tokens_BL[0, : int(state.prompt_lengths_B[0])].tolist())
-            log.append((prompt, n, p.tokens_BK[0].tolist()))
+        def propose(self, slots, depths, *, state, **kwargs):
+            p = super().propose(slots, depths, state=state, **kwargs)
+            at = 0
+            for i, count in enumerate(p.counts_B):
+                n = int(state.lengths_B[i])
+                prompt = tuple(state.tokens_BL[i, : int(state.prompt_lengths_B[i])].tolist())
+                log.append((prompt, n, p.tokens_T[at : at + count].tolist()))
+                at += count
             return p
 
     def run(rows):
@@ -507,7 +516,7 @@ def test_batched_proposals_equal_single_row_proposals(tiny):
         specdec.generate(
             target,
             rows,
-            drafter=Recording(target, weights=tiny["weights"]),
+            drafter=Recording(target, num_slots=len(rows), weights=tiny["weights"]),
             max_new_tokens=30,
             temperature=0.0,
             gamma=3,
@@ -551,9 +560,13 @@ def test_bad_input_raises_valueerror(tiny, tmp_path):
         EagleDrafter(other, weights=tiny["weights"])
     hf_target = HFTarget(tiny["hf"])
     with pytest.raises(ValueError, match="copy_slots"):
-        EagleTreeDrafter(hf_target, weights=tiny["weights"])
+        eagle_tree(hf_target, weights=tiny["weights"])
     with pytest.raises(ValueError, match="unknown tree preset"):
-        EagleTreeDrafter(target, weights=tiny["weights"], tree="nope")
+        eagle_tree(target, weights=tiny["weights"], tree="nope")
+    with pytest.raises(ValueError, match="trees must be one of"):
+        EagleDrafter(target, weights=tiny["weights"], trees="sometimes")
+    with pytest.raises(ValueError, match="tree_width must be an int"):
+        eagle_tree(target, weights=tiny["weights"], tree_width=0)
 
 
 def test_hf_target_chain_matches(tiny):
@@ -606,60 +619,65 @@ def test_smollm2_greedy_equals_transformers(drafter, smollm2_greedy):
 
 @pytest.mark.model
 def test_default_drafter_is_lookup_then_the_shipped_eagle_head_for_smollm2():
-    """``default`` is one NGramEagleDrafter: the head loaded and packed once, and the EAGLE drafters
-    of the generation's mode built (a greedy request on a target with tree attention: the tree
-    drafter, which drafts chains at the steps where a tree does not pay, from the same queued
-    features; else the chain drafter); how deep it drafts is the engine's depth controller's choice."""
+    """``default`` is one NGramEagleDrafter over one EAGLE drafter in ``auto`` trees: a greedy request
+    alone in its steps drafts EAGLE-2's dynamic tree, a sampled one chains, from the same head and
+    queued features; how deep it drafts is the engine's depth controller's choice."""
     from specdec.drafters.ngram import NGramDrafter
     from specdec.drafters.ngram_eagle import NGramEagleDrafter, default_drafter
     from specdec.targets import load_target
 
     target = load_target("smollm2-135m")
     drafter = default_drafter(target)
-    assert isinstance(drafter, NGramEagleDrafter) and drafter.registry_name == "ngram-eagle-auto"
-    assert isinstance(drafter.lookup, NGramDrafter) and drafter._drafters == {}  # nothing built yet
+    assert isinstance(drafter, NGramEagleDrafter) and drafter.mode == "auto"
+    assert isinstance(drafter.lookup, NGramDrafter) and drafter.eagle.tree_mode == "auto"
+    assert drafter.eagle.trees.tree_min_prob == 0.05 and drafter.eagle.trees.dynamic
+    assert drafter.eagle.min_prob == 0.2 and drafter.head is drafter.eagle.head
     ids = target.tokenizer("def add(a, b):").input_ids
     specdec.generate(target, [ids], drafter=drafter, max_new_tokens=8, temperature=0.0)
-    assert drafter.last_mode == "tree" and list(drafter._drafters) == ["tree"]  # features queued once
-    tree = drafter.eagle
-    assert isinstance(tree, EagleTreeDrafter) and tree.tree_min_prob == 0.05 and tree.dynamic
-    assert tree.min_prob == 0.2  # its chain steps stop where the chain drafter's would
+    trees = drafter.counts["tree"]
+    assert trees > 0
     specdec.generate(target, [ids], drafter=drafter, max_new_tokens=8, temperature=0.7, seed=0)
-    chain = drafter.eagle
-    assert drafter.last_mode == "chain" and type(chain) is EagleDrafter and chain.min_prob == 0.2
-    assert chain.head is tree.head is drafter.head  # one head for both modes
+    assert drafter.counts["tree"] == trees and drafter.counts["head"] > 0  # sampled: chains
 
 
 def test_default_drafter_falls_back_for_other_targets(tiny, capsys):
-    from specdec.drafters.ngram import NGramDrafter
     from specdec.drafters.ngram_eagle import default_drafter
+    from specdec.drafters.ngram_slots import NGramSlotDrafter
 
     drafter = default_drafter(tiny["target"])
-    assert isinstance(drafter, NGramDrafter) and drafter.registry_name == "ngram"
+    assert isinstance(drafter, NGramSlotDrafter)
     assert "drafter 'default' -> 'ngram'" in capsys.readouterr().err
 
 
 class _CheckingEagle:
-    """Runs a lookup-first drafter; whenever it drafts with the head, a separately fed EAGLE agrees."""
+    """A slot drafter running a lookup-first drafter for one request; whenever it drafts with the
+    head, a separately fed EAGLE drafter agrees."""
 
     def __init__(self, hybrid, reference):
         self.hybrid, self.reference, self.checked = hybrid, reference, 0
+        self.num_slots, self.catch_up_s, self.catch_up_tokens = 1, 0.0, 0
 
-    def begin(self, state, out):
-        self.hybrid.begin(state, out)
-        self.reference.begin(state, out)
+    def add(self, slot, prompt_ids, prefill_out):
+        self.hybrid.add(slot, prompt_ids, prefill_out)
+        self.reference.add(slot, prompt_ids, prefill_out)
 
-    def observe(self, state, num_accepted, out):
-        self.hybrid.observe(state, num_accepted, out)
-        self.reference.observe(state, num_accepted, out)
+    def drop(self, slot):
+        self.hybrid.drop(slot)
+        self.reference.drop(slot)
 
-    def propose(self, state, gamma, generator=None):
-        p = self.hybrid.propose(state, gamma, generator)
-        if self.hybrid.last_choice == "head":
-            assert p.tokens_BK.tolist() == self.reference.propose(state, gamma, generator).tokens_BK.tolist()
+    def observe(self, slots, num_accepted, features, *, state):
+        self.hybrid.observe(slots, num_accepted, features, state=state)
+        self.reference.observe(slots, num_accepted, features, state=state)
+
+    def propose(self, slots, depths, *, state, **kwargs):
+        heads = self.hybrid.counts["head"]
+        p = self.hybrid.propose(slots, depths, state=state, **kwargs)
+        if self.hybrid.counts["head"] > heads:
+            ref = self.reference.propose(slots, depths, state=state, **kwargs)
+            assert p.tokens_T.tolist() == ref.tokens_T.tolist()
             self.checked += 1
         else:
-            self.reference.catch_up(state)
+            self.reference.catch_up(list(slots), state, [0])
         return p
 
 
@@ -685,16 +703,16 @@ def test_ngram_eagle_uses_both_drafters_and_keeps_eagle_in_step(tiny):
         NGramEagleDrafter(target, weights=tiny["weights"], mode="both")
 
 
-def test_ngram_eagle_auto_chain_steps_of_its_tree_drafter_equal_a_chain_drafters(tiny):
-    """In ``auto`` mode a greedy row's tree drafter also drafts the chains (steps where a tree does
-    not pay), from the one feature queue: every such chain equals what a separately fed chain
+def test_ngram_eagle_auto_chains_equal_a_chain_drafters_where_trees_do_not_pay(tiny):
+    """In ``auto`` mode a greedy row drafts chains at the steps where a tree does not pay, from the
+    head cache and feature queue its trees use: every such chain equals what a separately fed chain
     drafter proposes."""
     from specdec.drafters.ngram_eagle import NGramEagleDrafter
 
     class NoTrees(_CheckingEagle):
-        def propose(self, state, gamma, generator=None):
+        def propose(self, slots, depths, *, state, **kwargs):
             state.tree_ok = False
-            return super().propose(state, gamma, generator)
+            return super().propose(slots, depths, state=state, **kwargs)
 
     target = tiny["target"]
     hybrid = NGramEagleDrafter(target, mode="auto", weights=tiny["weights"], min_prob=0.0, min_ngram=2)
@@ -703,7 +721,7 @@ def test_ngram_eagle_auto_chain_steps_of_its_tree_drafter_equal_a_chain_drafters
     kw = {"max_new_tokens": 40, "temperature": 0.0, "gamma": 3}
     out = specdec.generate(target, [prompt], drafter=checking, **kw)
     assert out.token_ids == specdec.generate(target, [prompt], drafter="none", **kw).token_ids
-    assert hybrid.last_mode == "tree" and list(hybrid._drafters) == ["tree"]
+    assert hybrid.counts["tree"] == 0
     assert checking.checked == hybrid.counts["head"] > 0
 
 
@@ -714,30 +732,25 @@ def test_ngram_eagle_tree_mixes_lookup_chains_and_eagle_trees(tiny):
     kw = {"max_new_tokens": 40, "temperature": 0.0, "gamma": 3}
     out = specdec.generate(target, [prompt], drafter=drafter, **kw)
     assert out.token_ids == specdec.generate(target, [prompt], drafter="none", **kw).token_ids
-    assert drafter.counts["lookup"] > 0 and drafter.counts["head"] > 0
+    assert drafter.counts["lookup"] > 0 and drafter.counts["tree"] > 0 and drafter.counts["head"] == 0
 
 
 def test_ngram_eagle_auto_drafts_the_tree_only_at_steps_where_the_engine_says_it_pays(tiny, monkeypatch):
     """In the engine a tree takes a forward of its own: ``auto`` drafts it only where the engine sets
     ``DecodeState.tree_ok`` (one decoding row, trees paying on the cost model), the chain at the
     other steps, and the output is plain decoding's either way."""
-    from specdec.drafters.eagle.slots import EagleSlotDrafter
     from specdec.engine import Engine
 
     calls: list[tuple[str, bool]] = []
-    tree_propose, chain_propose = EagleTreeDrafter.propose, EagleSlotDrafter.propose
+    propose = EagleDrafter.propose
 
-    def tree_spy(self, state, gamma, generator=None):
-        calls.append(("tree", state.tree_ok))
-        return tree_propose(self, state, gamma, generator)
-
-    def chain_spy(self, slots, depths, *, state, **kwargs):  # the engine's one slot drafter's chains
+    def spy(self, slots, depths, *, state, **kwargs):
+        p = propose(self, slots, depths, state=state, **kwargs)
         if any(depths):
-            calls.append(("chain", state.tree_ok))
-        return chain_propose(self, slots, depths, state=state, **kwargs)
+            calls.append(("tree" if p.tree is not None or p.trees else "chain", state.tree_ok))
+        return p
 
-    monkeypatch.setattr(EagleTreeDrafter, "propose", tree_spy)
-    monkeypatch.setattr(EagleSlotDrafter, "propose", chain_spy)
+    monkeypatch.setattr(EagleDrafter, "propose", spy)
     target, prompts = tiny["target"], _prompts()
     options = {"weights": str(tiny["weights"]), "tree_width": 3}
 
@@ -763,28 +776,28 @@ def test_ngram_eagle_auto_drafts_the_tree_only_at_steps_where_the_engine_says_it
     assert all(ok == (kind == "tree") for kind, ok in calls)
 
 
-def test_ngram_eagle_auto_takes_the_tree_for_greedy_requests_only(tiny):
-    """Each request is one row of the engine: a greedy one takes the tree, however many share the
-    call (the drafter object serves the call's first request); a sampled one the chain."""
+def test_ngram_eagle_auto_takes_the_tree_for_greedy_rows_only(tiny):
+    """A greedy request alone in its steps takes the tree; a sampled one, or rows sharing a step,
+    the chain; a target without tree attention never drafts trees."""
     target, prompts = tiny["target"], _prompts()
-    drafter = create_drafter("ngram-eagle-auto", target, weights=str(tiny["weights"]), tree_width=3)
+    drafter = create_drafter(
+        "ngram-eagle-auto", target, num_slots=3, weights=str(tiny["weights"]), tree_width=3
+    )
+    assert drafter.eagle.trees.tree_width == 3
     kw = {"max_new_tokens": 20, "ignore_eos": True}
-    for rows, temperature, mode in (
-        (prompts[:1], 0.0, "tree"),
-        (prompts, 0.0, "tree"),
-        (prompts[:1], 0.8, "chain"),
-        (prompts, 0.8, "chain"),
+    for rows, temperature, trees in (
+        (prompts[:1], 0.0, True),
+        (prompts[:1], 0.8, False),
+        (prompts, 0.8, False),
     ):
+        before = drafter.counts["tree"]
         out = specdec.generate(target, rows, drafter=drafter, temperature=temperature, seed=1, **kw)
         ref = specdec.generate(target, rows, drafter="none", temperature=temperature, seed=1, **kw)
-        assert drafter.last_mode == mode
+        assert (drafter.counts["tree"] > before) == trees
         if temperature == 0.0:
             assert out.token_ids == ref.token_ids
-    assert (
-        isinstance(drafter._drafters["tree"], EagleTreeDrafter) and drafter._drafters["tree"].tree_width == 3
-    )
     on_hf = create_drafter("ngram-eagle-auto", HFTarget(tiny["hf"]), weights=str(tiny["weights"]))
     specdec.generate(HFTarget(tiny["hf"]), prompts[:1], drafter=on_hf, temperature=0.0, max_new_tokens=4)
-    assert on_hf.last_mode == "chain"  # no tree attention in the HF target
-    with pytest.raises(ValueError, match="before begin"):
-        create_drafter("ngram-eagle-auto", target, weights=str(tiny["weights"])).propose(None, 2)
+    assert on_hf.eagle.tree_mode == "never" and on_hf.counts["tree"] == 0  # no tree attention in HF
+    with pytest.raises(ValueError, match="hold no request"):
+        drafter.propose([0], [2], state=None, sampling=[SamplingParams()])

@@ -24,6 +24,7 @@ from specdec.drafters.ngram_eagle import NGramEagleDrafter
 from specdec.engine import Engine
 from specdec.engine.depth import DepthPolicy, RowView
 from specdec.protocols import DecodeState, TargetOutput
+from specdec.sampling import SamplingParams
 from specdec.targets.llama import LlamaTarget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,48 +82,77 @@ class Scripted(DepthPolicy):
 
 
 class Recording:
-    """Wraps a drafter: logs its proposals and, after every ``observe``, how many tokens wait."""
+    """Wraps a slot drafter serving one request at a time: logs its proposals, after every ``observe``
+    how many tokens wait, and how many drafting steps came first in their request."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.proposals, self.waiting = inner, [], []
+        self.num_slots, self.first_drafts, self.fresh = inner.num_slots, 0, False
 
-    def begin(self, state: DecodeState, out: TargetOutput) -> None:
-        self.inner.begin(state, out)
+    @property
+    def catch_up_s(self) -> float:
+        return self.inner.catch_up_s
 
-    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, out: TargetOutput) -> None:
-        self.inner.observe(state, num_accepted_B, out)
+    @property
+    def catch_up_tokens(self) -> int:
+        return self.inner.catch_up_tokens
+
+    def add(self, slot: int, prompt_ids: Any, prefill_out: TargetOutput) -> None:
+        self.inner.add(slot, prompt_ids, prefill_out)
+        self.fresh = True
+
+    def drop(self, slot: int) -> None:
+        self.inner.drop(slot)
+
+    def observe(self, slots: Any, num_accepted: Any, out: TargetOutput, *, state: DecodeState) -> None:
+        self.inner.observe(slots, num_accepted, out, state=state)
         eagle = self.inner.eagle if isinstance(self.inner, NGramEagleDrafter) else self.inner
-        self.waiting.append(eagle.queue.longest)
+        self.waiting.append(max(eagle.queue.counts[s] for s in slots))
+        self.fresh = False
 
-    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None):
-        p = self.inner.propose(state, gamma, generator)
-        probs = None if p.probs_BKV is None else p.probs_BKV.clone()
-        self.proposals.append((int(state.lengths_B[0]), gamma, p.tokens_BK.tolist(), probs))
+    def propose(self, slots: Any, depths: Any, *, state: DecodeState, **kwargs: Any):
+        p = self.inner.propose(slots, depths, state=state, **kwargs)
+        probs = None if p.probs_TV is None else p.probs_TV.clone()
+        self.proposals.append((int(state.lengths_B[0]), depths[0], [p.tokens_T.tolist()], probs))
+        self.first_drafts += self.fresh and depths[0] > 0
         return p
 
 
 class HeadCalls:
-    """Counts the head layer's forwards (``EagleCache.step``) and the positions each one ran."""
+    """Counts the head layer's forwards (a chain's or catch-up's block, a tree's ``EagleCache.step``)
+    and the positions each one ran."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.blocks: list[int] = []
-        inner = EagleCache.step
+        block, step = EagleDrafter._head_block, EagleCache.step
 
-        def step(cache, head, feature_BTD, *args, **kwargs):
+        def head_block(drafter, rows_G, feature_GTD, *args, **kwargs):
+            self.blocks.append(feature_GTD.shape[1])
+            return block(drafter, rows_G, feature_GTD, *args, **kwargs)
+
+        def tree_step(cache, head, feature_BTD, *args, **kwargs):
             self.blocks.append(feature_BTD.shape[1])
-            return inner(cache, head, feature_BTD, *args, **kwargs)
+            return step(cache, head, feature_BTD, *args, **kwargs)
 
-        monkeypatch.setattr(EagleCache, "step", step)
+        monkeypatch.setattr(EagleDrafter, "_head_block", head_block)
+        monkeypatch.setattr(EagleCache, "step", tree_step)
 
 
 def build(tiny: dict[str, Any], name: str, head: str = "weights", **options: Any) -> Any:
     """The drafter ``name`` on a tiny head, stop rules off (the untrained head is never sure)."""
     target, weights = tiny["target"], tiny[head]
     if name == "eagle":
-        return EagleDrafter(target, weights=weights, **options)
+        return EagleDrafter(target, num_slots=2, weights=weights, **options)
     mode = {"ngram-eagle": "chain", "ngram-eagle-auto": "auto"}[name]
     return NGramEagleDrafter(
-        target, mode=mode, weights=weights, min_prob=0.0, tree_min_prob=0.0, min_ngram=2, **options
+        target,
+        num_slots=2,
+        mode=mode,
+        weights=weights,
+        min_prob=0.0,
+        tree_min_prob=0.0,
+        min_ngram=2,
+        **options,
     )
 
 
@@ -177,7 +207,8 @@ def test_lazy_catch_up_drafts_what_an_eager_head_drafts(tiny, name, head, monkey
     assert sum(1 for w in lazy.waiting if w > 1) > 0  # several steps' tokens waited together
     if name == "eagle":  # every K > 0 proposal is the head's: one catch-up and K - 1 chain steps each
         assert len(calls.blocks) == sum(K for _, K, _, _ in lazy.proposals)
-        assert len(eager_blocks) == len(PROMPTS) + len(eager.waiting) + sum(
+        # eager: every observe catches up, and so does a request's first draft (its prompt waits)
+        assert len(eager_blocks) == eager.first_drafts + len(eager.waiting) + sum(
             K - 1 for _, K, _, _ in eager.proposals if K > 0
         )
 
@@ -229,7 +260,7 @@ def test_feature_queue_holds_ragged_rows_in_order_and_grows():
     torch.testing.assert_close(queue.take()[0][1], block_BTD[1, :2])
 
 
-def test_bad_max_queued_and_observe_before_begin_raise(tiny):
+def test_bad_max_queued_and_observe_before_add_raise(tiny):
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="max_queued"):
             EagleDrafter(tiny["target"], weights=tiny["weights"], max_queued=bad)
@@ -243,7 +274,7 @@ def test_bad_max_queued_and_observe_before_begin_raise(tiny):
         finished_B=torch.zeros(1, dtype=torch.bool),
     )
     out = TargetOutput(logits_BTV=torch.zeros(1, 1, 259), hidden_BTD=torch.zeros(1, 1, 64))
-    with pytest.raises(ValueError, match="before begin"):
-        drafter.observe(state, torch.zeros(1, dtype=torch.long), out)
-    with pytest.raises(ValueError, match="before begin"):
-        drafter.propose(state, 2)
+    with pytest.raises(ValueError, match="hold no request"):
+        drafter.observe([0], [0], out, state=state)
+    with pytest.raises(ValueError, match="hold no request"):
+        drafter.propose([0], [2], state=state, sampling=[SamplingParams()])

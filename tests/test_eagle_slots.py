@@ -21,8 +21,7 @@ from _engine_drive import Arrival, drive
 from _tiny import save_tiny_checkpoint
 
 import specdec
-from specdec.drafters.eagle import EagleConfig, EagleHead, save_eagle_head
-from specdec.drafters.eagle.slots import EagleSlotDrafter
+from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, save_eagle_head
 from specdec.engine import Engine
 from specdec.protocols import DecodeState, SlotDrafter
 from specdec.sampling import SamplingParams
@@ -89,7 +88,7 @@ def test_batched_propose_equals_each_slot_alone_bitwise(tiny):
     prompts, first = PROMPTS[:4], [5, 6, 7, 8]
     slots, depths = [3, 0, 2, 1], [4, 3, 0, 2]
     sampling, seeds = [GREEDY, HOT, HOT, WARM], [11, 12, 13, 14]
-    together = EagleSlotDrafter(target, num_slots=4, weights=tiny["weights"])  # captures layer 0
+    together = EagleDrafter(target, num_slots=4, weights=tiny["weights"])  # captures layer 0
     outs = [prefill(target, p) for p in prompts]
     assert isinstance(together, SlotDrafter)
     for s, p, o in zip(slots, prompts, outs, strict=True):
@@ -98,7 +97,7 @@ def test_batched_propose_equals_each_slot_alone_bitwise(tiny):
     noise = PositionNoise(seeds)
     batched = [together.propose(slots, depths, state=state, sampling=sampling, noise=noise) for _ in range(2)]
     for i in range(4):
-        alone = EagleSlotDrafter(target, num_slots=4, weights=tiny["weights"], head=together.head)
+        alone = EagleDrafter(target, num_slots=4, weights=tiny["weights"], head=together.head)
         alone.add(slots[i], prompts[i], outs[i])
         one = rows_state([prompts[i]], [first[i]])
         for call in batched:
@@ -118,13 +117,13 @@ def test_lookup_first_slots_equal_each_slot_alone(tiny):
     the others the head's chain, all in one call; every row's tokens and probabilities equal its solo
     proposal, and the lookup rows are exactly the lookup's tokens."""
     from specdec.drafters.ngram import lookup
-    from specdec.drafters.ngram_eagle_slots import ngram_eagle_slots
+    from specdec.drafters.ngram_eagle import ngram_eagle
 
     target = tiny["target"]
     prompts, first = [PROMPTS[0], PROMPTS[2], PROMPTS[1], [9, 40, 17, 3, 250]], [1, 5, 20, 6]
     slots, depths = [2, 0, 3, 1], [3, 3, 2, 4]
     sampling, seeds = [GREEDY, HOT, HOT, GREEDY], [1, 2, 3, 4]
-    together = ngram_eagle_slots(target, num_slots=4, weights=tiny["weights"])
+    together = ngram_eagle(target, num_slots=4, weights=tiny["weights"])
     assert isinstance(together, SlotDrafter)
     outs = [prefill(target, p) for p in prompts]
     for s, p, o in zip(slots, prompts, outs, strict=True):
@@ -133,7 +132,7 @@ def test_lookup_first_slots_equal_each_slot_alone(tiny):
     call = together.propose(slots, depths, state=state, sampling=sampling, noise=PositionNoise(seeds))
     assert together.counts["lookup"] == 2 and together.counts["head"] == 2  # rows 0, 2 repeat
     for i in range(4):
-        alone = ngram_eagle_slots(target, num_slots=4, head=together.head)
+        alone = ngram_eagle(target, num_slots=4, head=together.head)
         alone.add(slots[i], prompts[i], outs[i])
         one = rows_state([prompts[i]], [first[i]])
         solo = alone.propose(
@@ -165,7 +164,7 @@ def test_auto_drafts_trees_for_a_lone_greedy_row(tiny):
 def test_one_head_forward_per_draft_position_for_all_rows(tiny, monkeypatch):
     """Three rows at depth 3: one catch-up forward and two chain forwards, each over every row."""
     target = tiny["target"]
-    drafter = EagleSlotDrafter(target, num_slots=3, weights=tiny["weights"])
+    drafter = EagleDrafter(target, num_slots=3, weights=tiny["weights"])
     for s, p in enumerate(PROMPTS[:3]):
         drafter.add(s, p, prefill(target, p))
     calls = []
@@ -178,12 +177,12 @@ def test_one_head_forward_per_draft_position_for_all_rows(tiny, monkeypatch):
 
 def test_protocol_boundary_checks(tiny):
     target = tiny["target"]
-    drafter = EagleSlotDrafter(target, num_slots=2, weights=tiny["weights"])  # captures layer 0
+    drafter = EagleDrafter(target, num_slots=2, weights=tiny["weights"])  # captures layer 0
     out = prefill(target, PROMPTS[4])
     with pytest.raises(ValueError, match="slot must be an int in"):
         drafter.add(2, PROMPTS[4], out)
     with pytest.raises(ValueError, match="num_slots"):
-        EagleSlotDrafter(target, num_slots=0, weights=tiny["weights"])
+        EagleDrafter(target, num_slots=0, weights=tiny["weights"])
     drafter.add(0, PROMPTS[4], out)
     with pytest.raises(ValueError, match="in use"):
         drafter.add(0, PROMPTS[4], out)
@@ -196,9 +195,9 @@ def test_protocol_boundary_checks(tiny):
     drafter.add(0, PROMPTS[4], out)  # a dropped slot takes the next request
 
 
-def _eagle_of(drafter: Any) -> EagleSlotDrafter:
+def _eagle_of(drafter: Any) -> EagleDrafter:
     """The EAGLE slot drafter itself, or the one inside a lookup-first slot drafter."""
-    return getattr(drafter, "eagle", None) if not isinstance(drafter, EagleSlotDrafter) else drafter
+    return getattr(drafter, "eagle", None) if not isinstance(drafter, EagleDrafter) else drafter
 
 
 def churn(settings) -> list[Arrival]:

@@ -29,6 +29,7 @@ from specdec.drafters.layerskip import LayerSkipDrafter
 from specdec.drafters.layerskip_slots import LayerSkipSlotDrafter
 from specdec.drafters.model import ModelDrafter, SharedDraftModel
 from specdec.drafters.model_slots import ModelSlotDrafter
+from specdec.drafters.qself import qself
 from specdec.engine import Engine, RequestOutput
 from specdec.engine.request import RequestStatus
 from specdec.protocols import DecodeState
@@ -289,11 +290,13 @@ def test_bad_slot_options(target, paths):
     with pytest.raises(ValueError, match="num_slots"):
         SharedDraftModel(draft, 0)
     with pytest.raises(ValueError, match="int4 copy"):
-        specdec.create_drafter("qself", target, slot=0, shared=shared)
+        qself(target, slot=0, shared=shared)
     with pytest.raises(ValueError, match="slot must be an int"):
         LayerSkipDrafter(target, num_layers=1, slot=-1)
-    with pytest.raises(ValueError, match="must not set 'slot'"):
+    with pytest.raises(ValueError, match="no option 'slot'"):  # the engine's drafter keeps every slot
         make_slot_drafter(target, "layerskip", {"slot": 1}, num_slots=2)
+    with pytest.raises(ValueError, match="must not set 'num_slots'"):
+        make_slot_drafter(target, "layerskip", {"num_slots": 1}, num_slots=2)
     with pytest.raises(ValueError, match="num_slots"):
         make_slot_drafter(target, "layerskip", None, num_slots=0)
 

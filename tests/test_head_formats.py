@@ -123,7 +123,7 @@ def test_export_then_import_gives_the_same_weights_and_drafts(setup, tmp_path, f
             temperature=0.9,
             seed=0,
         )
-        drafts[label] = (res.token_ids, [(p.tokens_BK, p.probs_BKV) for p in proposals])
+        drafts[label] = (res.token_ids, [(p.tokens_T, p.probs_TV) for p in proposals])
     for label in ("file", "dir"):
         assert drafts[label][0] == drafts["module"][0]
         assert len(drafts[label][1]) == len(drafts["module"][1]) > 3

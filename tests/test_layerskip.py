@@ -12,7 +12,8 @@ from _tiny import save_tiny_checkpoint, tiny_llama
 
 import specdec
 from specdec.drafters.layerskip import LayerSkipDrafter
-from specdec.protocols import DecodeState, Drafter
+from specdec.drafters.layerskip_slots import LayerSkipSlotDrafter
+from specdec.protocols import DecodeState, Drafter, SlotDrafter
 from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams
 from specdec.targets.llama import LlamaTarget
@@ -68,7 +69,8 @@ def _truncated_greedy(small, prefix: list[int], k: int) -> list[int]:
 def test_registered_and_protocol(tiny):
     _, target = tiny
     drafter = create_drafter("layerskip", target, num_layers=EXIT)
-    assert isinstance(drafter, LayerSkipDrafter) and isinstance(drafter, Drafter)
+    assert isinstance(drafter, LayerSkipSlotDrafter) and isinstance(drafter, SlotDrafter)
+    assert isinstance(LayerSkipDrafter(target), Drafter)
     assert LayerSkipDrafter(target).num_layers == 3  # round(0.8 · 4)
 
 

@@ -3,10 +3,10 @@
 
 A batched ``propose`` gives every row bitwise what it gets alone (tokens, counts, probabilities; mixed
 depths, settings and lengths) for an instance per request (``RequestSlots``: Markov drafters, ``bigram``
-by name, ``eagle-tree`` with a tiny head) and for one batched instance (``CohortSlots``: a Markov
-drafter, ``none``); a request's instance draws from the generator of ``mix_seed(seed, position, 1)``; it
-begins once, lazily, on the row as it was at the start of its first step; slots come and go;
-``make_slot_drafter`` resolves every kind of drafter and refuses bad arguments.
+by name), for one batched instance (``CohortSlots``: a Markov drafter, ``none``) and for the slot
+drafter ``eagle-tree`` (a tiny head); a request's instance draws from the generator of
+``mix_seed(seed, position, 1)``; it begins once, lazily, on the row as it was at the start of its first
+step; slots come and go; ``make_slot_drafter`` resolves every kind of drafter and refuses bad arguments.
 
 Legend: G rows of a call, K draft depth, L capacity, V vocabulary.
 """
@@ -23,7 +23,8 @@ from _tree_toys import TreeMarkovDrafter
 from test_eagle_slots import tiny  # noqa: F401  (a fixture: a tiny Llama and an EAGLE head file)
 
 from specdec.drafters import ngram_lm
-from specdec.drafters.engine_drafter import SHARED_PARTS, drafter_name, make_slot_drafter
+from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.engine_drafter import drafter_name, make_slot_drafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram_slots import NGramSlotDrafter
 from specdec.drafters.none import NoDrafter
@@ -416,38 +417,26 @@ def test_make_slot_drafter_resolves_names_and_objects(capsys):
     assert copies.instances[0] is plain
 
 
-def test_make_slot_drafter_shares_the_head_of_a_named_per_request_drafter(monkeypatch):
-    """A registered per-request drafter with a shared part: the first instance (built at once, slot 0)
-    loads it, later ones get it as ``head=`` without the options that load it; ``slot`` / ``num_slots``
-    go to a factory that takes them."""
+def test_make_slot_drafter_builds_a_named_per_request_drafter_per_slot():
+    """A registered one-request drafter: the first instance is built at once (bad options fail there)
+    and serves the first request; every other slot gets its own."""
     built: list[dict] = []
 
-    class Headed(Recorder):
-        def __init__(self, target, *, slot, num_slots, weights=None, dtype=None, head=None):
+    class Counted(Recorder):
+        def __init__(self, target, *, weights=None):
             super().__init__()
-            built.append(
-                {"slot": slot, "num_slots": num_slots, "weights": weights, "dtype": dtype, "head": head}
-            )
-            self.head = head if head is not None else object()
+            built.append({"weights": weights})
 
-    DRAFTERS.register("headed-test", Headed)
+    DRAFTERS.register("counted-test", Counted)
     try:
-        monkeypatch.setitem(SHARED_PARTS, "headed-test", "head")
-        options = {"weights": "w.safetensors", "dtype": "float32"}
-        d = make_slot_drafter(TARGET.as_target(), "headed-test", options, num_slots=3)
-        assert isinstance(d, RequestSlots) and d.name == "headed-test"
-        assert built == [
-            {"slot": 0, "num_slots": 3, "weights": "w.safetensors", "dtype": "float32", "head": None}
-        ]
+        d = make_slot_drafter(TARGET.as_target(), "counted-test", {"weights": "w"}, num_slots=3)
+        assert isinstance(d, RequestSlots) and d.name == "counted-test" and len(built) == 1
         added(d, [1, 0], [[1], [2]])
-        head = d.instances[0].head
-        assert len(built) == 2 and built[1] == {"slot": 1, "num_slots": 3, "weights": None, "dtype": None,
-                                                "head": head}  # fmt: skip
-        assert d.instances[1].head is head  # slot 0 got the first instance, built at once
+        assert len(built) == 2 and d.instances[0] is not d.instances[1]
         with pytest.raises(ValueError, match="has no option 'bogus'"):
-            make_slot_drafter(TARGET.as_target(), "headed-test", {"bogus": 1}, num_slots=2)
+            make_slot_drafter(TARGET.as_target(), "counted-test", {"bogus": 1}, num_slots=2)
     finally:
-        DRAFTERS.unregister("headed-test")
+        DRAFTERS.unregister("counted-test")
 
 
 def test_make_slot_drafter_errors():
@@ -456,9 +445,8 @@ def test_make_slot_drafter_errors():
         make_slot_drafter(target, "ngram", num_slots=0)
     with pytest.raises(ValueError, match="unknown drafter 'nope'; known drafters: .*bigram"):
         make_slot_drafter(target, "nope", num_slots=1)
-    for key in ("slot", "num_slots"):
-        with pytest.raises(ValueError, match=f"must not set '{key}'"):
-            make_slot_drafter(target, "bigram", {key: 1}, num_slots=2)
+    with pytest.raises(ValueError, match="must not set 'num_slots'"):
+        make_slot_drafter(target, "bigram", {"num_slots": 1}, num_slots=2)
     with pytest.raises(ValueError, match="only apply when drafter is given by name"):
         make_slot_drafter(target, DRAFT.as_drafter(), {"x": 1}, num_slots=2)
     with pytest.raises(ValueError, match="has 2 slots, the engine needs 3"):
@@ -470,10 +458,9 @@ def test_make_slot_drafter_errors():
 
 
 # --- eagle-tree with a tiny head (the fixture of tests/test_eagle_slots.py) ------------------------------
-def test_eagle_tree_by_name_rows_equal_alone_and_share_one_head(tiny):  # noqa: F811
-    """``eagle-tree`` per request: one head for every instance; two rows drafted together each get
-    their own tree (``trees``, verified alone) and its main path as the chain, equal to the row alone,
-    where the call's proposal is its tree."""
+def test_eagle_tree_by_name_rows_equal_alone(tiny):  # noqa: F811
+    """``eagle-tree``: two rows drafted in one call each get their own tree (``trees``, verified alone)
+    and its main path as the chain, equal to the row alone, where the call's proposal is its tree."""
     tiny_eagle = tiny
     target = tiny_eagle["target"]
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 2, [20, 21, 22] * 4]
@@ -486,8 +473,7 @@ def test_eagle_tree_by_name_rows_equal_alone_and_share_one_head(tiny):  # noqa: 
         outs.append(target.forward(torch.tensor([p]), torch.zeros(1, dtype=torch.long)))
     for s, p, o in zip([1, 0], prompts, outs, strict=True):
         d.add(s, p, o)
-    assert isinstance(d, RequestSlots) and d.name == "eagle-tree"
-    assert d.instances[0].head is d.instances[1].head
+    assert isinstance(d, EagleDrafter) and d.tree_mode == "always"
     state = rows(prompts, [[5], [6]])
     sampling, seeds, depths = [GREEDY, HOT], [5, 6], [3, 2]
     together = d.propose([1, 0], depths, state=state, sampling=sampling, noise=PositionNoise(seeds))

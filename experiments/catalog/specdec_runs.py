@@ -324,12 +324,12 @@ def run_interleaved(
     """
     from specdec.bench.interleave import generate_method
     from specdec.bench.interleave import run_interleaved as run
-    from specdec.registry import create_drafter
+    from specdec.drafters.engine_drafter import make_slot_drafter
 
     fns = {
         m.label: generate_method(
             target,
-            create_drafter(m.drafter, target, **dict(m.drafter_options)),
+            make_slot_drafter(target, m.drafter, dict(m.drafter_options), num_slots=1),
             temperature=temperature,
             gamma=m.gamma,
             verify=m.verify,

@@ -172,11 +172,14 @@ def _prompts(cfg: BenchConfig, tokenizer: Any) -> list[Prompt]:
 
 
 def _drafters(cfg: BenchConfig, target: Any, notes: list[str]) -> dict[str, Any]:
-    """Our drafters by label (``none`` first); unavailable ones are skipped with a note."""
-    from specdec.registry import DRAFTERS, create_drafter
+    """Our drafters by label (``none`` first), each the engine's drafter for its name (what
+    ``specdec generate`` and ``specdec serve`` run), built once for one request at a time;
+    unavailable ones are skipped with a note."""
+    from specdec.drafters.engine_drafter import make_slot_drafter
+    from specdec.registry import DRAFTERS
     from specdec.targets import open_target
 
-    drafters: dict[str, Any] = {"none": create_drafter("none", target)}
+    drafters: dict[str, Any] = {"none": make_slot_drafter(target, "none", num_slots=1)}
     for entry in cfg.drafters:
         # "LABEL=DRAFTER" runs a registered drafter under its own label, with the options given for
         # that label, so one run can compare settings of one drafter (eagle,eagle-stop=eagle).
@@ -195,7 +198,7 @@ def _drafters(cfg: BenchConfig, target: Any, notes: list[str]) -> dict[str, Any]
         if label == "none":
             continue
         try:
-            drafters[label] = create_drafter(name, target, **options)
+            drafters[label] = make_slot_drafter(target, name, options, num_slots=1)
         except (ImportError, ValueError, NotImplementedError) as e:
             notes.append(f"ours/{label} skipped: {type(e).__name__}: {e}")
     return drafters

@@ -1,45 +1,43 @@
 """Prompt lookup first, the trained EAGLE head otherwise: ``ngram-eagle``, ``-tree``, ``-auto``, ``default``.
 
-Legend: B batch, K draft length.
+Legend: S engine slots, G rows of a call, K a row's draft depth, V target vocabulary.
 
-Prompt lookup (:mod:`specdec.drafters.ngram`, only n-grams of at least ``min_ngram`` tokens)
-proposes when the text repeats itself, which costs nothing and is accepted often; otherwise the
-EAGLE head drafts, a chain (:class:`~specdec.drafters.eagle.EagleDrafter`) or a token tree
-(:class:`~specdec.drafters.eagle.EagleTreeDrafter`). The head is loaded and packed once; the EAGLE
-drafter for a generation's mode is built when that mode is first needed, and it sees every
-``begin`` and ``observe``. Its catch-up on the committed tokens is lazy
+:class:`NGramEagleDrafter` is a :class:`~specdec.protocols.SlotDrafter`: one instance per engine, a
+single request being a batch of one. Per row and step: prompt lookup (:mod:`specdec.drafters.ngram`,
+only n-grams of at least ``min_ngram`` tokens) over the row's own tokens; where it finds at least
+``min_tokens`` tokens, they are the row's draft (a point mass), which costs nothing and is accepted
+often when the text repeats itself. The other drafting rows go to **one**
+:class:`~specdec.drafters.eagle.EagleDrafter` call (one head forward per draft position for all of
+them). So a row's proposal depends on that row only, and a step of 8 rows costs the head ``K``
+forwards, not ``8 K``. The head's catch-up on the committed tokens is lazy
 (:mod:`specdec.drafters.eagle.queue`): after a lookup step or a plain step (depth 0) their features
-wait, and the head runs them all in one block when it next drafts, so steps where the head does not
-draft cost it nothing.
+wait, and the head runs them all in one block when it next drafts.
 
-Modes: ``chain``, ``tree``, or ``auto``: the tree for greedy single-row runs on a target with tree
-attention, the chain otherwise (the dynamic tree is a greedy, single-row construction anyway); in
-``auto`` mode the tree only at steps where ``DecodeState.tree_ok`` (the engine sets it: the row is
-verified alone and a tree-sized block costs at most 1.6x one token here), the chain at the others.
+Modes (the head's ``trees``): ``chain`` never drafts trees; ``tree`` drafts every head row's token tree;
+``auto`` (``default``) drafts the tree for the one greedy row of a call where the engine says a tree
+pays (``DecodeState.tree_ok``: the row is verified alone and a tree-sized block costs at most 1.6× one
+token here), the chain otherwise.
 
-How deep to draft is not this drafter's choice: it drafts the γ it is asked for (the engine's depth
-controller, :mod:`specdec.engine.depth`, asks per request and step; γ = 0 is a plain step, whose
-committed tokens wait for the head's lazy catch-up).
-
-The choice is made per step for the whole batch: the lookup is used when every unfinished row has at
-least ``min_tokens`` tokens from it. Either way the proposal is verified as usual, so the output
+How deep to draft is not this drafter's choice: it drafts the depth it is asked for (the engine's
+depth controller, :mod:`specdec.engine.depth`). Every proposal is verified as usual, so the output
 distribution stays the target's.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from specdec.drafters.eagle import EagleDrafter, EagleTreeDrafter, load_packed_head, resolve_weights
-from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, check_max_queued
+from specdec.drafters.eagle import EagleDrafter, resolve_weights
+from specdec.drafters.eagle.drafter import DEFAULT_MAX_QUEUED
 from specdec.drafters.eagle.weights import DEFAULT_WEIGHTS, read_head_file, target_mismatch
 from specdec.drafters.ngram import NGramDrafter
-from specdec.protocols import DecodeState, FeatureTarget, Proposal, TargetOutput, TreeTarget
+from specdec.protocols import DecodeState, FeatureTarget, SlotProposal, TargetOutput, TreeTarget
+from specdec.sampling import SamplingParams
+from specdec.verify.noise import PositionNoise
 
 __all__ = [
     "NGramEagleDrafter",
@@ -50,7 +48,7 @@ __all__ = [
     "default_name",
 ]
 
-_MODES = ("chain", "tree", "auto")
+_MODES = {"chain": "never", "tree": "always", "auto": "auto"}  # mode -> the head's trees
 
 # Tuned on the 2-core CPU (specdec bench, greedy, held-out HumanEval + MT-Bench prompts, γ = 4 and 6):
 # the confidence stop at 0.1–0.2 gained 3–4 % over none, the tree floor at 0.05–0.15 gained 5–11 %.
@@ -60,29 +58,27 @@ DEFAULT_TREE_MIN_PROB = 0.05
 
 
 class NGramEagleDrafter:
-    """Prompt lookup first, else an EAGLE chain or tree (see the module doc).
+    """Prompt lookup first, else the EAGLE head, over ``num_slots`` engine rows (see the module doc).
 
     Args:
         target: a :class:`~specdec.protocols.FeatureTarget` (and a ``TreeTarget`` for trees).
+        num_slots: the engine's cache rows (the engine sets it).
         mode: ``"chain"``, ``"tree"`` or ``"auto"``.
-        min_ngram, max_ngram: the lookup's n-gram sizes; min_tokens: the fewest tokens the lookup
-            must find in every running row to be used.
+        min_ngram, max_ngram: the lookup's n-gram sizes; min_tokens: the fewest tokens the lookup must
+            find in a row to be used there.
         min_prob: the chain's confidence stop; tree_min_prob, tree, tree_nodes, tree_width: the
-            tree's options (:class:`~specdec.drafters.eagle.EagleTreeDrafter`).
-        max_queued: committed tokens that may wait for the head's lazy catch-up
-            (:class:`~specdec.drafters.eagle.EagleDrafter`).
-        head_options: ``weights``, ``draft_vocab_size``, ``dtype``, ``linear_backend``,
-            ``weight_dtype`` (:class:`~specdec.drafters.eagle.EagleDrafter`), or ``head``, an
-            already loaded head.
+            tree's options; max_queued and the head's options (``weights``, ``draft_vocab_size``,
+            ``dtype``, ``linear_backend``, ``weight_dtype``, or ``head``, an already loaded head): as
+            :class:`~specdec.drafters.eagle.EagleDrafter`.
 
-    ``last_choice`` is ``"lookup"`` or ``"head"`` after each ``propose``; ``counts`` counts both;
-    ``last_mode`` is the current generation's ``"chain"`` or ``"tree"``.
+    ``counts`` counts the rows drafted by ``"lookup"``, by the ``"head"`` (chains) and by ``"tree"``.
     """
 
     def __init__(
         self,
         target: Any,
         *,
+        num_slots: int = 1,
         mode: str = "auto",
         min_ngram: int = 2,
         max_ngram: int = 3,
@@ -96,7 +92,7 @@ class NGramEagleDrafter:
         **head_options: Any,
     ) -> None:
         if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+            raise ValueError(f"mode must be one of {tuple(_MODES)}, got {mode!r}")
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
             raise ValueError(f"min_tokens must be an int >= 1, got {min_tokens!r}")
         if mode == "tree" and not isinstance(target, TreeTarget):
@@ -104,130 +100,122 @@ class NGramEagleDrafter:
                 f"mode 'tree' needs a target with tree attention and copy_slots (the native Llama target); "
                 f"got {type(target).__name__}"
             )
-        self.target, self.mode, self.min_tokens = target, mode, min_tokens
         self.lookup = NGramDrafter(target, max_ngram=max_ngram, min_ngram=min_ngram)
-        head = head_options.pop("head", None)
-        if isinstance(head, (str, Path)):  # a head directory or file given as ``head=`` (CLI)
-            head_options.setdefault("weights", head)
-            head = None
-        if head is None:
-            head, _ = load_packed_head(target, head_options.pop("weights", None), **head_options)
-        elif head_options:
-            raise ValueError(
-                f"pass either head or the head's loading options, got head and {sorted(head_options)}"
-            )
-        self.head = head
-        max_queued = check_max_queued(max_queued)
-        self._options = {
-            "chain": {"min_prob": min_prob, "max_queued": max_queued},
-            "tree": {
-                "tree_min_prob": tree_min_prob,
-                "tree": tree,
-                "tree_nodes": tree_nodes,
-                "tree_width": tree_width,
-                "max_queued": max_queued,
-            },
-        }
-        for kind in ("chain", "tree") if mode == "auto" else (mode,):  # bad options fail now
-            self._check_options(kind)
-        self._drafters: dict[str, EagleDrafter] = {}
-        self.last_mode: str | None = None
-        self.last_choice: str | None = None
-        self.counts = {"lookup": 0, "head": 0}
-
-    def _check_options(self, kind: str) -> None:
-        from specdec.drafters.confidence import check_min_prob
-
-        if kind == "chain":
-            check_min_prob(self._options["chain"]["min_prob"])
-        else:
-            check_min_prob(self._options["tree"]["tree_min_prob"], "tree_min_prob")
-
-    def mode_for(self, state: DecodeState) -> str:
-        """``"chain"`` or ``"tree"`` for a generation (``auto``: tree for greedy single rows; then
-        each step drafts the tree only where ``state.tree_ok``, else the chain)."""
-        if self.mode != "auto":
-            return self.mode
-        tree_run = state.sampling.greedy and state.batch_size == 1 and isinstance(self.target, TreeTarget)
-        return "tree" if tree_run else "chain"
-
-    def _eagle(self, kind: str) -> EagleDrafter:
-        if kind not in self._drafters:
-            cls = EagleTreeDrafter if kind == "tree" else EagleDrafter
-            drafter = cls(self.target, head=self.head, **self._options[kind])
-            if kind == "tree":  # its chain steps (auto mode) stop where the chain drafter's would
-                drafter.min_prob = self._options["chain"]["min_prob"]
-            self._drafters[kind] = drafter
-        return self._drafters[kind]
+        self.min_tokens = min_tokens
+        self.eagle = EagleDrafter(
+            target,
+            num_slots=num_slots,
+            min_prob=min_prob,
+            max_queued=max_queued,
+            trees=_MODES[mode],
+            tree=tree,
+            tree_nodes=tree_nodes,
+            tree_width=tree_width,
+            tree_min_prob=tree_min_prob,
+            **head_options,
+        )
+        self.head, self.num_slots, self.mode = self.eagle.head, num_slots, mode
+        self.vocab_size = self.eagle.vocab_size
+        self.counts = {"lookup": 0, "head": 0, "tree": 0}
 
     @property
-    def eagle(self) -> EagleDrafter:
-        """The EAGLE drafter of the current generation (in ``auto`` mode with trees, the tree's)."""
-        if self.last_mode is None:
-            raise ValueError("propose() or observe() called before begin()")
-        return self._eagle(self.last_mode)
+    def active(self) -> list[bool]:
+        """Per slot: whether it holds a request (the head's slots)."""
+        return self.eagle.active
 
     @property
     def catch_up_s(self) -> float:
-        """Seconds its EAGLE drafters spent catching up (:attr:`EagleDrafter.catch_up_s`)."""
-        return sum(d.catch_up_s for d in self._drafters.values())
+        return self.eagle.catch_up_s
 
     @property
     def catch_up_tokens(self) -> int:
-        """Positions its EAGLE drafters caught up (:attr:`EagleDrafter.catch_up_tokens`)."""
-        return sum(d.catch_up_tokens for d in self._drafters.values())
+        return self.eagle.catch_up_tokens
 
-    def _live(self) -> list[EagleDrafter]:
-        """The EAGLE drafter that follows the generation: the one of its mode. In ``auto`` mode with
-        trees, the tree drafter drafts chains too (its chain steps are the chain drafter's
-        ``propose`` on the same head cache and feature queue: what the head holds of the committed
-        tokens does not depend on how it drafts), so the committed features are queued once."""
-        return [self.eagle]
+    def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: TargetOutput) -> None:
+        self.eagle.add(slot, prompt_ids, prefill_out)
 
-    def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
-        self.last_mode = self.mode_for(state)
-        for eagle in self._live():
-            eagle.begin(state, target_out)
+    def drop(self, slot: int) -> None:
+        self.eagle.drop(slot)
 
-    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
-        for eagle in self._live():
-            eagle.observe(state, num_accepted_B, target_out)
+    def observe(
+        self, slots: Sequence[int], num_accepted: Sequence[int], features: TargetOutput, *, state: DecodeState
+    ) -> None:
+        self.eagle.observe(slots, num_accepted, features, state=state)
 
-    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
-        if gamma < 0:
-            raise ValueError(f"gamma must be >= 0, got {gamma}")
-        eagle = self.eagle  # raises before begin()
-        draft = eagle.propose
-        if self.mode == "auto" and self.last_mode == "tree" and not state.tree_ok:
-            # a tree does not pay at this step: the tree drafter drafts a chain
-            draft = functools.partial(EagleDrafter.propose, eagle)
-        found = self.lookup.lookups(state, gamma)
-        finished = state.finished_B.tolist()
-        if gamma > 0 and all(len(f) >= self.min_tokens for b, f in enumerate(found) if not finished[b]):
-            self._chose("lookup")  # the head's catch-up waits for its next draft
-            return self.lookup.pack(state, found)
-        self._chose("head")
-        # gamma = 0: a plain step (the head's catch-up waits)
-        return draft(state, gamma, generator)
+    def propose(
+        self,
+        slots: Sequence[int],
+        depths: Sequence[int],
+        *,
+        state: DecodeState,
+        sampling: Sequence[SamplingParams],
+        noise: PositionNoise | None = None,
+    ) -> SlotProposal:
+        """Per row: the lookup's tokens where it finds ``min_tokens``, else the head's chain or tree (all
+        such rows in one call)."""
+        self.eagle.check_propose(slots, depths, sampling, state, noise)
+        found = self.lookup.lookups(state, max(depths, default=0))
+        looked = [d > 0 and len(f[:d]) >= self.min_tokens for f, d in zip(found, depths, strict=True)]
+        head_depths = [0 if hit else d for hit, d in zip(looked, depths, strict=True)]
+        self.counts["lookup"] += sum(looked)
+        chains, trees = self.eagle.counts["chain"], self.eagle.counts["tree"]
+        drafted = self.eagle.propose(slots, head_depths, state=state, sampling=sampling, noise=noise)
+        self.counts["head"] += self.eagle.counts["chain"] - chains
+        self.counts["tree"] += self.eagle.counts["tree"] - trees
+        if not any(looked):
+            return drafted
+        return self._merge(drafted, found, looked, depths, sampling)
 
-    def _chose(self, which: str) -> None:
-        self.last_choice = which
-        self.counts[which] += 1
+    def _merge(
+        self,
+        chains: SlotProposal,
+        found: list[torch.Tensor],
+        looked: list[bool],
+        depths: Sequence[int],
+        sampling: Sequence[SamplingParams],
+    ) -> SlotProposal:
+        """The head's chains (and trees) with the lookup rows' tokens in their places (point masses
+        where sampled)."""
+        device = chains.tokens_T.device
+        tokens, probs, counts, at = [], [], [], 0
+        sampled = any(not s.greedy for s in sampling)
+        for i, hit in enumerate(looked):
+            n = chains.counts_B[i]
+            if hit:
+                row = found[i][: depths[i]].to(device)
+                tokens.append(row)
+                counts.append(len(row))
+                if sampled:
+                    probs.append(torch.nn.functional.one_hot(row, self.vocab_size).float())
+            else:
+                tokens.append(chains.tokens_T[at : at + n])
+                counts.append(n)
+                if sampled:
+                    part = chains.probs_TV
+                    probs.append(
+                        part[at : at + n]
+                        if part is not None
+                        else torch.zeros(n, self.vocab_size, device=device)
+                    )
+            at += n
+        probs_TV = torch.cat(probs) if sampled and probs else None
+        return SlotProposal(torch.cat(tokens), counts, probs_TV, tree=chains.tree, trees=chains.trees)
 
 
-def ngram_eagle(target: Any, **options: Any) -> NGramEagleDrafter:
+def ngram_eagle(target: Any, *, num_slots: int = 1, **options: Any) -> NGramEagleDrafter:
     """``ngram-eagle``: lookup first, else the head's chain."""
-    return NGramEagleDrafter(target, mode="chain", **options)
+    return NGramEagleDrafter(target, num_slots=num_slots, mode="chain", **options)
 
 
-def ngram_eagle_tree(target: Any, **options: Any) -> NGramEagleDrafter:
-    """``ngram-eagle-tree``: lookup first, else an EAGLE token tree."""
-    return NGramEagleDrafter(target, mode="tree", **options)
+def ngram_eagle_tree(target: Any, *, num_slots: int = 1, **options: Any) -> NGramEagleDrafter:
+    """``ngram-eagle-tree``: lookup first, else the head's token tree."""
+    return NGramEagleDrafter(target, num_slots=num_slots, mode="tree", **options)
 
 
-def ngram_eagle_auto(target: Any, **options: Any) -> NGramEagleDrafter:
-    """``ngram-eagle-auto``: lookup first, else the tree for greedy single rows, the chain otherwise."""
-    return NGramEagleDrafter(target, mode="auto", **options)
+def ngram_eagle_auto(target: Any, *, num_slots: int = 1, **options: Any) -> NGramEagleDrafter:
+    """``ngram-eagle-auto`` (``default``): lookup first, else the head's chain, or its tree where the
+    engine says a tree pays."""
+    return NGramEagleDrafter(target, num_slots=num_slots, mode="auto", **options)
 
 
 def _shipped_head_unavailable(target: Any) -> str | None:
@@ -243,8 +231,7 @@ def _shipped_head_unavailable(target: Any) -> str | None:
 
 def default_name(target: Any) -> str:
     """What ``default`` is for ``target``: ``ngram-eagle-auto`` where the shipped head serves it, else
-    ``ngram`` (with a note on stderr saying why). The engine builds that name (a slot drafter for
-    ``ngram-eagle-auto``)."""
+    ``ngram`` (with a note on stderr saying why). The engine builds that name."""
     reason = _shipped_head_unavailable(target)
     if reason is None:
         return "ngram-eagle-auto"
@@ -252,14 +239,9 @@ def default_name(target: Any) -> str:
     return "ngram"
 
 
-def default_drafter(target: Any, **options: Any) -> Any:
+def default_drafter(target: Any, *, num_slots: int = 1, **options: Any) -> Any:
     """``default``: ``ngram-eagle-auto`` for a target with a shipped head (today ``smollm2-135m``), else
-    prompt lookup (``ngram``, with a note on stderr). Options go to the drafter built; the returned
-    drafter carries ``registry_name``, the name it was built under. How deep it drafts is the
-    engine's depth controller's choice (:mod:`specdec.engine.depth`)."""
-    name = default_name(target)
-    drafter: Any = (
-        ngram_eagle_auto(target, **options) if name == "ngram-eagle-auto" else NGramDrafter(target, **options)
-    )
-    drafter.registry_name = name
-    return drafter
+    prompt lookup (``ngram``, with a note on stderr); options go to the drafter built."""
+    from specdec.registry import DRAFTERS
+
+    return DRAFTERS.get(default_name(target))(target, num_slots=num_slots, **options)

@@ -82,10 +82,9 @@ class Engine:
             (the native ``llama`` target and the ``hf`` target do).
         drafter: a registered drafter name, built with ``drafter_options``, or a drafter object: the
             engine runs one :class:`~specdec.protocols.SlotDrafter` for every request
-            (:func:`specdec.drafters.engine_drafter.make_slot_drafter`: the names of
-            :data:`specdec.registry.SLOT_DRAFTERS` directly, the other drafters through an adapter
-            with an instance per slot). ``default``: the shipped EAGLE head with prompt lookup where
-            the target has one, else prompt lookup.
+            (:func:`specdec.drafters.engine_drafter.make_slot_drafter`: a slot drafter directly, a
+            drafter written for one request through one adapter). ``default``: the shipped EAGLE head
+            with prompt lookup where the target has one, else prompt lookup.
         gamma: ``auto`` (the default), a depth policy name (``fixed``, ``batch-table``, ``goodput``)
             built with ``gamma_options``, an int (every row drafts that many), or a ``DepthPolicy``.
         max_num_seqs: requests decoding at once (cache rows).

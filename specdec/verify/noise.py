@@ -16,7 +16,9 @@ Streams (independent families of numbers at the same position):
 - ``"residual"``: sampling the recovered token from the residual at a position;
 - ``"draft"``: a drafter's own sampling, independent of the target's;
 - ``"tree"``: the acceptance uniforms of a token tree's nodes (keyed by the block's root position
-  and the node, :func:`specdec.verify.tree.tree_rejection_sample`).
+  and the node, :func:`specdec.verify.tree.tree_rejection_sample`);
+- ``"draft_tree"``: a drafter's Gumbel noise for the children of a token tree's node (keyed by the
+  tree's first draft position and the node, :mod:`specdec.drafters.eagle.tree`).
 
 **Generator.** A counter-based hash, SplitMix64's output function (Steele, Lea and Flood 2014,
 "Fast splittable pseudorandom number generators"; the finaliser of Stafford's "Mix13") in int64
@@ -64,7 +66,7 @@ __all__ = [
     "draft_keyed",
 ]
 
-STREAMS: dict[str, int] = {"sample": 1, "accept": 2, "residual": 3, "draft": 4, "tree": 5}
+STREAMS: dict[str, int] = {"sample": 1, "accept": 2, "residual": 3, "draft": 4, "tree": 5, "draft_tree": 6}
 """Stream name -> the id mixed into the key."""
 
 

@@ -7,21 +7,19 @@
 - :mod:`~specdec.drafters.eagle.packed`: :class:`PackedEagleHead`, the same function in fused kernels;
 - :mod:`~specdec.drafters.eagle.cache`: :class:`EagleCache`, the head's KV cache and one head step;
 - :mod:`~specdec.drafters.eagle.weights`: head files (load, save, target fingerprint);
-- :mod:`~specdec.drafters.eagle.chain`: :class:`EagleDrafter`, chain drafts (``eagle``);
-- :mod:`~specdec.drafters.eagle.slots`: :class:`EagleSlotDrafter`, chain drafts for every engine slot in
-  one call (``eagle`` in the engine);
-- :mod:`~specdec.drafters.eagle.tree`: :class:`EagleTreeDrafter`, token trees (``eagle-tree``);
+- :mod:`~specdec.drafters.eagle.drafter`: :class:`EagleDrafter`, the drafter: every engine slot's
+  chains in one call per position, or token trees (``eagle``, ``eagle-tree``);
+- :mod:`~specdec.drafters.eagle.tree`: :class:`EagleTrees`, how a row's token tree is drafted;
 - :mod:`~specdec.drafters.eagle.train`: training a head for a target (``specdec train-head``).
 """
 
 from specdec.drafters.eagle.cache import EagleCache
-from specdec.drafters.eagle.chain import EagleDrafter, draft_distribution
 from specdec.drafters.eagle.config import EagleConfig
+from specdec.drafters.eagle.drafter import EagleDrafter, draft_distribution, eagle_tree
 from specdec.drafters.eagle.eagle3 import Eagle3Head
 from specdec.drafters.eagle.model import EagleHead, describe
 from specdec.drafters.eagle.packed import PackedEagleHead
-from specdec.drafters.eagle.slots import EagleSlotDrafter
-from specdec.drafters.eagle.tree import EagleTreeDrafter, resolve_tree
+from specdec.drafters.eagle.tree import EagleTrees, resolve_tree
 from specdec.drafters.eagle.weights import (
     DEFAULT_WEIGHTS,
     fingerprint,
@@ -42,8 +40,8 @@ __all__ = [
     "PackedEagleHead",
     "EagleCache",
     "EagleDrafter",
-    "EagleSlotDrafter",
-    "EagleTreeDrafter",
+    "EagleTrees",
+    "eagle_tree",
     "draft_distribution",
     "describe",
     "resolve_tree",

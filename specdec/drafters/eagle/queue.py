@@ -55,7 +55,7 @@ class FeatureQueue:
         self.counts = [0] * len(self.counts)
         return feat_BTD, count_B
 
-    # --- by row index (one queue row per engine slot: :mod:`specdec.drafters.eagle.slots`) ---------
+    # --- by row index (one queue row per engine slot: :mod:`specdec.drafters.eagle.drafter`) ---------
     def push_rows(self, rows: list[int], feat_GTD: torch.Tensor, new_G: list[int]) -> None:
         """Append ``new_G[i]`` features of block row i to queue row ``rows[i]`` (the others untouched)."""
         new_B = [0] * len(self.counts)

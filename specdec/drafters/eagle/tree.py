@@ -3,7 +3,10 @@
 Legend: B batch, N tree nodes (node 0 = root), P expanded nodes at one depth, D hidden size,
 V target vocabulary, K main-path length.
 
-The draft head (:mod:`specdec.drafters.eagle.model`) expands a fixed-shape token tree depth by depth
+:class:`EagleTrees` drafts one engine row's tree on that row's slot of the
+:class:`~specdec.drafters.eagle.EagleDrafter`'s head cache (the tree's nodes land past the row's
+length: slots never visible to its later steps). The draft head (:mod:`specdec.drafters.eagle.model`)
+expands a fixed-shape token tree depth by depth
 (EAGLE, arXiv 2401.15077, §4.2): at each depth, every node that has children scores its draft
 distribution from its predicted feature, picks its children, and all new nodes that have children
 of their own run through the head in one call with *tree attention* in the head's cache (a node
@@ -13,9 +16,11 @@ sees the committed prefix and its ancestors). The target then verifies the whole
 How children are picked:
 
 - greedy (temperature 0): the head's top-k tokens (distinct), verified by longest argmax match;
-- sampling: k tokens drawn *without replacement* from the draft distribution (Gumbel-top-k), which
-  the verifier undoes with the without-replacement recursive residual (arXiv 2402.14160), so the
-  output is exactly the target's distribution.
+- sampling: k tokens drawn *without replacement* from the draft distribution (Gumbel-top-k, the
+  Gumbel noise keyed by the row's seed, the tree's first draft position and the node: stream
+  ``"draft_tree"``, :data:`KEYS_PER_TREE` keys per position), which the verifier undoes with the
+  without-replacement recursive residual (arXiv 2402.14160), so the output is exactly the target's
+  distribution.
 
 The tree's shape never depends on the drawn tokens (a requirement of exact verification); it is
 cut to depth ≤ γ (so γ-choosing policies still work) and to the cache room left. The exception is
@@ -28,19 +33,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.drafters.confidence import check_min_prob
-from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, EagleDrafter
-from specdec.drafters.eagle.packed import PackedEagleHead
-from specdec.protocols import DecodeState, Proposal, TreeTarget
-from specdec.sampling import sampling_probs
+from specdec.protocols import DecodeState, Proposal
+from specdec.sampling import SamplingParams, sampling_probs
+from specdec.verify.noise import PositionNoise
 from specdec.verify.token_tree import PRESET_TREES, TokenTree, TreeProposal
 
-__all__ = ["EagleTreeDrafter", "resolve_tree"]
+if TYPE_CHECKING:
+    from specdec.drafters.eagle.drafter import EagleDrafter
+
+__all__ = ["EagleTrees", "KEYS_PER_TREE", "resolve_tree"]
+
+KEYS_PER_TREE = 1 << 12
+"""Keys of the ``"draft_tree"`` stream per tree (its first draft position): one per node, so a static
+tree has fewer nodes."""
 
 
 def resolve_tree(tree: str | TokenTree | Sequence[Sequence[int]]) -> TokenTree:
@@ -54,154 +64,154 @@ def resolve_tree(tree: str | TokenTree | Sequence[Sequence[int]]) -> TokenTree:
     return TokenTree.from_paths(tree)
 
 
-class EagleTreeDrafter(EagleDrafter):
-    """EAGLE with tree drafts (registered as ``eagle-tree``).
+class EagleTrees:
+    """How the EAGLE drafter drafts a row's token tree (see the module doc).
 
     Args:
-        target: a :class:`~specdec.protocols.TreeTarget` that is also a
-            :class:`~specdec.protocols.FeatureTarget` (the native Llama target).
-        tree: ``"dynamic"`` (default: EAGLE-2's dynamic tree for greedy single-row runs, the static
-            ``"small"`` preset otherwise), a preset name (``specdec.verify.token_tree.PRESET_TREES``), a
+        tree: ``"dynamic"`` (default: EAGLE-2's dynamic tree for greedy rows, the static ``"small"``
+            preset for sampled ones), a preset name (``specdec.verify.token_tree.PRESET_TREES``), a
             :class:`specdec.verify.token_tree.TokenTree` or rank paths.
         tree_nodes, tree_width: the dynamic tree's draft nodes (at most) and its beam width per depth.
         tree_min_prob: the dynamic tree keeps only nodes whose cumulative draft probability (the
             head's estimate that the target accepts the node) is at least this, and stops expanding
             once no frontier node reaches it: a node costs verify time whether accepted or not, so
             unlikely ones are dropped (0 keeps ``tree_nodes`` nodes, as EAGLE-2 does).
-        weights, draft_vocab_size, dtype, linear_backend, weight_dtype, head, max_queued: as for
-            :class:`specdec.drafters.eagle.EagleDrafter` (the catch-up is lazy here too).
     """
 
     def __init__(
         self,
-        target: Any,
-        *,
         tree: str | TokenTree | Sequence[Sequence[int]] = "dynamic",
         tree_nodes: int = 11,
         tree_width: int = 4,
         tree_min_prob: float = 0.0,
-        weights: str | Path | None = None,
-        draft_vocab_size: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        linear_backend: str = "auto",
-        weight_dtype: torch.dtype | str | None = None,
-        head: PackedEagleHead | str | Path | None = None,
-        max_queued: int = DEFAULT_MAX_QUEUED,
     ) -> None:
-        if not isinstance(target, TreeTarget):
-            raise ValueError(
-                f"eagle-tree needs a target with tree attention and copy_slots (the native Llama target, "
-                f"backend 'llama'); got {type(target).__name__}. Use the chain drafter 'eagle' instead."
-            )
-        super().__init__(
-            target,
-            weights=weights,
-            draft_vocab_size=draft_vocab_size,
-            dtype=dtype,
-            linear_backend=linear_backend,
-            weight_dtype=weight_dtype,
-            head=head,
-            max_queued=max_queued,
-        )
         self.dynamic = tree == "dynamic"
         self.tree = resolve_tree("small" if self.dynamic else tree)
-        if tree_nodes < 1 or tree_width < 1:
-            raise ValueError(f"tree_nodes and tree_width must be >= 1, got {tree_nodes}, {tree_width}")
+        for name, value in (("tree_nodes", tree_nodes), ("tree_width", tree_width)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.tree_nodes, self.tree_width = tree_nodes, tree_width
         self.tree_min_prob = check_min_prob(tree_min_prob, "tree_min_prob")
 
     @torch.inference_mode()
-    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
-        """Draft a tree (depth ≤ ``gamma``); the proposal's chain is its first-candidate path."""
-        self._check_propose(gamma)
+    def draft(
+        self,
+        eagle: EagleDrafter,
+        slot: int,
+        depth: int,
+        state: DecodeState,
+        params: SamplingParams,
+        noise: PositionNoise | None,
+    ) -> Proposal:
+        """Row ``slot``'s tree of depth ≤ ``depth`` (after its catch-up: ``eagle.catch_up``), as a
+        one-row :class:`Proposal` whose chain is the tree's first-candidate path; an empty chain where
+        no tree fits. ``state``: the row alone; ``noise``: its seed (sampled rows)."""
+        device = eagle.head.device
         room = int(state.tokens_BL.shape[1] - (state.lengths_B.max() - 1))
-        tree = self.tree.truncate(gamma, room) if gamma > 0 else None
-        if tree is None or tree.num_nodes == 1:  # a plain step: the committed tokens stay queued
-            return Proposal(torch.zeros(state.batch_size, 0, dtype=torch.long, device=self.head.device), None)
-        feat_BD = self.catch_up(state)
-        B, D = feat_BD.shape
-        device = feat_BD.device
-        last_B = state.last_tokens_B().to(device)  # the root's token: each node's x_t is its parent's
-        if self.dynamic and B == 1 and state.sampling.greedy:
-            return self._propose_dynamic(
-                feat_BD, min(gamma, room - 1), min(self.tree_nodes, room - 1), int(last_B[0])
+        tree = self.tree.truncate(depth, room) if depth > 0 else None
+        if tree is not None and tree.num_nodes > KEYS_PER_TREE:
+            raise ValueError(f"tree: at most {KEYS_PER_TREE} nodes, got {tree.num_nodes}")
+        if tree is None or tree.num_nodes == 1:
+            return Proposal(torch.zeros(1, 0, dtype=torch.long, device=device), None)
+        base = eagle.cache_len[slot]  # node i (≥ 1) sits at head-cache slot base + i − 1
+        eagle.cache.ensure(base + depth * self.tree_width + max(self.tree_nodes, tree.num_nodes) + 2)
+        cache = eagle.cache.row(slot)  # the slot's row of the shared cache, written in place
+        feat_1D = eagle.next_feat_SD[slot : slot + 1]
+        last = int(state.last_tokens_B()[0])  # the root's token: each node's x_t is its parent's
+        if self.dynamic and params.greedy:
+            return self._dynamic(
+                eagle, cache, base, feat_1D, min(depth, room - 1), min(self.tree_nodes, room - 1), last
             )
-        N, head, sampling = tree.num_nodes, self.head, state.sampling
-        feat_BND = feat_BD.new_zeros(B, N, D)
-        feat_BND[:, 0] = feat_BD
-        tokens_BN = torch.zeros(B, N, dtype=torch.long, device=device)
-        tokens_BN[:, 0] = last_B
-        draft_probs_BNV = None if sampling.greedy else torch.zeros(B, N, self.vocab_size, device=device)
-        base_B = self.cache_len_B  # node i (≥ 1) sits at head-cache slot base + i − 1
+        if not params.greedy and noise is None:
+            raise ValueError("noise: a sampled row's tree needs its PositionNoise")
+        position = int(state.lengths_B[0] - state.prompt_lengths_B[0])  # output position of depth 1
+        return self._static(eagle, cache, base, tree, feat_1D, last, params, noise, position)
+
+    def _static(self, eagle, cache, base, tree, feat_1D, last, params, noise, position) -> Proposal:
+        """A fixed-shape tree (its shape never depends on the drawn tokens)."""
+        device, head = feat_1D.device, eagle.head
+        N, D = tree.num_nodes, feat_1D.shape[1]
+        feat_1ND = feat_1D.new_zeros(1, N, D)
+        feat_1ND[:, 0] = feat_1D
+        tokens_1N = torch.zeros(1, N, dtype=torch.long, device=device)
+        tokens_1N[:, 0] = last
+        draft_probs_1NV = None if params.greedy else torch.zeros(1, N, eagle.vocab_size, device=device)
         ancestors_NN = tree.ancestor_mask(device)
         for d in range(tree.max_depth):
             parents = [m for m in tree.nodes_at_depth(d) if tree.children[m]]
-            logits_BPN = self.logits(feat_BND[:, parents], d + 1)
+            logits_PN = eagle.logits(feat_1ND[0, parents], d + 1)
             for j, m in enumerate(parents):
                 kids = list(tree.children[m])
-                tokens_BN[:, kids] = self._pick(
-                    logits_BPN[:, j], len(kids), draft_probs_BNV, m, sampling, generator
+                tokens_1N[0, kids] = self._pick(
+                    eagle,
+                    logits_PN[j],
+                    len(kids),
+                    draft_probs_1NV,
+                    m,
+                    params,
+                    noise,
+                    position * KEYS_PER_TREE + m,
                 )
             expand = [c for c in tree.nodes_at_depth(d + 1) if tree.children[c]]
             if not expand:
                 continue
             idx_P = torch.tensor(expand, device=device)
             parent_P = torch.tensor([tree.parents[c] for c in expand], device=device)
-            slots_BP = base_B.unsqueeze(1) + idx_P - 1
-            positions_BP = base_B.unsqueeze(1) + d  # = base − 1 + depth(c), depth(c) = d + 1
-            L = int(slots_BP.max()) + 1
-            node_BL = torch.arange(L, device=device) - base_B.unsqueeze(1) + 1  # slot → node index
-            in_tree_BL = (node_BL >= 1) & (node_BL < N)
-            visible_BPL = (node_BL < 1).unsqueeze(1) | (
-                in_tree_BL.unsqueeze(1) & ancestors_NN[idx_P][:, node_BL.clamp(0, N - 1)].transpose(0, 1)
+            slots_1P = base + idx_P.unsqueeze(0) - 1
+            positions_1P = torch.full_like(slots_1P, base + d)  # = base − 1 + depth(c), depth(c) = d + 1
+            L = int(slots_1P.max()) + 1
+            node_L = torch.arange(L, device=device) - base + 1  # slot → node index
+            in_tree_L = (node_L >= 1) & (node_L < N)
+            visible_PL = (node_L < 1).unsqueeze(0) | (
+                in_tree_L.unsqueeze(0) & ancestors_NN[idx_P][:, node_L.clamp(0, N - 1)]
             )
-            out_BPD = self.cache.step(
+            feat_1ND[:, idx_P] = cache.step(
                 head,
-                feat_BND[:, parent_P],
-                tokens_BN[:, idx_P],
-                slots_BP,
-                positions_BP,
-                visible_BPL,
-                tokens_BN[:, parent_P],
+                feat_1ND[:, parent_P],
+                tokens_1N[:, idx_P],
+                slots_1P,
+                positions_1P,
+                visible_PL.unsqueeze(0),
+                tokens_1N[:, parent_P],
             )
-            feat_BND[:, idx_P] = out_BPD
         main = list(tree.main_path)
         main_parents = [tree.parents[c] for c in main]
-        probs_BKV = None if draft_probs_BNV is None else draft_probs_BNV[:, main_parents]
+        probs_1KV = None if draft_probs_1NV is None else draft_probs_1NV[:, main_parents]
         return Proposal(
-            tokens_BN[:, main],
-            probs_BKV,
-            tree=TreeProposal(tree, tokens_BN, draft_probs_BNV, replacement=False),
+            tokens_1N[:, main],
+            probs_1KV,
+            tree=TreeProposal(tree, tokens_1N, draft_probs_1NV, replacement=False),
         )
 
-    def _pick(self, logits_BN, k, draft_probs_BNV, node, sampling, generator) -> torch.Tensor:
-        """``k`` children of ``node``: top-k when greedy, else Gumbel-top-k (without replacement)."""
-        vocab = self.head.draft_vocab_N
-        if sampling.greedy:
-            return vocab[logits_BN.topk(k, dim=-1).indices]
-        probs_BN = sampling_probs(logits_BN, sampling)
-        draft_probs_BNV[:, node].index_copy_(-1, vocab, probs_BN)
-        u = torch.rand(probs_BN.shape, generator=generator, device=probs_BN.device).clamp_(1e-20, 1 - 1e-7)
-        keys = probs_BN.log() - (-u.log()).log()  # log q + Gumbel(0, 1); −inf where q = 0
-        return vocab[keys.topk(k, dim=-1).indices]
+    def _pick(self, eagle, logits_N, k, draft_probs_1NV, node, params, noise, key) -> torch.Tensor:
+        """``k`` children of ``node``: top-k when greedy, else Gumbel-top-k (without replacement), the
+        Gumbel noise keyed by the row's seed and ``key`` (the tree's first draft position and the node)."""
+        vocab = eagle.head.draft_vocab_N
+        if params.greedy:
+            return vocab[logits_N.topk(k).indices]
+        probs_N = sampling_probs(logits_N[None], params)[0]
+        draft_probs_1NV[0, node].index_copy_(-1, vocab, probs_N)
+        gumbel_N = noise.gumbel_BKV(torch.tensor([key]), probs_N.shape[0], "draft_tree")[0]
+        keys = probs_N.log() + gumbel_N.to(probs_N.device)  # log q + Gumbel(0, 1); −inf where q = 0
+        return vocab[keys.topk(k).indices]
 
-    def _propose_dynamic(
-        self, feat_BD: torch.Tensor, depth: int, num_nodes: int, last_token: int
+    def _dynamic(
+        self, eagle, cache, base: int, feat_1D: torch.Tensor, depth: int, num_nodes: int, last_token: int
     ) -> Proposal:
-        """EAGLE-2 dynamic tree (Li et al. 2024, arXiv 2406.16858), greedy and one row: expand the
-        ``tree_width`` best nodes per depth by cumulative draft log-probability, then keep the
-        ``tree_nodes`` best nodes overall, none below ``tree_min_prob``. (Greedy verification is
-        exact for any tree; with sampling the shape must not depend on the drawn tokens, so sampling
-        uses the static tree.)"""
-        head, device, W = self.head, feat_BD.device, self.tree_width
+        """EAGLE-2 dynamic tree (Li et al. 2024, arXiv 2406.16858), greedy: expand the ``tree_width``
+        best nodes per depth by cumulative draft log-probability, then keep the ``tree_nodes`` best
+        nodes overall, none below ``tree_min_prob``. (Greedy verification is exact for any tree; with
+        sampling the shape must not depend on the drawn tokens, so sampled rows use the static tree.)"""
+        head, device, W = eagle.head, feat_1D.device, self.tree_width
         min_logp = math.log(self.tree_min_prob) if self.tree_min_prob > 0 else -math.inf
-        base = int(self.cache_len_B[0])  # expanded node e sits at head-cache slot base + e
         parent, token, score, node_depth = [-1], [last_token], [0.0], [0]  # the root: the last token
         slot_of: dict[int, int] = {}  # node → head-cache slot (expanded nodes only)
-        feats = {0: feat_BD[0]}
+        feats = {0: feat_1D[0]}
         frontier = [0]
         for d in range(depth):
-            logp_PN = torch.log_softmax(self.logits(torch.stack([feats[n] for n in frontier]), d + 1), dim=-1)
+            logp_PN = torch.log_softmax(
+                eagle.logits(torch.stack([feats[n] for n in frontier]), d + 1), dim=-1
+            )
             top = logp_PN.topk(W, dim=-1)
             new = []
             for i, n in enumerate(frontier):
@@ -229,7 +239,7 @@ class EagleTreeDrafter(EagleDrafter):
                     a = parent[a]
             slots = torch.tensor([[slot_of[c] for c in frontier]], device=device)
             positions = torch.full_like(slots, base + d)  # = base − 1 + depth, depth = d + 1
-            out = self.cache.step(
+            out = cache.step(
                 head,
                 torch.stack([feats[parent[c]] for c in frontier]).unsqueeze(0),
                 torch.tensor([[token[c] for c in frontier]], device=device),

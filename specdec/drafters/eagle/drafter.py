@@ -1,15 +1,21 @@
-"""The EAGLE chain drafter, one instance per engine: state per engine cache row (slot), rows drafted at once.
+"""The EAGLE drafter: one instance per engine, state per engine cache row (slot), rows drafted at once.
 
 Legend: S engine slots, G rows of a call, T block length, D hidden size, H query heads, Gk key/value
-heads, d head dim, L head-cache slots, V target vocabulary, K draft length (γ).
+heads, d head dim, L head-cache slots, N draft vocabulary, V target vocabulary, K draft length (γ).
 
-:class:`EagleSlotDrafter` is a :class:`~specdec.protocols.SlotDrafter`: the continuous-batching engine
-(:mod:`specdec.engine`) holds one for all its requests. It keeps, per engine slot, the head's KV cache
-row, the head cache's length (pairs holding true target features) and the queue of committed tokens'
-features waiting for the lazy catch-up (:mod:`specdec.drafters.eagle.queue`). A step's ``propose``
-runs **one** catch-up forward over every drafting row's queued features and then **one** head forward
-per draft position for all rows still drafting: the head's weights stream from memory once per
-position, not once per request (what per-request drafters cost: 8 head calls at batch 1 for 8 rows).
+:class:`EagleDrafter` is a :class:`~specdec.protocols.SlotDrafter` (``eagle``, ``eagle-tree``, and the
+head of ``ngram-eagle*`` and ``default``): the continuous-batching engine (:mod:`specdec.engine`) holds
+one for all its requests, and a single request is a batch of one. It keeps, per engine slot, the
+head's KV cache row, the head cache's length (pairs holding true target features) and the queue of
+committed tokens' features waiting for the lazy catch-up (:mod:`specdec.drafters.eagle.queue`). A
+step's ``propose`` runs **one** catch-up forward over every drafting row's queued features and then
+**one** head forward per draft position for all rows still drafting: the head's weights stream from
+memory once per position, not once per request.
+
+Trees (``trees``): ``"never"`` drafts chains; ``"always"`` (``eagle-tree``) drafts each drafting row's
+token tree on its own slot of the head cache (:mod:`specdec.drafters.eagle.tree`; each tree is
+verified by a forward of its own); ``"auto"`` drafts the tree only for the one greedy row of a call
+whose ``DecodeState.tree_ok`` says a tree pays, chains otherwise.
 
 Batch invariance (a seed fixes the output whatever the neighbours): a row's drafts and draft
 probabilities are bitwise those it gets proposed alone. The head's matrix products run on the packed
@@ -37,39 +43,90 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdec.drafters.confidence import row_confidence
+from specdec.checks import check_logits
+from specdec.drafters.confidence import check_min_prob, row_confidence
 from specdec.drafters.eagle.cache import EagleCache
-from specdec.drafters.eagle.chain import DEFAULT_MAX_QUEUED, EagleDrafter, full_vocabulary
 from specdec.drafters.eagle.packed import PackedEagleHead
 from specdec.drafters.eagle.queue import FeatureQueue
+from specdec.drafters.eagle.tree import EagleTrees
+from specdec.drafters.eagle.weights import load_packed_head
 from specdec.drafters.slot_table import SlotTable
-from specdec.protocols import DecodeState, SlotProposal, TargetOutput
+from specdec.protocols import DecodeState, Proposal, SlotProposal, TargetOutput, TreeTarget
 from specdec.sampling import SamplingParams, sampling_probs
 from specdec.verify.noise import PositionNoise, sample_keyed_inverse
 
-__all__ = ["EagleSlotDrafter"]
+__all__ = [
+    "EagleDrafter",
+    "eagle_tree",
+    "DEFAULT_MAX_QUEUED",
+    "TREE_MODES",
+    "check_max_queued",
+    "draft_distribution",
+]
 
 _CAPACITY = 256  # head-cache slots per row to start with (grown by doubling)
+_NO_FEATURES = "the EAGLE drafter needs target features: the target returned hidden_BTD=None"
+DEFAULT_MAX_QUEUED = 512
+"""Committed tokens that may wait for the head's catch-up between calls (see the module doc)."""
+TREE_MODES = ("never", "auto", "always")
 
 
-class EagleSlotDrafter(SlotTable):
-    """EAGLE chain drafter over ``num_slots`` engine rows (``eagle`` in the engine; see the module doc).
+def check_max_queued(max_queued: int) -> int:
+    """``max_queued`` as an int >= 0; ``ValueError`` otherwise."""
+    if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 0:
+        raise ValueError(f"max_queued must be an int >= 0, got {max_queued!r}")
+    return max_queued
+
+
+def draft_distribution(
+    logits_BN: torch.Tensor, draft_vocab_N: torch.Tensor, vocab_size: int, sampling: SamplingParams
+) -> torch.Tensor:
+    """Full-vocabulary draft probabilities ``[B, V]`` from draft-vocabulary logits: equal to
+    ``sampling_probs`` over the full vocabulary with −inf outside the draft vocabulary (the draft
+    vocabulary is sorted by id, so top-k/top-p tie breaks agree)."""
+    return full_vocabulary(sampling_probs(logits_BN, sampling), draft_vocab_N, vocab_size)
+
+
+def full_vocabulary(probs_BN: torch.Tensor, draft_vocab_N: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary probabilities ``[B, N]`` as full-vocabulary ones ``[B, V]`` (0 elsewhere)."""
+    out = torch.zeros(*probs_BN.shape[:-1], vocab_size, dtype=torch.float32, device=probs_BN.device)
+    return out.index_copy_(-1, draft_vocab_N, probs_BN)
+
+
+class EagleDrafter(SlotTable):
+    """The EAGLE drafter over ``num_slots`` engine rows (``eagle``; ``eagle-tree`` with
+    ``trees="always"``; see the module doc).
 
     Args:
-        target: a :class:`~specdec.protocols.FeatureTarget`.
-        num_slots: the engine's cache rows (``max_num_seqs``).
+        target: a :class:`~specdec.protocols.FeatureTarget` (native Llama or ``HFTarget``; a
+            :class:`~specdec.protocols.TreeTarget` for trees).
+        num_slots: the engine's cache rows (``max_num_seqs``; the engine sets it).
+        weights: a head file (path, or a file name in ``specdec/weights``); default: the shipped
+            head for ``smollm2-135m``.
+        draft_vocab_size: score only the n most frequent tokens of the stored draft vocabulary
+            (faster head, lower acceptance); default: all of it.
+        dtype: the head's dtype before packing (float32).
+        linear_backend: ``specdec.targets.linear`` backend for the head's matrix products
+            (``"auto"``: the packed CPU kernel where it builds; ``"reference"``: plain ``F.linear``).
         min_prob: per-row confidence stop (:mod:`specdec.drafters.confidence`): a row stops once the
             head's running probability of its own draft is below this (0: draft the depth asked).
-        max_queued: committed tokens whose features may wait for the lazy catch-up per row.
-        weights, draft_vocab_size, dtype, linear_backend, weight_dtype, head: as
-            :class:`~specdec.drafters.eagle.EagleDrafter` (``head``: an already loaded head).
+        weight_dtype: storage of the packed weights (``"float32"`` or ``"bfloat16"``); default
+            bfloat16 where the packed CPU kernel runs (:class:`PackedEagleHead`).
+        head: an already loaded :class:`PackedEagleHead` for this target (then ``weights`` and the
+            loading options are not used). A path instead (``--drafter-option head=DIR``) is read as
+            ``weights``: a head file, or a speculators / SGLang EAGLE-3 directory
+            (:mod:`specdec.drafters.eagle.formats`).
+        max_queued: committed tokens whose features may wait for the lazy catch-up per row (0: catch
+            up at every ``observe``).
+        trees: ``"never"``, ``"auto"`` or ``"always"`` (module doc).
+        tree, tree_nodes, tree_width, tree_min_prob: the trees' shape (:class:`EagleTrees`).
     """
 
     def __init__(
         self,
         target: Any,
         *,
-        num_slots: int,
+        num_slots: int = 1,
         weights: str | Path | None = None,
         draft_vocab_size: int | None = None,
         dtype: torch.dtype = torch.float32,
@@ -78,30 +135,57 @@ class EagleSlotDrafter(SlotTable):
         weight_dtype: torch.dtype | str | None = None,
         head: PackedEagleHead | str | Path | None = None,
         max_queued: int = DEFAULT_MAX_QUEUED,
+        trees: str = "never",
+        tree: Any = "dynamic",
+        tree_nodes: int = 11,
+        tree_width: int = 4,
+        tree_min_prob: float = 0.0,
     ) -> None:
         super().__init__(num_slots)
-        # the loading, the feature plumbing and the checked logits are the per-request drafter's
-        self.eagle = EagleDrafter(
-            target,
-            weights=weights,
-            draft_vocab_size=draft_vocab_size,
-            dtype=dtype,
-            linear_backend=linear_backend,
-            min_prob=min_prob,
-            weight_dtype=weight_dtype,
-            head=head,
-            max_queued=max_queued,
-        )
-        self.head: PackedEagleHead = self.eagle.head
-        self.metadata = self.eagle.metadata
-        self.min_prob, self.max_queued = self.eagle.min_prob, self.eagle.max_queued
-        c, device = self.head.config, self.head.device
-        self.cache = EagleCache(self.head, num_slots, _CAPACITY)
+        self.min_prob = check_min_prob(min_prob)
+        self.max_queued = check_max_queued(max_queued)
+        if trees not in TREE_MODES:
+            raise ValueError(f"trees must be one of {TREE_MODES}, got {trees!r}")
+        if trees == "always" and not isinstance(target, TreeTarget):
+            raise ValueError(
+                f"eagle-tree needs a target with tree attention and copy_slots (the native Llama target, "
+                f"backend 'llama'); got {type(target).__name__}. Use the chain drafter 'eagle' instead."
+            )
+        self.trees = EagleTrees(tree, tree_nodes, tree_width, tree_min_prob)
+        if trees == "auto" and not isinstance(target, TreeTarget):
+            trees = "never"  # the target cannot verify a tree: chains only
+        self.tree_mode = trees
+        if isinstance(head, (str, Path)):
+            if weights is not None:
+                raise ValueError(f"pass either head={head!r} (a path) or weights={weights!r}, not both")
+            weights, head = head, None
+        if head is None:
+            head, self.metadata = load_packed_head(
+                target,
+                weights,
+                draft_vocab_size=draft_vocab_size,
+                dtype=dtype,
+                linear_backend=linear_backend,
+                weight_dtype=weight_dtype,
+            )
+        else:
+            self.metadata = {}
+            if head.config.aux_layers:  # as load_packed_head does for a head it loads
+                target.capture_layers(head.config.aux_layers)
+        self.head: PackedEagleHead = head
+        self.vocab_size = head.config.vocab_size
+        c, device = head.config, head.device
+        self.cache = EagleCache(head, num_slots, _CAPACITY)
         self.cache_len = [0] * num_slots  # per slot: head-cache slots holding true-feature pairs
         self.queue = FeatureQueue(num_slots, (len(c.aux_layers) + 1) * c.hidden_size, device, capacity=64)
         self.next_feat_SD = torch.zeros(num_slots, c.hidden_size, device=device)
         self.catch_up_s = 0.0
+        """Seconds spent catching up: work owed for committed tokens before the head drafts again,
+        which the engine counts apart from its per-drafted-token cost."""
         self.catch_up_tokens = 0
+        """Queued positions caught up (the longest row's, per catch-up)."""
+        self.counts = {"chain": 0, "tree": 0}
+        """Rows drafted as chains and as trees."""
 
     # --- the protocol ---------------------------------------------------------------------------
     def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: TargetOutput) -> None:
@@ -110,7 +194,7 @@ class EagleSlotDrafter(SlotTable):
         self.cache_len[slot] = 0
         self.queue.counts[slot] = 0
         self.next_feat_SD[slot] = 0
-        raw_1TI = self.eagle._raw_features(prefill_out)
+        raw_1TI = self.raw_features(prefill_out)
         self.queue.push_rows([slot], raw_1TI, [min(raw_1TI.shape[1], len(prompt_ids))])
 
     def drop(self, slot: int) -> None:
@@ -126,7 +210,7 @@ class EagleSlotDrafter(SlotTable):
         ``lengths - 2`` have features); rows past ``max_queued`` catch up now."""
         slots = self._check_slots(slots)
         if features.hidden_BTD is None:
-            raise ValueError("features: the EAGLE drafter needs target features (hidden_BTD=None)")
+            raise ValueError(_NO_FEATURES)
         T = features.hidden_BTD.shape[1]
         lengths = state.lengths_B.tolist()
         new_G = [
@@ -134,7 +218,7 @@ class EagleSlotDrafter(SlotTable):
             for s, n in zip(slots, lengths, strict=True)
         ]
         if max(new_G, default=0) > 0:
-            self.queue.push_rows(slots, self.eagle._raw_features(features, max(new_G)), new_G)
+            self.queue.push_rows(slots, self.raw_features(features, max(new_G)), new_G)
         over = [i for i, s in enumerate(slots) if self.queue.counts[s] > self.max_queued]
         if over:
             self.catch_up(slots, state, over)
@@ -150,26 +234,89 @@ class EagleSlotDrafter(SlotTable):
         noise: PositionNoise | None = None,
     ) -> SlotProposal:
         """Up to ``depths[i]`` tokens for row ``slots[i]``: one catch-up forward over the drafting rows'
-        queued features, then one head forward per draft position over the rows still drafting."""
+        queued features, then one head forward per draft position over the rows still drafting
+        chains; a token tree instead for the rows that draft trees (``trees``, module doc)."""
         slots = self.check_propose(slots, depths, sampling, state, noise)
         G = len(slots)
-        sampled = [i for i in range(G) if not sampling[i].greedy]
         device = self.head.device
         drafting = [i for i in range(G) if depths[i] > 0]
+        tree_rows = [i for i in drafting if self._drafts_tree(i, G, sampling, state)]
+        chain_rows = [i for i in drafting if i not in tree_rows]
         drafted: list[list[torch.Tensor]] = [[] for _ in range(G)]  # per row: [token] per position
         probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]
         if drafting:
             self.catch_up(slots, state, drafting)
-            self._draft(slots, depths, state, sampling, noise, drafting, drafted, probs)
+        if chain_rows:
+            self._draft(slots, depths, state, sampling, noise, chain_rows, drafted, probs)
+        trees: list[tuple[list[int], Proposal]] = []
+        for i in tree_rows:
+            row_noise = None if noise is None else noise.select([i])
+            tree = self.trees.draft(self, slots[i], depths[i], state.row(i), sampling[i], row_noise)
+            K = tree.tokens_BK.shape[1]
+            drafted[i] = list(tree.tokens_BK[0])
+            probs[i] = [None] * K if tree.probs_BKV is None else list(tree.probs_BKV[0])
+            if tree.tree is not None:
+                trees.append(([i], tree))
+        self.counts["chain"] += len(chain_rows)
+        self.counts["tree"] += len(tree_rows)
         counts = [len(t) for t in drafted]
         flat = [t for row in drafted for t in row]
         tokens_T = torch.stack(flat) if flat else torch.zeros(0, dtype=torch.long, device=device)
         probs_TV = None
-        if sampled and flat:
-            V = self.eagle.vocab_size
-            zero_V = torch.zeros(V, dtype=torch.float32, device=device)
+        if flat and any(not s.greedy for s in sampling):
+            zero_V = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
             probs_TV = torch.stack([zero_V if p is None else p for row in probs for p in row])
-        return SlotProposal(tokens_T, counts, probs_TV)
+        proposal = SlotProposal(tokens_T, counts, probs_TV)
+        if G == 1 and trees:
+            proposal.tree = trees[0][1]
+        else:
+            proposal.trees = trees
+        return proposal
+
+    def _drafts_tree(self, i: int, G: int, sampling: Sequence[SamplingParams], state: DecodeState) -> bool:
+        """Whether row i of a call of G rows drafts a token tree (``trees``, module doc)."""
+        if self.tree_mode == "always":
+            return True
+        return self.tree_mode == "auto" and G == 1 and state.tree_ok and sampling[i].greedy
+
+    # --- the head's inputs ----------------------------------------------------------------------
+    def logits(self, feature_GD: torch.Tensor, position: int) -> torch.Tensor:
+        """The head's draft-vocabulary logits ``[G, N]`` of predicted features, checked for NaN / inf."""
+        logits_GN = self.head.logits(feature_GD)
+        check_logits(logits_GN, step=f"draft position {position}", source="the EAGLE head")
+        return logits_GN
+
+    @torch.inference_mode()
+    def input_features(self, target_out: TargetOutput) -> torch.Tensor:
+        """The head's input features ``[B, T, D]`` for a target block: the last layer's features,
+        fused with the aux layers' for an EAGLE-3 head."""
+        return self.project(self.raw_features(target_out))
+
+    def raw_features(self, target_out: TargetOutput, length: int | None = None) -> torch.Tensor:
+        """What the queue holds for a target block (its first ``length`` positions): the last
+        layer's features ``[B, T, D]``, with an EAGLE-3 head the aux layers' before them
+        (``[B, T, (A + 1) · D]``), fused only at the catch-up (:meth:`project`)."""
+        if target_out.hidden_BTD is None:
+            raise ValueError(_NO_FEATURES)
+        hidden_BTD = target_out.hidden_BTD[:, :length].float()
+        layers = self.head.config.aux_layers
+        if not layers:
+            return hidden_BTD
+        aux = target_out.aux_hidden_BTD or {}
+        missing = [i for i in layers if i not in aux]
+        if missing:
+            raise ValueError(
+                f"the EAGLE-3 head needs the outputs of target layers {missing} (aux_hidden_BTD); "
+                "the target was not asked to capture them (capture_layers)"
+            )
+        return torch.cat([*(aux[i][:, :length].float() for i in layers), hidden_BTD], dim=-1)
+
+    def project(self, raw_BTI: torch.Tensor) -> torch.Tensor:
+        """The head's input features ``[B, T, D]`` of queued raw features (:meth:`raw_features`)."""
+        A, D = len(self.head.config.aux_layers), self.head.config.hidden_size
+        if not A:
+            return raw_BTI
+        return self.head.project(raw_BTI[..., A * D :], raw_BTI[..., : A * D].unflatten(-1, (A, D)))
 
     # --- the pieces -----------------------------------------------------------------------------
     def _draft(
@@ -192,7 +339,7 @@ class EagleSlotDrafter(SlotTable):
         start = {i: self.cache_len[slots[i]] for i in rows}  # where row i's draft pairs go
         running = dict.fromkeys(rows, 1.0)  # confidence stop: the head's probability of its own draft
         for k in range(max(depths[i] for i in rows)):
-            logits_GN = self.eagle.logits(feat_GD, k + 1)
+            logits_GN = self.logits(feat_GD, k + 1)
             token_G = torch.empty(len(rows), dtype=torch.long, device=device)
             probs_G: list[torch.Tensor | None] = [None] * len(rows)
             groups: dict[SamplingParams, list[int]] = {}
@@ -208,7 +355,7 @@ class EagleSlotDrafter(SlotTable):
                 sub = PositionNoise(noise.seeds_B[[rows[j] for j in js]], device=device)
                 drawn_J = sample_keyed_inverse(probs_JN, sub, position_G[js].to(device) + k, stream="draft")
                 token_G[at] = self.head.draft_vocab_N[drawn_J]
-                probs_JV = full_vocabulary(probs_JN, self.head.draft_vocab_N, self.eagle.vocab_size)
+                probs_JV = full_vocabulary(probs_JN, self.head.draft_vocab_N, self.vocab_size)
                 for n, j in enumerate(js):
                     probs_G[j] = probs_JV[n]
             decided = self._confident(rows, sampling, running, logits_GN, token_G, probs_G)
@@ -270,7 +417,7 @@ class EagleSlotDrafter(SlotTable):
         rows_G = [slots[i] for i in rows]
         raw_GTI, counts_G = self.queue.take_rows(rows_G)
         self.catch_up_tokens += max(counts_G)
-        feats_GTD = self.eagle._project(raw_GTI)  # EAGLE-3: the aux layers fused for the block
+        feats_GTD = self.project(raw_GTI)  # EAGLE-3: the aux layers fused for the block
         T, device = feats_GTD.shape[1], feats_GTD.device
         start_G = [self.cache_len[s] for s in rows_G]
         # committed tokens at slots s .. s + T: x_s each pair's previous token, x_{s+1} its token
@@ -329,3 +476,8 @@ class EagleSlotDrafter(SlotTable):
             )
             attn_GHTd[i, :, :n] = attn.reshape(H, n, d)
         return head.feature(head.finish(h_GTD, attn_GHTd))
+
+
+def eagle_tree(target: Any, *, num_slots: int = 1, **options: Any) -> EagleDrafter:
+    """``eagle-tree``: the EAGLE drafter drafting every row's token tree (EAGLE's fixed drafts)."""
+    return EagleDrafter(target, num_slots=num_slots, trees="always", **options)
