@@ -23,10 +23,12 @@ What a target must offer, by capability (each checked with ``isinstance``):
   ``parts()`` gives the embedding, final norm and LM head, ``capture_layers`` adds layer outputs;
 - self-speculation (``layerskip``): :class:`LayerTarget`, ``forward_layers`` runs a sub-network.
 
-Drafters come in two kinds: a :class:`Drafter` serves one generation (the engine gives each request
-an instance of its own); a :class:`SlotDrafter` is one instance per engine that keeps state per
+Drafters come in two kinds: a :class:`SlotDrafter` is one instance per engine that keeps state per
 engine cache row (slot), adds and drops slots as requests come and go, and drafts every row of a
-step in one call (``eagle``: one head forward per draft position for all drafting rows).
+step in one call, described by one :class:`DraftCall` (every built-in drafter but the toy count
+drafters; ``eagle``: one head forward per draft position for all drafting rows); a :class:`Drafter`
+is written for one generation, the simple way in for a plugin, and runs through one adapter
+(:mod:`specdec.drafters.request_slots`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ __all__ = [
     "Proposal",
     "DecodeState",
     "Drafter",
+    "DraftCall",
     "SlotProposal",
     "SlotDrafter",
 ]
@@ -216,11 +219,12 @@ class DecodeState:
 
     ``tokens_BL``: prompt and committed tokens (slots past ``lengths_B`` are undefined);
     ``prompt_lengths_B``; ``lengths_B``: valid tokens per row; ``finished_B``: rows that hit a stop
-    condition (the engine keeps them in the batch but ignores their output). ``tree_ok``: whether a
-    token tree pays at this step (the engine sets it each step: the row is verified alone, since a
-    tree takes a forward of its own, and a tree-sized block costs little more than one token on
-    this machine); a drafter that can draft either (``ngram-eagle-auto``, ``default``) drafts a
-    chain where it is False. It never changes what is emitted, only how fast.
+    condition (the engine keeps them in the batch but ignores their output). ``sampling`` and
+    ``tree_ok`` are what a :class:`Drafter` written for one request reads (the adapter sets them from
+    its row's :class:`DraftCall`): the generation's settings, and whether a token tree pays at this
+    step (the row is verified alone, since a tree takes a forward of its own, and a tree-sized block
+    costs little more than one token on this machine). A :class:`SlotDrafter` reads both from the
+    call. Neither ever changes what is emitted, only how fast.
     """
 
     tokens_BL: torch.Tensor
@@ -293,6 +297,60 @@ class Drafter(Protocol):
 
 
 @dataclass
+class DraftCall:
+    """One :meth:`SlotDrafter.propose`: the rows that draft in a step, described once.
+
+    ``slots``: the rows' engine cache rows (distinct); ``depths``: at most this many drafts for each
+    (ints >= 0; 0: none); ``state``: the rows' committed tokens, row i for ``slots[i]``
+    (:func:`specdec.engine.units.group_state`; its ``sampling`` and ``tree_ok`` are not read:
+    they are the fields below); ``sampling``: each row's settings; ``noise``: one seed per row, a
+    sampled row's randomness (stream ``"draft"``, keyed by output position; None where no row is
+    sampled); ``tree_ok``: a drafter that can draft a token tree may (the engine sets it where the call
+    has one row, verified alone, and a tree-sized block costs little more than one token).
+    """
+
+    slots: Sequence[int]
+    depths: Sequence[int]
+    state: DecodeState
+    sampling: Sequence[SamplingParams]
+    noise: PositionNoise | None = None
+    tree_ok: bool = False
+
+    def __post_init__(self) -> None:
+        G = len(self.slots)
+        if len(self.depths) != G or len(self.sampling) != G or self.state.batch_size != G:
+            raise ValueError(
+                f"depths ({len(self.depths)}), sampling ({len(self.sampling)}) and state "
+                f"({self.state.batch_size} rows) must have one entry per slot ({G})"
+            )
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in self.depths):
+            raise ValueError(f"depths must be ints >= 0, got {list(self.depths)}")
+        if self.noise is not None and self.noise.num_rows != G:
+            raise ValueError(f"noise must have one seed per slot ({G}), got {self.noise.num_rows}")
+
+    @property
+    def size(self) -> int:
+        """G: the rows of the call."""
+        return len(self.slots)
+
+    def select(self, rows: Sequence[int]) -> DraftCall:
+        """Rows ``rows`` (indices into this call, in that order) as a call of their own."""
+        rows = list(rows)
+        return DraftCall(
+            [self.slots[i] for i in rows],
+            [self.depths[i] for i in rows],
+            self.state.select(rows),
+            [self.sampling[i] for i in rows],
+            None if self.noise is None else self.noise.select(rows),
+            self.tree_ok,
+        )
+
+    def with_depths(self, depths: Sequence[int]) -> DraftCall:
+        """The same rows asking for ``depths`` instead."""
+        return DraftCall(self.slots, list(depths), self.state, self.sampling, self.noise, self.tree_ok)
+
+
+@dataclass
 class SlotProposal:
     """A :class:`SlotDrafter`'s ragged chains, one per proposed row in the order asked.
 
@@ -305,6 +363,10 @@ class SlotProposal:
     ``trees``: token trees instead of the chains of some rows of a call of several, as (the rows'
     indices in the call, a tree :class:`Proposal` over those rows, one tree shape); each is verified
     by a forward of its own.
+
+    What the call cost apart from drafting on: ``catch_up_s``, seconds of work owed for committed
+    tokens (a draft head's pass over the tokens it has not seen; 0 if none), and ``catch_up_tokens``,
+    the positions of that work (the longest row's).
     """
 
     tokens_T: torch.Tensor
@@ -312,6 +374,8 @@ class SlotProposal:
     probs_TV: torch.Tensor | None = None
     tree: Proposal | None = None
     trees: list[tuple[list[int], Proposal]] = field(default_factory=list)
+    catch_up_s: float = 0.0
+    catch_up_tokens: int = 0
 
     def chains(self, index: Sequence[int], greedy: bool) -> Proposal:
         """Rows ``index`` (of equal counts) as one chain :class:`Proposal` ``[G, K]`` (a point mass
@@ -338,20 +402,12 @@ class SlotDrafter(Protocol):
     that step, and ``drop(s)`` when it leaves (finished, aborted); the slot may then be added again for
     another request. A row's proposal must depend only on that row (its tokens, its features, its
     seed), never on the other rows of the call: the engine's outputs must not depend on neighbours.
-    As for :class:`Drafter`, exactness never depends on the drafter, only speed.
-
-    ``DecodeState`` arguments hold the rows in the order of ``slots``
-    (:func:`specdec.engine.units.group_state`).
+    As for :class:`Drafter`, exactness never depends on the drafter, only speed. The engine reads
+    nothing of a slot drafter but these four methods and ``num_slots``.
     """
 
     num_slots: int
     """Rows of state (the engine's ``max_num_seqs``)."""
-
-    catch_up_s: float
-    """Seconds spent on work owed for committed tokens (not on drafting), summed; 0 if none."""
-
-    catch_up_tokens: int
-    """Positions of that work, summed (the longest row's per call)."""
 
     def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: TargetOutput) -> None:
         """A request enters at cache row ``slot``: its prompt and the prompt's prefill output
@@ -362,18 +418,10 @@ class SlotDrafter(Protocol):
         """The request at ``slot`` leaves; what the drafter kept for it is forgotten."""
         ...
 
-    def propose(
-        self,
-        slots: Sequence[int],
-        depths: Sequence[int],
-        *,
-        state: DecodeState,
-        sampling: Sequence[SamplingParams],
-        noise: PositionNoise | None = None,
-    ) -> SlotProposal:
-        """Up to ``depths[i]`` draft tokens for row ``slots[i]`` continuing ``state``'s row i;
-        ``sampling[i]`` its settings; ``noise`` (one seed per row, stream ``"draft"``, keyed by output
-        position) its randomness for sampled rows."""
+    def propose(self, call: DraftCall) -> SlotProposal:
+        """Up to ``call.depths[i]`` draft tokens for row ``call.slots[i]``, continuing the call state's
+        row i, with ``call.sampling[i]`` and its seed in ``call.noise``; the proposal says what the
+        call cost apart from drafting on (``catch_up_s``, ``catch_up_tokens``)."""
         ...
 
     def observe(

@@ -10,7 +10,7 @@ import specdec
 from specdec.drafters.model import ModelDrafter, check_same_vocab
 from specdec.drafters.ngram import NGramDrafter, lookup
 from specdec.drafters.none import NoDrafter
-from specdec.protocols import DecodeState, Drafter, SlotDrafter, TargetOutput
+from specdec.protocols import DecodeState, DraftCall, Drafter, SlotDrafter, TargetOutput
 from specdec.registry import DRAFTERS, create_drafter
 from specdec.sampling import SamplingParams
 
@@ -116,17 +116,13 @@ def test_ngram_slot_drafter_proposes_each_rows_own_lookup_ragged():
     state = state_for(rows)
     hot = SamplingParams(temperature=0.7)
     p = d.propose(
-        [3, 0, 1],
-        [2, 3, 3],
-        state=state,
-        sampling=[SamplingParams(), hot, hot],
-        noise=PositionNoise([1, 2, 3]),
+        DraftCall([3, 0, 1], [2, 3, 3], state, [SamplingParams(), hot, hot], PositionNoise([1, 2, 3]))
     )
     assert p.counts_B == [2, 0, 2] and p.tokens_T.tolist() == [3, 1, 8, 7]
     assert p.probs_TV.shape == (4, 10) and p.probs_TV.sum().item() == 4 and p.probs_TV[2, 8] == 1
     assert p.chains([1], False).tokens_BK.shape == (1, 0)  # a sampled miss: an empty chain
     with pytest.raises(ValueError, match="hold no request"):
-        d.propose([2], [1], state=state_for([rows[0]]), sampling=[hot])
+        d.propose(DraftCall([2], [1], state_for([rows[0]]), [hot]))
     kw = {"max_new_tokens": 12, "ignore_eos": True}
     plain = specdec.generate(target, rows, drafter="none", temperature=0.0, **kw).token_ids
     assert specdec.generate(target, rows, drafter="ngram", temperature=0.0, **kw).token_ids == plain

@@ -6,6 +6,8 @@ real recipe's loss), so drafts do get accepted and the ragged-acceptance paths r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from _reference import SMOLLM2_NEW_TOKENS as N
@@ -22,7 +24,7 @@ from specdec.drafters.eagle import (
 )
 from specdec.drafters.eagle.train.config import TrainConfig
 from specdec.drafters.eagle.train.objective import unrolled_features
-from specdec.protocols import Proposal
+from specdec.protocols import DecodeState, DraftCall, Proposal
 from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.targets.hf import HFTarget
@@ -136,9 +138,10 @@ def _recording(target, weights, **options):
     or a tree :class:`Proposal`) at every drafting step."""
 
     class Recording(EagleDrafter):
-        def propose(self, slots, depths, *, state, **kwargs):
-            p = super().propose(slots, depths, state=state, **kwargs)
-            if depths[0] > 0:
+        def propose(self, call):
+            p = super().propose(call)
+            state = call.state
+            if call.depths[0] > 0:
                 n = int(state.lengths_B[0])
                 step = p.tree if p.tree is not None else Proposal(p.tokens_T[None], None)
                 self.log.append((state.tokens_BL[0, :n].tolist(), step))
@@ -501,9 +504,9 @@ def test_batched_proposals_equal_single_row_proposals(tiny):
     log: list = []
 
     class Recording(EagleDrafter):
-        def propose(self, slots, depths, *, state, **kwargs):
-            p = super().propose(slots, depths, state=state, **kwargs)
-            at = 0
+        def propose(self, call):
+            p = super().propose(call)
+            state, at = call.state, 0
             for i, count in enumerate(p.counts_B):
                 n = int(state.lengths_B[i])
                 prompt = tuple(state.tokens_BL[i, : int(state.prompt_lengths_B[i])].tolist())
@@ -669,15 +672,15 @@ class _CheckingEagle:
         self.hybrid.observe(slots, num_accepted, features, state=state)
         self.reference.observe(slots, num_accepted, features, state=state)
 
-    def propose(self, slots, depths, *, state, **kwargs):
+    def propose(self, call):
         heads = self.hybrid.counts["head"]
-        p = self.hybrid.propose(slots, depths, state=state, **kwargs)
+        p = self.hybrid.propose(call)
         if self.hybrid.counts["head"] > heads:
-            ref = self.reference.propose(slots, depths, state=state, **kwargs)
+            ref = self.reference.propose(call)
             assert p.tokens_T.tolist() == ref.tokens_T.tolist()
             self.checked += 1
         else:
-            self.reference.catch_up(list(slots), state, [0])
+            self.reference.catch_up(list(call.slots), call.state, [0])
         return p
 
 
@@ -710,9 +713,8 @@ def test_ngram_eagle_auto_chains_equal_a_chain_drafters_where_trees_do_not_pay(t
     from specdec.drafters.ngram_eagle import NGramEagleDrafter
 
     class NoTrees(_CheckingEagle):
-        def propose(self, slots, depths, *, state, **kwargs):
-            state.tree_ok = False
-            return super().propose(slots, depths, state=state, **kwargs)
+        def propose(self, call):
+            return super().propose(replace(call, tree_ok=False))
 
     target = tiny["target"]
     hybrid = NGramEagleDrafter(target, mode="auto", weights=tiny["weights"], min_prob=0.0, min_ngram=2)
@@ -744,10 +746,10 @@ def test_ngram_eagle_auto_drafts_the_tree_only_at_steps_where_the_engine_says_it
     calls: list[tuple[str, bool]] = []
     propose = EagleDrafter.propose
 
-    def spy(self, slots, depths, *, state, **kwargs):
-        p = propose(self, slots, depths, state=state, **kwargs)
-        if any(depths):
-            calls.append(("tree" if p.tree is not None or p.trees else "chain", state.tree_ok))
+    def spy(self, call):
+        p = propose(self, call)
+        if any(call.depths):
+            calls.append(("tree" if p.tree is not None or p.trees else "chain", call.tree_ok))
         return p
 
     monkeypatch.setattr(EagleDrafter, "propose", spy)
@@ -800,4 +802,5 @@ def test_ngram_eagle_auto_takes_the_tree_for_greedy_rows_only(tiny):
     specdec.generate(HFTarget(tiny["hf"]), prompts[:1], drafter=on_hf, temperature=0.0, max_new_tokens=4)
     assert on_hf.eagle.tree_mode == "never" and on_hf.counts["tree"] == 0  # no tree attention in HF
     with pytest.raises(ValueError, match="hold no request"):
-        drafter.propose([0], [2], state=None, sampling=[SamplingParams()])
+        one = DecodeState(torch.tensor([[1, 2]]), torch.tensor([1]), torch.tensor([2]), torch.tensor([False]))
+        drafter.propose(DraftCall([0], [2], one, [SamplingParams()]))

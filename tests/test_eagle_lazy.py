@@ -23,7 +23,7 @@ from specdec.drafters.eagle.queue import FeatureQueue
 from specdec.drafters.ngram_eagle import NGramEagleDrafter
 from specdec.engine import Engine
 from specdec.engine.depth import DepthPolicy, RowView
-from specdec.protocols import DecodeState, TargetOutput
+from specdec.protocols import DecodeState, DraftCall, TargetOutput
 from specdec.sampling import SamplingParams
 from specdec.targets.llama import LlamaTarget
 
@@ -89,14 +89,6 @@ class Recording:
         self.inner, self.proposals, self.waiting = inner, [], []
         self.num_slots, self.first_drafts, self.fresh = inner.num_slots, 0, False
 
-    @property
-    def catch_up_s(self) -> float:
-        return self.inner.catch_up_s
-
-    @property
-    def catch_up_tokens(self) -> int:
-        return self.inner.catch_up_tokens
-
     def add(self, slot: int, prompt_ids: Any, prefill_out: TargetOutput) -> None:
         self.inner.add(slot, prompt_ids, prefill_out)
         self.fresh = True
@@ -110,11 +102,11 @@ class Recording:
         self.waiting.append(max(eagle.queue.counts[s] for s in slots))
         self.fresh = False
 
-    def propose(self, slots: Any, depths: Any, *, state: DecodeState, **kwargs: Any):
-        p = self.inner.propose(slots, depths, state=state, **kwargs)
+    def propose(self, call: DraftCall):
+        p = self.inner.propose(call)
         probs = None if p.probs_TV is None else p.probs_TV.clone()
-        self.proposals.append((int(state.lengths_B[0]), depths[0], [p.tokens_T.tolist()], probs))
-        self.first_drafts += self.fresh and depths[0] > 0
+        self.proposals.append((int(call.state.lengths_B[0]), call.depths[0], [p.tokens_T.tolist()], probs))
+        self.first_drafts += self.fresh and call.depths[0] > 0
         return p
 
 
@@ -277,4 +269,4 @@ def test_bad_max_queued_and_observe_before_add_raise(tiny):
     with pytest.raises(ValueError, match="hold no request"):
         drafter.observe([0], [0], out, state=state)
     with pytest.raises(ValueError, match="hold no request"):
-        drafter.propose([0], [2], state=state, sampling=[SamplingParams()])
+        drafter.propose(DraftCall([0], [2], state, [SamplingParams()]))

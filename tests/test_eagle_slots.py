@@ -23,7 +23,7 @@ from _tiny import save_tiny_checkpoint
 import specdec
 from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, save_eagle_head
 from specdec.engine import Engine
-from specdec.protocols import DecodeState, SlotDrafter
+from specdec.protocols import DecodeState, DraftCall, SlotDrafter
 from specdec.sampling import SamplingParams
 from specdec.targets.llama import LlamaTarget
 from specdec.verify.noise import PositionNoise
@@ -95,14 +95,14 @@ def test_batched_propose_equals_each_slot_alone_bitwise(tiny):
         together.add(s, p, o)
     state = rows_state(prompts, first)
     noise = PositionNoise(seeds)
-    batched = [together.propose(slots, depths, state=state, sampling=sampling, noise=noise) for _ in range(2)]
+    batched = [together.propose(DraftCall(slots, depths, state, sampling, noise)) for _ in range(2)]
     for i in range(4):
         alone = EagleDrafter(target, num_slots=4, weights=tiny["weights"], head=together.head)
         alone.add(slots[i], prompts[i], outs[i])
         one = rows_state([prompts[i]], [first[i]])
         for call in batched:
             solo = alone.propose(
-                [slots[i]], [depths[i]], state=one, sampling=[sampling[i]], noise=PositionNoise([seeds[i]])
+                DraftCall([slots[i]], [depths[i]], one, [sampling[i]], PositionNoise([seeds[i]]))
             )
             assert solo.counts_B == [call.counts_B[i]] == [depths[i]]
             start = sum(call.counts_B[:i])
@@ -129,14 +129,14 @@ def test_lookup_first_slots_equal_each_slot_alone(tiny):
     for s, p, o in zip(slots, prompts, outs, strict=True):
         together.add(s, p, o)
     state = rows_state(prompts, first)
-    call = together.propose(slots, depths, state=state, sampling=sampling, noise=PositionNoise(seeds))
+    call = together.propose(DraftCall(slots, depths, state, sampling, PositionNoise(seeds)))
     assert together.counts["lookup"] == 2 and together.counts["head"] == 2  # rows 0, 2 repeat
     for i in range(4):
         alone = ngram_eagle(target, num_slots=4, head=together.head)
         alone.add(slots[i], prompts[i], outs[i])
         one = rows_state([prompts[i]], [first[i]])
         solo = alone.propose(
-            [slots[i]], [depths[i]], state=one, sampling=[sampling[i]], noise=PositionNoise([seeds[i]])
+            DraftCall([slots[i]], [depths[i]], one, [sampling[i]], PositionNoise([seeds[i]]))
         )
         start, n = sum(call.counts_B[:i]), call.counts_B[i]
         assert solo.counts_B == [n] and torch.equal(solo.tokens_T, call.tokens_T[start : start + n])
@@ -171,7 +171,7 @@ def test_one_head_forward_per_draft_position_for_all_rows(tiny, monkeypatch):
     inner = drafter._head_block
     monkeypatch.setattr(drafter, "_head_block", lambda rows, *a: calls.append(len(rows)) or inner(rows, *a))
     state = rows_state(PROMPTS[:3], [5, 6, 7])
-    proposal = drafter.propose([0, 1, 2], [3, 3, 3], state=state, sampling=[GREEDY] * 3)
+    proposal = drafter.propose(DraftCall([0, 1, 2], [3, 3, 3], state, [GREEDY] * 3))
     assert proposal.counts_B == [3, 3, 3] and calls == [3, 3, 3]
 
 
@@ -188,9 +188,9 @@ def test_protocol_boundary_checks(tiny):
         drafter.add(0, PROMPTS[4], out)
     state = rows_state([PROMPTS[4]], [5])
     with pytest.raises(ValueError, match="hold no request"):
-        drafter.propose([1], [2], state=state, sampling=[GREEDY])
+        drafter.propose(DraftCall([1], [2], state, [GREEDY]))
     with pytest.raises(ValueError, match="noise"):
-        drafter.propose([0], [2], state=state, sampling=[HOT])
+        drafter.propose(DraftCall([0], [2], state, [HOT]))
     drafter.drop(0)
     drafter.add(0, PROMPTS[4], out)  # a dropped slot takes the next request
 

@@ -32,7 +32,7 @@ from specdec.drafters.model_slots import ModelSlotDrafter
 from specdec.drafters.qself import qself
 from specdec.engine import Engine, RequestOutput
 from specdec.engine.request import RequestStatus
-from specdec.protocols import DecodeState
+from specdec.protocols import DecodeState, DraftCall
 from specdec.sampling import SamplingParams
 from specdec.targets.llama import LlamaTarget
 
@@ -325,14 +325,14 @@ def test_model_slot_drafter_batched_equals_each_row_alone(target, paths):
     for s, p in zip(slots, prompts, strict=True):
         together.add(s, p, None)
     state = _rows(prompts, first, extra)
-    call = together.propose(slots, depths, state=state, sampling=sampling, noise=PositionNoise(seeds))
+    call = together.propose(DraftCall(slots, depths, state, sampling, PositionNoise(seeds)))
     assert call.counts_B == depths
     for i in range(3):
         alone = ModelSlotDrafter(target, num_slots=3, model=model, backend="llama", capacity=MAX_LEN)
         alone.add(slots[i], prompts[i], None)
         one = _rows([prompts[i]], [first[i]], [extra[i]])
         solo = alone.propose(
-            [slots[i]], [depths[i]], state=one, sampling=[sampling[i]], noise=PositionNoise([seeds[i]])
+            DraftCall([slots[i]], [depths[i]], one, [sampling[i]], PositionNoise([seeds[i]]))
         )
         start = sum(call.counts_B[:i])
         assert torch.equal(solo.tokens_T, call.tokens_T[start : start + depths[i]])
@@ -352,10 +352,10 @@ def test_model_slot_drafter_batched_equals_each_row_alone(target, paths):
     together.add(0, PROMPTS[2], None)
     with pytest.raises(ValueError, match="hold no request"):
         ModelSlotDrafter(target, num_slots=1, model=model, backend="llama").propose(
-            [0], [1], state=_rows([PROMPTS[0]], [1], [[]]), sampling=[greedy_p]
+            DraftCall([0], [1], _rows([PROMPTS[0]], [1], [[]]), [greedy_p])
         )
     with pytest.raises(ValueError, match="noise"):
-        together.propose([0], [1], state=_rows([PROMPTS[2]], [1], [[]]), sampling=[hot])
+        together.propose(DraftCall([0], [1], _rows([PROMPTS[2]], [1], [[]]), [hot]))
 
 
 def test_layerskip_slot_drafter_batched_equals_each_row_alone(target):
@@ -380,11 +380,7 @@ def test_layerskip_slot_drafter_batched_equals_each_row_alone(target):
     for s_, p in zip(slots, prompts, strict=True):
         together.add(s_, p, None)
     call = together.propose(
-        slots,
-        depths,
-        state=_rows(prompts, first, [[], [], []]),
-        sampling=sampling,
-        noise=PositionNoise(seeds),
+        DraftCall(slots, depths, _rows(prompts, first, [[], [], []]), sampling, PositionNoise(seeds))
     )
     assert call.counts_B == depths
     for i in range(3):
@@ -398,11 +394,13 @@ def test_layerskip_slot_drafter_batched_equals_each_row_alone(target):
         target.rollback(torch.tensor([len(prompts[i])]), rows_B=torch.tensor([slots[i]]))
         alone.add(slots[i], prompts[i], None)
         solo = alone.propose(
-            [slots[i]],
-            [depths[i]],
-            state=_rows([prompts[i]], [first[i]], [[]]),
-            sampling=[sampling[i]],
-            noise=PositionNoise([seeds[i]]),
+            DraftCall(
+                [slots[i]],
+                [depths[i]],
+                _rows([prompts[i]], [first[i]], [[]]),
+                [sampling[i]],
+                PositionNoise([seeds[i]]),
+            )
         )
         start = sum(call.counts_B[:i])
         assert torch.equal(solo.tokens_T, call.tokens_T[start : start + depths[i]])

@@ -81,11 +81,11 @@ def test_a_drafter_that_raises_for_one_row(tiny, drafter, settings):  # noqa: F8
     propose = engine.drafter.propose
     calls = []
 
-    def faulty(slots, *args, **kwargs):
-        calls.append(len(slots))
-        if _chosen_slot(engine) in slots and len(engine.requests[_key(engine)].generated) >= 2:
+    def faulty(call):
+        calls.append(call.size)
+        if _chosen_slot(engine) in call.slots and len(engine.requests[_key(engine)].generated) >= 2:
             raise RuntimeError("injected drafter fault")
-        return propose(slots, *args, **kwargs)
+        return propose(call)
 
     engine.drafter.propose = faulty
     finals = drive(engine, _arrivals(settings))

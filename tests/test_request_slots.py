@@ -29,7 +29,7 @@ from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram_slots import NGramSlotDrafter
 from specdec.drafters.none import NoDrafter
 from specdec.drafters.request_slots import CohortSlots, RequestSlots, mix_seed
-from specdec.protocols import DecodeState, Proposal, SlotDrafter, SlotProposal, TargetOutput
+from specdec.protocols import DecodeState, DraftCall, Proposal, SlotDrafter, SlotProposal, TargetOutput
 from specdec.registry import DRAFTERS
 from specdec.sampling import SamplingParams
 from specdec.testing import MarkovModel
@@ -83,15 +83,20 @@ def assert_rows_alone(
     rows' probabilities are zeros in the mixed call and None alone."""
     together = added(make(), slots, prompts)
     state = rows(prompts, extra)
-    batched = together.propose(slots, depths, state=state, sampling=SAMPLING, noise=PositionNoise(SEEDS))
+    batched = together.propose(DraftCall(slots, depths, state, SAMPLING, PositionNoise(SEEDS)))
     assert isinstance(together, SlotDrafter) and batched.tree is None
     assert batched.probs_TV is not None and batched.probs_TV.shape == (sum(batched.counts_B), vocab_size)
     for i in range(len(slots)):
         alone = added(make(), [slots[i]], [prompts[i]])
         one = alone.propose(
-            [slots[i]], [depths[i]], state=rows([prompts[i]], [extra[i]]), sampling=[SAMPLING[i]],
-            noise=PositionNoise([SEEDS[i]]),
-        )  # fmt: skip
+            DraftCall(
+                [slots[i]],
+                [depths[i]],
+                rows([prompts[i]], [extra[i]]),
+                [SAMPLING[i]],
+                PositionNoise([SEEDS[i]]),
+            )
+        )
         assert one.counts_B == [batched.counts_B[i]], i
         tokens, probs = row_of(batched, i)
         assert torch.equal(one.tokens_T, tokens), i
@@ -139,11 +144,7 @@ def test_request_slots_batched_equals_each_row_alone_and_its_keyed_generator():
             assert torch.equal(direct.probs_BKV[0], probs), i
     # another seed draws other tokens for the sampled rows (the generator is really the row's)
     other = added(make(), SLOTS, PROMPTS).propose(
-        SLOTS,
-        DEPTHS,
-        state=state,
-        sampling=SAMPLING,
-        noise=PositionNoise([s + 1 for s in SEEDS[:2]] + [1, 2]),
+        DraftCall(SLOTS, DEPTHS, state, SAMPLING, PositionNoise([s + 1 for s in SEEDS[:2]] + [1, 2]))
     )
     assert not torch.equal(other.tokens_T, batched.tokens_T)
 
@@ -161,7 +162,7 @@ def test_request_slots_all_greedy_has_no_probs_and_no_noise_means_no_generator()
         def observe(self, state, num_accepted_B, target_out): ...
 
     d = added(RequestSlots(lambda slot: Spy(), num_slots=2, vocab_size=V), [0, 1], PROMPTS[:2])
-    out = d.propose([0, 1], [2, 1], state=rows(PROMPTS[:2], EXTRA[:2]), sampling=[GREEDY, GREEDY])
+    out = d.propose(DraftCall([0, 1], [2, 1], rows(PROMPTS[:2], EXTRA[:2]), [GREEDY, GREEDY]))
     assert out.probs_TV is None and out.counts_B == [2, 1] and calls == [None, None]
 
 
@@ -188,12 +189,12 @@ def test_request_slots_tree_for_one_row_chain_for_several():
         lambda slot: TreeMarkovDrafter(DRAFT, tree), num_slots=4, vocab_size=V
     )
     d = added(make(), [1], [PROMPTS[0]])
-    one = d.propose([1], [2], state=rows(PROMPTS[:1], EXTRA[:1]), sampling=[HOT], noise=PositionNoise([3]))
+    one = d.propose(DraftCall([1], [2], rows(PROMPTS[:1], EXTRA[:1]), [HOT], PositionNoise([3])))
     assert isinstance(one.tree, Proposal) and one.tree.tree is not None
     assert one.counts_B == [2] and torch.equal(one.tokens_T, one.tree.tokens_BK[0])
     assert torch.equal(one.probs_TV, one.tree.probs_BKV[0])
     both = added(make(), [1, 0], PROMPTS[:2]).propose(
-        [1, 0], [2, 2], state=rows(PROMPTS[:2], EXTRA[:2]), sampling=[HOT, HOT], noise=PositionNoise([3, 4])
+        DraftCall([1, 0], [2, 2], rows(PROMPTS[:2], EXTRA[:2]), [HOT, HOT], PositionNoise([3, 4]))
     )
     assert both.tree is None and both.counts_B == [2, 2]
     assert torch.equal(both.tokens_T[:2], one.tokens_T) and torch.equal(both.probs_TV[:2], one.probs_TV)
@@ -230,7 +231,7 @@ def test_lazy_begin_once_at_the_first_propose_or_observe_on_the_steps_start():
     d.add(2, [4, 5], out2)
     assert made[0].calls == [] and made[2].calls == []  # nothing until the slot's first step
     # step 1: slot 0 drafts (state: prompt + first token), slot 2 sits at depth 0 (not proposed)
-    d.propose([0], [2], state=rows([[1, 2, 3]], [[4]]), sampling=[GREEDY], noise=PositionNoise([0]))
+    d.propose(DraftCall([0], [2], rows([[1, 2, 3]], [[4]]), [GREEDY], PositionNoise([0])))
     assert made[0].calls == [("begin", 4, 3, out0), ("propose", 4, 2)]
     # its observe: slot 0 accepted 1 (+1 bonus), slot 2 (first seen now) accepted 0: begins at length 3
     logits = torch.arange(2 * 4 * V, dtype=torch.float32).view(2, 4, V)
@@ -240,7 +241,7 @@ def test_lazy_begin_once_at_the_first_propose_or_observe_on_the_steps_start():
     assert made[0].calls[2][:3] == ("observe", 6, [1]) and made[2].calls[1][:3] == ("observe", 4, [0])
     assert torch.equal(made[0].calls[2][3], logits[:1]) and torch.equal(made[2].calls[1][3], logits[1:])
     # step 2: no begin again
-    d.propose([2, 0], [1, 1], state=rows([[4, 5], [1, 2, 3]], [[1, 2], [4, 0, 1]]), sampling=[GREEDY] * 2)
+    d.propose(DraftCall([2, 0], [1, 1], rows([[4, 5], [1, 2, 3]], [[1, 2], [4, 0, 1]]), [GREEDY] * 2))
     assert [c[0] for c in made[0].calls] == ["begin", "propose", "observe", "propose"]
     assert [c[0] for c in made[2].calls] == ["begin", "observe", "propose"]
 
@@ -248,11 +249,10 @@ def test_lazy_begin_once_at_the_first_propose_or_observe_on_the_steps_start():
 def test_catch_up_sums_seconds_and_takes_the_longest_row():
     d = added(RequestSlots(lambda slot: Recorder(), num_slots=2, vocab_size=V), [0, 1], PROMPTS[:2])
     state = rows(PROMPTS[:2], EXTRA[:2])  # lengths 3 and 4
-    d.propose([0, 1], [1, 1], state=state, sampling=[GREEDY] * 2)  # begins: the rows' lengths owed
-    assert d.catch_up_tokens == 4 and d.catch_up_s >= 1.0
-    s, n = d.catch_up_s, d.catch_up_tokens
-    d.propose([0, 1], [1, 1], state=state, sampling=[GREEDY] * 2)  # each instance: +0.5 s, +length
-    assert d.catch_up_s == pytest.approx(s + 1.0) and d.catch_up_tokens == n + 4
+    first = d.propose(DraftCall([0, 1], [1, 1], state, [GREEDY] * 2))  # begins: the rows' lengths owed
+    assert first.catch_up_tokens == 4 and first.catch_up_s >= 1.0
+    again = d.propose(DraftCall([0, 1], [1, 1], state, [GREEDY] * 2))  # each instance: 0.5 s, its length
+    assert again.catch_up_s == pytest.approx(1.0) and again.catch_up_tokens == 4
 
 
 def test_add_drop_readd_and_reuse():
@@ -266,18 +266,18 @@ def test_add_drop_readd_and_reuse():
     fresh.drop(1)
     assert fresh.instances[1] is None and fresh.idle == []
     with pytest.raises(ValueError, match="hold no request"):
-        fresh.propose([1], [1], state=rows([[1, 2]], [[0]]), sampling=[GREEDY])
+        fresh.propose(DraftCall([1], [1], rows([[1, 2]], [[0]]), [GREEDY]))
     added(fresh, [1], [[3]])
     assert fresh.instances[1] is not first and len(built) == 2  # a new instance without reuse
     reused = RequestSlots(new, num_slots=2, vocab_size=V, reuse=True)
     added(reused, [0], [[1, 2]])
     kept = reused.instances[0]
-    reused.propose([0], [1], state=rows([[1, 2]], [[0]]), sampling=[GREEDY])
+    reused.propose(DraftCall([0], [1], rows([[1, 2]], [[0]]), [GREEDY]))
     reused.drop(0)
     assert reused.idle == [kept]
     added(reused, [1], [[4, 4, 4]])
     assert reused.instances[1] is kept and reused.idle == [] and len(built) == 3
-    reused.propose([1], [1], state=rows([[4, 4, 4]], [[0]]), sampling=[GREEDY])
+    reused.propose(DraftCall([1], [1], rows([[4, 4, 4]], [[0]]), [GREEDY]))
     assert [c[:3] for c in kept.calls if c[0] == "begin"] == [("begin", 3, 2), ("begin", 4, 3)]
 
 
@@ -293,8 +293,10 @@ def test_request_slots_argument_errors():
         ([0, 1], [1, 1], dict(state=state, sampling=[HOT] * 2, noise=PositionNoise([1])), "noise"),
     ]
     for slots, depths, kwargs, message in bad:
-        with pytest.raises(ValueError, match=message):
-            d.propose(slots, depths, **kwargs)
+        with pytest.raises(ValueError, match=message):  # the call's own checks, or the drafter's
+            d.propose(DraftCall(slots, depths, **kwargs))
+    with pytest.raises(ValueError, match="call must be a DraftCall"):
+        d.propose([0])
     features = TargetOutput(torch.zeros(2, 2, V))
     with pytest.raises(ValueError, match="one entry per slot"):
         d.observe([0, 1], [0], features, state=state)
@@ -319,7 +321,7 @@ def test_request_slots_argument_errors():
 
     long = added(RequestSlots(lambda slot: TooLong(), num_slots=1, vocab_size=V, name="long"), [0], [[1]])
     with pytest.raises(ValueError, match="drafter long: .*more than the gamma"):
-        long.propose([0], [2], state=rows([[1]], [[2]]), sampling=[GREEDY])
+        long.propose(DraftCall([0], [2], rows([[1]], [[2]]), [GREEDY]))
 
 
 # --- CohortSlots ------------------------------------------------------------------------------------
@@ -356,9 +358,7 @@ def test_cohort_slots_calls_once_per_cohort_and_observes_per_setting():
     d = added(CohortSlots(Cohorts(), num_slots=4, vocab_size=V), SLOTS, PROMPTS)
     assert d.name == "Cohorts" and d.keyed
     state = rows(PROMPTS, EXTRA)  # lengths 3, 4, 5, 5
-    out = d.propose(
-        SLOTS, [2, 0, 2, 2], state=state, sampling=[HOT, HOT, HOT, GREEDY], noise=PositionNoise(SEEDS)
-    )
+    out = d.propose(DraftCall(SLOTS, [2, 0, 2, 2], state, [HOT, HOT, HOT, GREEDY], PositionNoise(SEEDS)))
     assert seen == [("propose", [3, 5], 2, HOT, [11, -5]), ("propose", [5], 2, GREEDY, [14])]
     assert out.counts_B == [2, 0, 2, 2] and out.tokens_T.tolist() == [3, 3, 5, 5, 5, 5]
     # point masses: the sampled rows' one-hot, the greedy row's zeros
@@ -379,7 +379,7 @@ def test_none_by_name_is_one_instance_that_never_drafts_nor_observes(monkeypatch
     assert isinstance(d, CohortSlots) and isinstance(d.drafter, NoDrafter) and d.name == "none"
     monkeypatch.setattr(NoDrafter, "observe", lambda *a: pytest.fail("none observed"))
     added(d, SLOTS, PROMPTS)
-    out = d.propose(SLOTS, DEPTHS, state=rows(PROMPTS, EXTRA), sampling=SAMPLING, noise=PositionNoise(SEEDS))
+    out = d.propose(DraftCall(SLOTS, DEPTHS, rows(PROMPTS, EXTRA), SAMPLING, PositionNoise(SEEDS)))
     assert out.counts_B == [0, 0, 0, 0] and out.tokens_T.numel() == 0 and out.probs_TV.shape == (0, V)
     d.observe(SLOTS, [0] * 4, TargetOutput(torch.zeros(4, 1, V)), state=rows(PROMPTS, EXTRA))
     with pytest.raises(ValueError, match="batched_rows"):
@@ -476,16 +476,21 @@ def test_eagle_tree_by_name_rows_equal_alone(tiny):  # noqa: F811
     assert isinstance(d, EagleDrafter) and d.tree_mode == "always"
     state = rows(prompts, [[5], [6]])
     sampling, seeds, depths = [GREEDY, HOT], [5, 6], [3, 2]
-    together = d.propose([1, 0], depths, state=state, sampling=sampling, noise=PositionNoise(seeds))
+    together = d.propose(DraftCall([1, 0], depths, state, sampling, PositionNoise(seeds)))
     assert together.tree is None and all(0 < n <= k for n, k in zip(together.counts_B, depths, strict=True))
     assert [index for index, _ in together.trees] == [[0], [1]]
     for i, s in enumerate([1, 0]):
         alone = make()
         alone.add(s, prompts[i], outs[i])
         solo = alone.propose(
-            [s], [depths[i]], state=rows([prompts[i]], [[[5], [6]][i]]), sampling=[sampling[i]],
-            noise=PositionNoise([seeds[i]]),
-        )  # fmt: skip
+            DraftCall(
+                [s],
+                [depths[i]],
+                rows([prompts[i]], [[[5], [6]][i]]),
+                [sampling[i]],
+                PositionNoise([seeds[i]]),
+            )
+        )
         assert solo.tree is not None and solo.tree.tree is not None  # a lone row's token tree
         assert torch.equal(solo.tokens_T, solo.tree.tokens_BK[0])
         tokens, probs = row_of(together, i)

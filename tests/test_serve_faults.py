@@ -58,13 +58,13 @@ def served(tmp_path_factory):
     engine = worker.ready(60.0)
     propose = engine.drafter.propose
 
-    def faulty(slots, *args, **kwargs):
+    def faulty(call):
         bad = [
             r.slot for r in engine.requests.values() if r.params.seed == BAD_SEED and len(r.generated) >= 2
         ]
-        if any(s in slots for s in bad):
+        if any(s in call.slots for s in bad):
             raise RuntimeError("injected drafter fault")
-        return propose(slots, *args, **kwargs)
+        return propose(call)
 
     engine.drafter.propose = faulty
     model = ServedModel(

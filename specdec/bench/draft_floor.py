@@ -52,7 +52,8 @@ def head_bytes(head: Any) -> dict[str, int]:
 
 class _Timed:
     """The engine's slot drafter with its ``propose`` and ``observe`` timed: seconds per step that
-    drafted (a step's ``observe`` calls join the ``propose`` before them)."""
+    drafted (a step's ``observe`` calls join the ``propose`` before them), and each such step's
+    catch-up (the proposal's ``catch_up_s``)."""
 
     def __init__(self, drafter: Any) -> None:
         self.drafter = drafter
@@ -61,22 +62,19 @@ class _Timed:
         self._propose, self._observe = drafter.propose, drafter.observe
         drafter.propose, drafter.observe = self.propose, self.observe
 
-    def propose(self, slots: Sequence[int], depths: Sequence[int], **kwargs: Any) -> Any:
-        caught = self.drafter.catch_up_s
+    def propose(self, call: Any) -> Any:
         t0 = time.perf_counter()
-        out = self._propose(slots, depths, **kwargs)
-        if any(d > 0 for d in depths):
+        out = self._propose(call)
+        if any(d > 0 for d in call.depths):
             self.steps.append(time.perf_counter() - t0)
-            self.catch_up.append(self.drafter.catch_up_s - caught)
+            self.catch_up.append(out.catch_up_s)
         return out
 
     def observe(self, *args: Any, **kwargs: Any) -> Any:
-        caught = self.drafter.catch_up_s
         t0 = time.perf_counter()
         out = self._observe(*args, **kwargs)
         if self.steps:
             self.steps[-1] += time.perf_counter() - t0
-            self.catch_up[-1] += self.drafter.catch_up_s - caught
         return out
 
 

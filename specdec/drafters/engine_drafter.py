@@ -23,7 +23,8 @@ object's class name.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from specdec.drafters.ngram_eagle import default_name
@@ -40,14 +41,16 @@ def make_slot_drafter(
     options: Mapping[str, Any] | None = None,
     *,
     num_slots: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> SlotDrafter:
     """The engine's one drafter for ``target`` with ``num_slots`` rows: ``drafter`` a registered name
-    (built with ``options``) or a drafter object (see the module doc for what each becomes)."""
+    (built with ``options``) or a drafter object (see the module doc for what each becomes);
+    ``clock`` times the lazy ``begin`` of instances written for one request."""
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
     vocab_size = int(target.vocab_size)
     if not isinstance(drafter, str):
-        return _from_object(target, drafter, options, num_slots, vocab_size)
+        return _from_object(target, drafter, options, num_slots, vocab_size, clock)
     DRAFTERS.get(drafter)  # an unknown name fails now, listing the known ones
     name = default_name(target) if drafter == "default" else drafter
     options = dict(options or {})
@@ -65,7 +68,7 @@ def make_slot_drafter(
         return CohortSlots(first, num_slots=num_slots, vocab_size=vocab_size, name=name)
     spare = [first]
     make = lambda slot: spare.pop() if spare else _one_request(target, name, options)  # noqa: E731
-    return RequestSlots(make, num_slots=num_slots, vocab_size=vocab_size, name=name)
+    return RequestSlots(make, num_slots=num_slots, vocab_size=vocab_size, clock=clock, name=name)
 
 
 def drafter_name(target: Any, drafter: str | Drafter | SlotDrafter) -> str:
@@ -84,7 +87,12 @@ def _one_request(target: Any, name: str, options: dict[str, Any]) -> Drafter:
 
 
 def _from_object(
-    target: Any, drafter: Any, options: Mapping[str, Any] | None, num_slots: int, vocab_size: int
+    target: Any,
+    drafter: Any,
+    options: Mapping[str, Any] | None,
+    num_slots: int,
+    vocab_size: int,
+    clock: Callable[[], float],
 ) -> SlotDrafter:
     """A drafter given as an object: used as it is (a slot drafter), one instance for every row
     (``batched_rows``), instances from its ``slot_factory``, or itself and deep copies of it."""
@@ -107,10 +115,10 @@ def _from_object(
     make = getattr(drafter, "slot_factory", None)
     per_slot = make(num_slots) if callable(make) else None  # None: no slot API (copies instead)
     if per_slot is not None:
-        return RequestSlots(per_slot, num_slots=num_slots, vocab_size=vocab_size, name=name)
-    return RequestSlots(
-        _Copies(drafter, target), num_slots=num_slots, vocab_size=vocab_size, reuse=True, name=name
-    )
+        return RequestSlots(per_slot, num_slots=num_slots, vocab_size=vocab_size, clock=clock, name=name)
+    copies = _Copies(drafter, target)
+    return RequestSlots(copies, num_slots=num_slots, vocab_size=vocab_size, reuse=True, clock=clock,
+                        name=name)  # fmt: skip
 
 
 def _batched(drafter: Any) -> bool:

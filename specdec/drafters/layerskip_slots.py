@@ -13,15 +13,11 @@ other rows); sampled rows draw from the keyed ``noise`` (stream ``"draft"``, by 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from specdec.drafters.layerskip import LayerSkipDrafter
 from specdec.drafters.slot_table import StatelessSlots, draw_draft
-from specdec.protocols import DecodeState, SlotProposal, Target
-from specdec.sampling import SamplingParams
-from specdec.verify.noise import PositionNoise
+from specdec.protocols import DraftCall, SlotProposal, Target
 
 __all__ = ["LayerSkipSlotDrafter"]
 
@@ -37,18 +33,11 @@ class LayerSkipSlotDrafter(StatelessSlots):
         self.vocab_size = int(target.vocab_size)
 
     @torch.inference_mode()
-    def propose(
-        self,
-        slots: Sequence[int],
-        depths: Sequence[int],
-        *,
-        state: DecodeState,
-        sampling: Sequence[SamplingParams],
-        noise: PositionNoise | None = None,
-    ) -> SlotProposal:
+    def propose(self, call: DraftCall) -> SlotProposal:
         """``depths[i]`` tokens for row ``slots[i]``: one early-exit forward per position over the rows
         still drafting, at cache slots ``lengths - 1 + k``."""
-        slots = self.check_propose(slots, depths, sampling, state, noise)
+        slots = self.check_propose(call)
+        depths, state, sampling, noise = call.depths, call.state, call.sampling, call.noise
         G = len(slots)
         sampled = any(not s.greedy for s in sampling)
         drafted: list[list[int]] = [[] for _ in range(G)]

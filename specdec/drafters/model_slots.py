@@ -28,7 +28,7 @@ import torch
 from specdec.drafters.confidence import check_min_prob, row_confidence
 from specdec.drafters.model import SharedDraftModel, _load_draft, fit_vocab
 from specdec.drafters.slot_table import SlotTable, draw_draft
-from specdec.protocols import DecodeState, SlotProposal, Target, TargetOutput
+from specdec.protocols import DecodeState, DraftCall, SlotProposal, Target, TargetOutput
 from specdec.sampling import SamplingParams
 from specdec.verify.noise import PositionNoise
 
@@ -47,9 +47,6 @@ class ModelSlotDrafter(SlotTable):
         capacity: cache slots per row of the draft model (default: the draft model's context length,
             at most 2048, as the engine's ``max_model_len``).
     """
-
-    catch_up_s = 0.0  # the draft model catches up inside its first draft forward: nothing apart
-    catch_up_tokens = 0
 
     def __init__(
         self,
@@ -114,18 +111,11 @@ class ModelSlotDrafter(SlotTable):
         )
 
     @torch.inference_mode()
-    def propose(
-        self,
-        slots: Sequence[int],
-        depths: Sequence[int],
-        *,
-        state: DecodeState,
-        sampling: Sequence[SamplingParams],
-        noise: PositionNoise | None = None,
-    ) -> SlotProposal:
+    def propose(self, call: DraftCall) -> SlotProposal:
         """Up to ``depths[i]`` tokens for row ``slots[i]``: one draft forward per position over the rows
         still drafting (see the module doc)."""
-        slots = self.check_propose(slots, depths, sampling, state, noise)
+        slots = self.check_propose(call)
+        depths, state, sampling, noise = call.depths, call.state, call.sampling, call.noise
         G = len(slots)
         drafted: list[list[int]] = [[] for _ in range(G)]
         probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]

@@ -15,7 +15,7 @@ wait, and the head runs them all in one block when it next drafts.
 
 Modes (the head's ``trees``): ``chain`` never drafts trees; ``tree`` drafts every head row's token tree;
 ``auto`` (``default``) drafts the tree for the one greedy row of a call where the engine says a tree
-pays (``DecodeState.tree_ok``: the row is verified alone and a tree-sized block costs at most 1.6× one
+pays (``DraftCall.tree_ok``: the row is verified alone and a tree-sized block costs at most 1.6× one
 token here), the chain otherwise.
 
 How deep to draft is not this drafter's choice: it drafts the depth it is asked for (the engine's
@@ -35,9 +35,8 @@ from specdec.drafters.eagle import EagleDrafter, resolve_weights
 from specdec.drafters.eagle.drafter import DEFAULT_MAX_QUEUED
 from specdec.drafters.eagle.weights import DEFAULT_WEIGHTS, read_head_file, target_mismatch
 from specdec.drafters.ngram import NGramDrafter
-from specdec.protocols import DecodeState, FeatureTarget, SlotProposal, TargetOutput, TreeTarget
+from specdec.protocols import DecodeState, DraftCall, FeatureTarget, SlotProposal, TargetOutput, TreeTarget
 from specdec.sampling import SamplingParams
-from specdec.verify.noise import PositionNoise
 
 __all__ = [
     "NGramEagleDrafter",
@@ -123,14 +122,6 @@ class NGramEagleDrafter:
         """Per slot: whether it holds a request (the head's slots)."""
         return self.eagle.active
 
-    @property
-    def catch_up_s(self) -> float:
-        return self.eagle.catch_up_s
-
-    @property
-    def catch_up_tokens(self) -> int:
-        return self.eagle.catch_up_tokens
-
     def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: TargetOutput) -> None:
         self.eagle.add(slot, prompt_ids, prefill_out)
 
@@ -142,24 +133,17 @@ class NGramEagleDrafter:
     ) -> None:
         self.eagle.observe(slots, num_accepted, features, state=state)
 
-    def propose(
-        self,
-        slots: Sequence[int],
-        depths: Sequence[int],
-        *,
-        state: DecodeState,
-        sampling: Sequence[SamplingParams],
-        noise: PositionNoise | None = None,
-    ) -> SlotProposal:
+    def propose(self, call: DraftCall) -> SlotProposal:
         """Per row: the lookup's tokens where it finds ``min_tokens``, else the head's chain or tree (all
         such rows in one call)."""
-        self.eagle.check_propose(slots, depths, sampling, state, noise)
-        found = self.lookup.lookups(state, max(depths, default=0))
+        self.eagle.check_propose(call)
+        depths, sampling = call.depths, call.sampling
+        found = self.lookup.lookups(call.state, max(depths, default=0))
         looked = [d > 0 and len(f[:d]) >= self.min_tokens for f, d in zip(found, depths, strict=True)]
         head_depths = [0 if hit else d for hit, d in zip(looked, depths, strict=True)]
         self.counts["lookup"] += sum(looked)
         chains, trees = self.eagle.counts["chain"], self.eagle.counts["tree"]
-        drafted = self.eagle.propose(slots, head_depths, state=state, sampling=sampling, noise=noise)
+        drafted = self.eagle.propose(call.with_depths(head_depths))
         self.counts["head"] += self.eagle.counts["chain"] - chains
         self.counts["tree"] += self.eagle.counts["tree"] - trees
         if not any(looked):
@@ -199,7 +183,15 @@ class NGramEagleDrafter:
                     )
             at += n
         probs_TV = torch.cat(probs) if sampled and probs else None
-        return SlotProposal(torch.cat(tokens), counts, probs_TV, tree=chains.tree, trees=chains.trees)
+        return SlotProposal(
+            torch.cat(tokens),
+            counts,
+            probs_TV,
+            tree=chains.tree,
+            trees=chains.trees,
+            catch_up_s=chains.catch_up_s,
+            catch_up_tokens=chains.catch_up_tokens,
+        )
 
 
 def ngram_eagle(target: Any, *, num_slots: int = 1, **options: Any) -> NGramEagleDrafter:

@@ -10,15 +10,11 @@ proposal depends on its tokens only. There is no state but which slots hold a re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from specdec.drafters.ngram import NGramDrafter
 from specdec.drafters.slot_table import StatelessSlots
-from specdec.protocols import DecodeState, SlotProposal, Target
-from specdec.sampling import SamplingParams
-from specdec.verify.noise import PositionNoise
+from specdec.protocols import DraftCall, SlotProposal, Target
 
 __all__ = ["NGramSlotDrafter"]
 
@@ -40,22 +36,15 @@ class NGramSlotDrafter(StatelessSlots):
         self.lookup = NGramDrafter(target, max_ngram=max_ngram, min_ngram=min_ngram, search=search)
         self.vocab_size = int(target.vocab_size)
 
-    def propose(
-        self,
-        slots: Sequence[int],
-        depths: Sequence[int],
-        *,
-        state: DecodeState,
-        sampling: Sequence[SamplingParams],
-        noise: PositionNoise | None = None,
-    ) -> SlotProposal:
+    def propose(self, call: DraftCall) -> SlotProposal:
         """Row i's lookup, up to ``depths[i]`` tokens (point masses: one-hot probabilities where a row of
         the call is sampled)."""
-        self.check_propose(slots, depths, sampling, state, noise, keyed=False)  # lookups draw nothing
-        found = self.lookup.lookups(state, max(depths, default=0))
+        self.check_propose(call, keyed=False)  # lookups draw nothing
+        depths = call.depths
+        found = self.lookup.lookups(call.state, max(depths, default=0))
         rows = [f[:k] for f, k in zip(found, depths, strict=True)]
         tokens_T = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
         probs_TV = None
-        if any(not s.greedy for s in sampling) and tokens_T.numel():
+        if any(not s.greedy for s in call.sampling) and tokens_T.numel():
             probs_TV = torch.nn.functional.one_hot(tokens_T, self.vocab_size).float()
         return SlotProposal(tokens_T, [len(r) for r in rows], probs_TV)

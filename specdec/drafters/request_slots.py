@@ -35,7 +35,7 @@ import torch
 from specdec.checks import check_proposal
 from specdec.drafters.slot_table import SlotTable
 from specdec.host_sync import avoids_host
-from specdec.protocols import DecodeState, Drafter, Proposal, SlotProposal, TargetOutput
+from specdec.protocols import DecodeState, DraftCall, Drafter, Proposal, SlotProposal, TargetOutput
 from specdec.sampling import SamplingParams
 from specdec.verify.noise import PositionNoise
 
@@ -134,6 +134,7 @@ class RequestSlots(SlotTable):
         vocab_size: the target's vocabulary (one-hot draft probabilities of a point mass).
         reuse: keep a dropped instance and hand it to the next ``add`` (``begin`` restarts a drafter:
             a drafter given as an object, deep-copied only while requests overlap).
+        clock: what times an instance's lazy ``begin`` (the engine's clock).
         name: what the engine reports as its drafter.
     """
 
@@ -144,6 +145,7 @@ class RequestSlots(SlotTable):
         num_slots: int,
         vocab_size: int,
         reuse: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
         name: str = "per-request",
     ) -> None:
         super().__init__(num_slots)
@@ -157,9 +159,7 @@ class RequestSlots(SlotTable):
         self.vocab_size = vocab_size
         self.reuse = reuse
         self.name = name
-        self.catch_up_s = 0.0
-        self.catch_up_tokens = 0
-        self.now: Callable[[], float] = time.perf_counter  # times a lazy begin (the engine sets its clock)
+        self.now = clock  # times a lazy begin
         self.instances: list[Drafter | None] = [None] * num_slots
         self.idle: list[Drafter] = []  # dropped instances waiting for the next add (reuse)
         self._unbegun: dict[int, TargetOutput] = {}  # slot -> its prefill output, until the lazy begin
@@ -195,22 +195,15 @@ class RequestSlots(SlotTable):
         if self.reuse and instance is not None:
             self.idle.append(instance)
 
-    def propose(
-        self,
-        slots: Sequence[int],
-        depths: Sequence[int],
-        *,
-        state: DecodeState,
-        sampling: Sequence[SamplingParams],
-        noise: PositionNoise | None = None,
-    ) -> SlotProposal:
-        """Row i's instance proposes up to ``depths[i]`` tokens from its row of ``state`` with
-        ``sampling[i]``, its generator seeded by ``mix_seed(seed, output position, 1)`` (none without
-        ``noise``); rows at depth 0 are not called. A row whose instance drafts a token tree gets it
-        (verified alone)."""
-        slots = self.check_propose(slots, depths, sampling, state, noise, keyed=False)
-        if noise is not None and noise.num_rows != len(slots):
-            raise ValueError(f"noise must have one seed per slot ({len(slots)}), got {noise.num_rows}")
+    def propose(self, call: DraftCall) -> SlotProposal:
+        """Row i's instance proposes up to ``depths[i]`` tokens from its row of the call's state with
+        ``sampling[i]`` and ``tree_ok``, its generator seeded by ``mix_seed(seed, output position, 1)``
+        (none without ``noise``); rows at depth 0 are not called. A row whose instance drafts a token
+        tree gets it (verified alone). The call's catch-up: an instance's lazy ``begin`` here, and what
+        an instance reports of its own (the optional ``catch_up_s`` / ``catch_up_tokens`` counters of a
+        one-request drafter: work owed for committed tokens)."""
+        slots = self.check_propose(call, keyed=False)
+        depths, state, sampling, noise = call.depths, call.state, call.sampling, call.noise
         seeds = None if noise is None else noise.seeds_B.tolist()
         lengths, prompts = state.lengths_B.tolist(), state.prompt_lengths_B.tolist()
         chains: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -218,7 +211,7 @@ class RequestSlots(SlotTable):
         seconds, tokens = 0.0, 0
         for i, slot in enumerate(slots):
             self._sampling[slot] = sampling[i]
-            row = replace(state.row(i), sampling=sampling[i])
+            row = replace(state.row(i), sampling=sampling[i], tree_ok=call.tree_ok)
             instance, begun_s, begun = self._begun(slot, row)
             caught_s, caught = getattr(instance, "catch_up_s", 0.0), getattr(instance, "catch_up_tokens", 0)
             K = depths[i]
@@ -244,9 +237,9 @@ class RequestSlots(SlotTable):
                     trees.append(([i], proposal))
             seconds += begun_s + getattr(instance, "catch_up_s", 0.0) - caught_s
             tokens = max(tokens, begun, getattr(instance, "catch_up_tokens", 0) - caught)
-        self.catch_up_s += seconds
-        self.catch_up_tokens += tokens
-        return _with_trees(_ragged(chains, sampling, self.vocab_size, state.tokens_BL.device), trees)
+        proposal = _with_trees(_ragged(chains, sampling, self.vocab_size, state.tokens_BL.device), trees)
+        proposal.catch_up_s, proposal.catch_up_tokens = seconds, tokens
+        return proposal
 
     def observe(
         self, slots: Sequence[int], num_accepted: Sequence[int], features: TargetOutput, *, state: DecodeState
@@ -255,22 +248,15 @@ class RequestSlots(SlotTable):
         count and its row of ``features``; a row not begun yet begins first, at the step's start
         (``lengths_B`` less the ``num_accepted[i] + 1`` tokens just committed)."""
         slots = _check_observe(self, slots, num_accepted, features, state)
-        seconds, tokens = 0.0, 0
         for i, slot in enumerate(slots):
             row = replace(state.row(i), sampling=self._sampling[slot] or state.sampling)
             a = int(num_accepted[i])
             instance = self.instances[slot]
-            begun_s, begun = 0.0, 0
             if slot in self._unbegun:
                 at_start = replace(row, lengths_B=row.lengths_B - (a + 1))
-                instance, begun_s, begun = self._begun(slot, at_start)
-            caught_s, caught = getattr(instance, "catch_up_s", 0.0), getattr(instance, "catch_up_tokens", 0)
+                instance, _, _ = self._begun(slot, at_start)
             instance.observe(row, torch.tensor([a]), features.select([i]))
             self._steps[slot] += 1
-            seconds += begun_s + getattr(instance, "catch_up_s", 0.0) - caught_s
-            tokens = max(tokens, begun, getattr(instance, "catch_up_tokens", 0) - caught)
-        self.catch_up_s += seconds
-        self.catch_up_tokens += tokens
 
     # --- the pieces ---------------------------------------------------------------------------------
     def _begun(self, slot: int, row: DecodeState) -> tuple[Drafter, float, int]:
@@ -295,9 +281,6 @@ class CohortSlots(SlotTable):
         vocab_size: the target's vocabulary (one-hot draft probabilities of a point mass).
         name: what the engine reports as its drafter (default: the drafter's class name).
     """
-
-    catch_up_s = 0.0  # nothing owed for committed tokens
-    catch_up_tokens = 0
 
     def __init__(self, drafter: Drafter, *, num_slots: int, vocab_size: int, name: str | None = None) -> None:
         super().__init__(num_slots)
@@ -325,19 +308,12 @@ class CohortSlots(SlotTable):
         self._free(slot)
         self._sampling[slot] = None
 
-    def propose(
-        self,
-        slots: Sequence[int],
-        depths: Sequence[int],
-        *,
-        state: DecodeState,
-        sampling: Sequence[SamplingParams],
-        noise: PositionNoise | None = None,
-    ) -> SlotProposal:
+    def propose(self, call: DraftCall) -> SlotProposal:
         """One ``propose`` per cohort of rows sharing a depth (> 0) and sampling settings, with their
         keyed ``noise`` where the drafter takes it; a cohort whose proposal is a token tree gets it
         (one tree shape for its rows)."""
-        slots = self.check_propose(slots, depths, sampling, state, noise, keyed=self.keyed)
+        slots = self.check_propose(call, keyed=self.keyed)
+        depths, state, sampling, noise = call.depths, call.state, call.sampling, call.noise
         self._steps += 1
         cohorts: dict[tuple[int, SamplingParams], list[int]] = {}
         for i, slot in enumerate(slots):
@@ -351,7 +327,8 @@ class CohortSlots(SlotTable):
             kwargs = {}
             if self.keyed and noise is not None:
                 kwargs["noise"] = PositionNoise(noise.seeds_B[torch.tensor(index, device=noise.device)])
-            proposal = self.drafter.propose(replace(state.select(index), sampling=params), K, None, **kwargs)
+            rows = replace(state.select(index), sampling=params, tree_ok=call.tree_ok)
+            proposal = self.drafter.propose(rows, K, None, **kwargs)
             check_proposal(
                 proposal,
                 batch_size=len(index),

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from specdec.protocols import DecodeState
+from specdec.protocols import DraftCall
 from specdec.sampling import SamplingParams, sampling_probs
 from specdec.verify.noise import PositionNoise, sample_keyed
 
@@ -60,29 +60,13 @@ class SlotTable:
             raise ValueError(f"slots {idle} hold no request (add them first)")
         return slots
 
-    def check_propose(
-        self,
-        slots: Sequence[int],
-        depths: Sequence[int],
-        sampling: Sequence[SamplingParams],
-        state: DecodeState,
-        noise: PositionNoise | None,
-        *,
-        keyed: bool = True,
-    ) -> list[int]:
-        """``propose``'s arguments: the slots (:meth:`_check_slots`), one depth (an int >= 0), one
-        setting and one state row per slot, and, where ``keyed`` and a row is sampled, a
-        :class:`~specdec.verify.noise.PositionNoise` with one seed per slot; returns the slots."""
-        slots = self._check_slots(slots)
-        G = len(slots)
-        if len(depths) != G or len(sampling) != G or state.batch_size != G:
-            raise ValueError(
-                f"depths ({len(depths)}), sampling ({len(sampling)}) and state ({state.batch_size} rows) "
-                f"must have one entry per slot ({G})"
-            )
-        if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in depths):
-            raise ValueError(f"depths must be ints >= 0, got {list(depths)}")
-        if keyed and any(not s.greedy for s in sampling) and (noise is None or noise.num_rows != G):
+    def check_propose(self, call: DraftCall, *, keyed: bool = True) -> list[int]:
+        """``propose``'s call: its slots (:meth:`_check_slots`; the call checks its own shapes) and,
+        where ``keyed`` and a row is sampled, its noise; returns the slots."""
+        if not isinstance(call, DraftCall):
+            raise ValueError(f"call must be a DraftCall, got {type(call).__name__}")
+        slots = self._check_slots(call.slots)
+        if keyed and call.noise is None and any(not s.greedy for s in call.sampling):
             raise ValueError("noise: sampled rows need a PositionNoise with one seed per slot")
         return slots
 
@@ -104,9 +88,6 @@ class SlotTable:
 class StatelessSlots(SlotTable):
     """A slot drafter that keeps nothing per slot but whether it holds a request (``ngram``,
     ``layerskip``): ``add``, ``drop`` and ``observe`` only check and mark the slots."""
-
-    catch_up_s = 0.0  # nothing owed for committed tokens
-    catch_up_tokens = 0
 
     def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: Any) -> None:
         self._take(slot, prompt_ids)

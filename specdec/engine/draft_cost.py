@@ -22,11 +22,14 @@ depends on it.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["DraftCost", "PerTokenDraftCost", "measure_draft_cost"]
 
@@ -120,10 +123,12 @@ def measure_draft_cost(
     tokens, then rolled back) and the drafter's first G slots (added, then dropped), greedy rows: the
     fastest of ``repeats`` calls after a first one that catches up the prompts. ``position[G]`` is the call's
     seconds over its longest chain; ``catch[G]`` starts at one position's cost (a step's catch-up is one
-    head forward over the rows' committed tokens) until the engine learns it."""
+    head forward over the rows' committed tokens) until the engine learns it. A drafter whose repeated
+    call raises (a drafter written for one request may need an ``observe`` between two calls) is not
+    timed: an empty cost, learned from the engine's drafting steps."""
     from specdec.engine.cost_model import device_synchronizer
     from specdec.engine.units import row_output
-    from specdec.protocols import DecodeState
+    from specdec.protocols import DecodeState, DraftCall
     from specdec.sampling import SamplingParams
 
     sync = device_synchronizer(getattr(target, "device", None))
@@ -137,24 +142,31 @@ def measure_draft_cost(
     out = target.forward(prompt[:, :context], torch.zeros(G_max, dtype=torch.long), rows_B=at)
     try:
         for G in sorted(set(rows)):
-            for s in range(G):
-                drafter.add(s, prompt[s, :context].tolist(), row_output(out, s))
-            tokens = torch.zeros(G, context + depth + 8, dtype=torch.long)
-            tokens[:, : context + 1] = prompt[:G]
-            P = torch.full((G,), context, dtype=torch.long)
-            state = DecodeState(tokens, P, P + 1, torch.zeros(G, dtype=torch.bool), greedy, tree_ok=False)
-            slots, depths, sampling = list(range(G)), [depth] * G, [greedy] * G
-            drafter.propose(slots, depths, state=state, sampling=sampling)  # the prompts' catch-up
-            best, longest = float("inf"), 0
-            for _ in range(repeats):
-                sync()
-                t0 = time.perf_counter()
-                proposal = drafter.propose(slots, depths, state=state, sampling=sampling)
-                sync()
-                best = min(best, time.perf_counter() - t0)
-                longest = max(longest, max(proposal.counts_B))
-            for s in range(G):
-                drafter.drop(s)
+            added: list[int] = []
+            try:
+                for s in range(G):
+                    drafter.add(s, prompt[s, :context].tolist(), row_output(out, s))
+                    added.append(s)
+                tokens = torch.zeros(G, context + depth + 8, dtype=torch.long)
+                tokens[:, : context + 1] = prompt[:G]
+                P = torch.full((G,), context, dtype=torch.long)
+                state = DecodeState(tokens, P, P + 1, torch.zeros(G, dtype=torch.bool), greedy)
+                call = DraftCall(list(range(G)), [depth] * G, state, [greedy] * G)
+                drafter.propose(call)  # the prompts' catch-up
+                best, longest = float("inf"), 0
+                for _ in range(repeats):  # the same call again: no observe between them
+                    sync()
+                    t0 = time.perf_counter()
+                    proposal = drafter.propose(call)
+                    sync()
+                    best = min(best, time.perf_counter() - t0)
+                    longest = max(longest, max(proposal.counts_B))
+            except Exception as err:  # noqa: BLE001 - a drafter that needs an observe between calls
+                _log.debug("draft cost not measured (learned from the engine's steps): %r", err)
+                return DraftCost()
+            finally:
+                for s in added:
+                    drafter.drop(s)
             # a confidence stop may end every chain of random text at once: the call then scored one
             # position (a lower bound until the engine learns the cost of drafting there)
             cost.learn(G, max(longest, 1), best)

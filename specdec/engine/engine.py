@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 from specdec.drafters.engine_drafter import drafter_name, make_slot_drafter
-from specdec.drafters.request_slots import CohortSlots, RequestSlots
 from specdec.engine.controls import RequestControls
 from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
@@ -166,14 +165,15 @@ class Engine:
         if measure_cost and not isinstance(self.policy, FixedDepth):
             cost = verify_cost_for(target, max_rows=self.max_num_seqs)
         self.drafter_name = drafter_name(target, drafter)  # ``default`` resolved (once: it may note why)
+        self.now = time.perf_counter
         self.drafter: SlotDrafter = make_slot_drafter(
             target, self.drafter_name if isinstance(drafter, str) else drafter, drafter_options,
-            num_slots=self.max_num_seqs,
+            num_slots=self.max_num_seqs, clock=lambda: self.now(),
         )  # fmt: skip
-        # drafting seconds per step by drafting rows and depth: a slot drafter's measured at the start
-        # where a cost model is (rows of the verify grid); learned from every drafting step
+        # drafting seconds per step by drafting rows and depth: measured at the start where a cost
+        # model is (rows of the verify grid); learned from every drafting step
         draft_cost = DraftCost()
-        if cost is not None and not isinstance(self.drafter, (RequestSlots, CohortSlots)):
+        if cost is not None:
             draft_cost = measure_draft_cost(target, self.drafter, rows=cost.rows)
         self.scheduler = Scheduler(
             max_num_seqs=self.max_num_seqs,
@@ -191,9 +191,6 @@ class Engine:
             "steps": 0, "total_s": 0.0, "forward_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
             "prefill_s": 0.0, "begin_s": 0.0, "rule_s": 0.0, "owed_s": 0.0,
         }  # fmt: skip
-        self.now = time.perf_counter
-        if isinstance(self.drafter, RequestSlots):  # its lazy begins on the engine's clock
-            self.drafter.now = lambda: self.now()
         self.runner = Runner(
             target=target,
             rule=self.rule,

@@ -44,7 +44,7 @@ from specdec.engine.request import Request, RequestStatus
 from specdec.engine.units import Unit, checked_unit, group_state, join_outputs, row_output, slice_output
 from specdec.host_sync import avoids_host
 from specdec.metrics import MetricsRecorder, StepStats
-from specdec.protocols import Proposal, SlotDrafter, SlotProposal, TargetOutput
+from specdec.protocols import DraftCall, Proposal, SlotDrafter, SlotProposal, TargetOutput
 from specdec.verify.blocks import ChainBlock, TreeBlock, Verdict, make_block
 from specdec.verify.contract import VerifyRule
 from specdec.verify.noise import PositionNoise
@@ -170,27 +170,26 @@ class Runner:
         if not drafting:
             return units
         drafter = self.drafter
-        caught_tokens, caught = drafter.catch_up_tokens, drafter.catch_up_s
 
         def propose(part: list[RowPlan]) -> SlotProposal:
             rows = [p.request for p in part]
-            state = group_state(rows, rows[0].params.sampling, self.tokens_SL)
-            state.tree_ok = tree_ok
-            return drafter.propose(
+            call = DraftCall(
                 [r.slot for r in rows],
                 [p.depth for p in part],
-                state=state,
-                sampling=[r.params.sampling for r in rows],
-                noise=PositionNoise([r.params.seed for r in rows]),
+                group_state(rows, rows[0].params.sampling, self.tokens_SL),
+                [r.params.sampling for r in rows],
+                PositionNoise([r.params.seed for r in rows]),
+                tree_ok,
             )
+            return drafter.propose(call)
 
         fail = lambda p, err: self.fail(p.request, "drafting", err, report)  # noqa: E731
         proposals = each_alone(drafting, propose, fail)
         report.draft_rows, report.draft_depth = len(drafting), max(p.depth for p in drafting)
-        report.catch_up_s = drafter.catch_up_s - caught
+        report.catch_up_s = sum(proposal.catch_up_s for _, proposal in proposals)
         # More than one step's committed tokens caught up (a prompt, or tokens of idle or lookup
         # steps) is work owed once, not a cost of drafting on: not learned, counted in owed_s.
-        if drafter.catch_up_tokens - caught_tokens > self.gamma_max + 1:
+        if max((proposal.catch_up_tokens for _, proposal in proposals), default=0) > self.gamma_max + 1:
             report.steady = False
             self.stats["owed_s"] += report.catch_up_s
         for part, proposal in proposals:

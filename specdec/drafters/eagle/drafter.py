@@ -15,7 +15,7 @@ memory once per position, not once per request.
 Trees (``trees``): ``"never"`` drafts chains; ``"always"`` (``eagle-tree``) drafts each drafting row's
 token tree on its own slot of the head cache (:mod:`specdec.drafters.eagle.tree`; each tree is
 verified by a forward of its own); ``"auto"`` drafts the tree only for the one greedy row of a call
-whose ``DecodeState.tree_ok`` says a tree pays, chains otherwise.
+whose ``DraftCall.tree_ok`` says a tree pays, chains otherwise.
 
 Batch invariance (a seed fixes the output whatever the neighbours): a row's drafts and draft
 probabilities are bitwise those it gets proposed alone. The head's matrix products run on the packed
@@ -51,7 +51,7 @@ from specdec.drafters.eagle.queue import FeatureQueue
 from specdec.drafters.eagle.tree import EagleTrees
 from specdec.drafters.eagle.weights import load_packed_head
 from specdec.drafters.slot_table import SlotTable
-from specdec.protocols import DecodeState, Proposal, SlotProposal, TargetOutput, TreeTarget
+from specdec.protocols import DecodeState, DraftCall, Proposal, SlotProposal, TargetOutput, TreeTarget
 from specdec.sampling import SamplingParams, sampling_probs
 from specdec.verify.noise import PositionNoise, sample_keyed_inverse
 
@@ -179,11 +179,6 @@ class EagleDrafter(SlotTable):
         self.cache_len = [0] * num_slots  # per slot: head-cache slots holding true-feature pairs
         self.queue = FeatureQueue(num_slots, (len(c.aux_layers) + 1) * c.hidden_size, device, capacity=64)
         self.next_feat_SD = torch.zeros(num_slots, c.hidden_size, device=device)
-        self.catch_up_s = 0.0
-        """Seconds spent catching up: work owed for committed tokens before the head drafts again,
-        which the engine counts apart from its per-drafted-token cost."""
-        self.catch_up_tokens = 0
-        """Queued positions caught up (the longest row's, per catch-up)."""
         self.counts = {"chain": 0, "tree": 0}
         """Rows drafted as chains and as trees."""
 
@@ -224,28 +219,20 @@ class EagleDrafter(SlotTable):
             self.catch_up(slots, state, over)
 
     @torch.inference_mode()
-    def propose(
-        self,
-        slots: Sequence[int],
-        depths: Sequence[int],
-        *,
-        state: DecodeState,
-        sampling: Sequence[SamplingParams],
-        noise: PositionNoise | None = None,
-    ) -> SlotProposal:
+    def propose(self, call: DraftCall) -> SlotProposal:
         """Up to ``depths[i]`` tokens for row ``slots[i]``: one catch-up forward over the drafting rows'
         queued features, then one head forward per draft position over the rows still drafting
         chains; a token tree instead for the rows that draft trees (``trees``, module doc)."""
-        slots = self.check_propose(slots, depths, sampling, state, noise)
+        slots = self.check_propose(call)
+        depths, state, sampling, noise = call.depths, call.state, call.sampling, call.noise
         G = len(slots)
         device = self.head.device
         drafting = [i for i in range(G) if depths[i] > 0]
-        tree_rows = [i for i in drafting if self._drafts_tree(i, G, sampling, state)]
+        tree_rows = [i for i in drafting if self._drafts_tree(i, call)]
         chain_rows = [i for i in drafting if i not in tree_rows]
         drafted: list[list[torch.Tensor]] = [[] for _ in range(G)]  # per row: [token] per position
         probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]
-        if drafting:
-            self.catch_up(slots, state, drafting)
+        caught_s, caught = self.catch_up(slots, state, drafting) if drafting else (0.0, 0)
         if chain_rows:
             self._draft(slots, depths, state, sampling, noise, chain_rows, drafted, probs)
         trees: list[tuple[list[int], Proposal]] = []
@@ -266,18 +253,18 @@ class EagleDrafter(SlotTable):
         if flat and any(not s.greedy for s in sampling):
             zero_V = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
             probs_TV = torch.stack([zero_V if p is None else p for row in probs for p in row])
-        proposal = SlotProposal(tokens_T, counts, probs_TV)
+        proposal = SlotProposal(tokens_T, counts, probs_TV, catch_up_s=caught_s, catch_up_tokens=caught)
         if G == 1 and trees:
             proposal.tree = trees[0][1]
         else:
             proposal.trees = trees
         return proposal
 
-    def _drafts_tree(self, i: int, G: int, sampling: Sequence[SamplingParams], state: DecodeState) -> bool:
-        """Whether row i of a call of G rows drafts a token tree (``trees``, module doc)."""
+    def _drafts_tree(self, i: int, call: DraftCall) -> bool:
+        """Whether row i of the call drafts a token tree (``trees``, module doc)."""
         if self.tree_mode == "always":
             return True
-        return self.tree_mode == "auto" and G == 1 and state.tree_ok and sampling[i].greedy
+        return self.tree_mode == "auto" and call.size == 1 and call.tree_ok and call.sampling[i].greedy
 
     # --- the head's inputs ----------------------------------------------------------------------
     def logits(self, feature_GD: torch.Tensor, position: int) -> torch.Tensor:
@@ -405,18 +392,18 @@ class EagleDrafter(SlotTable):
             decided.append(row_confidence(running, i, p, greedy=sampling[i].greedy, min_prob=self.min_prob))
         return decided
 
-    def catch_up(self, slots: list[int], state: DecodeState, rows: list[int]) -> None:
-        """Run rows ``rows``' (indices into ``slots`` and ``state``) queued pairs in one head forward.
+    def catch_up(self, slots: list[int], state: DecodeState, rows: list[int]) -> tuple[float, int]:
+        """Run rows ``rows``' (indices into ``slots`` and ``state``) queued pairs in one head forward;
+        returns its seconds and positions (the longest row's).
 
         Row b's queued pairs fill head-cache slots ``cache_len .. lengths - 2``: the feature at slot s
         (from the queue, which starts at ``cache_len``) with committed token s + 1."""
         rows = [i for i in rows if self.queue.counts[slots[i]] > 0]
         if not rows:
-            return
+            return 0.0, 0
         t0 = time.perf_counter()
         rows_G = [slots[i] for i in rows]
         raw_GTI, counts_G = self.queue.take_rows(rows_G)
-        self.catch_up_tokens += max(counts_G)
         feats_GTD = self.project(raw_GTI)  # EAGLE-3: the aux layers fused for the block
         T, device = feats_GTD.shape[1], feats_GTD.device
         start_G = [self.cache_len[s] for s in rows_G]
@@ -431,7 +418,7 @@ class EagleDrafter(SlotTable):
         self.next_feat_SD[rows_G] = out_GTD[torch.arange(len(rows_G), device=device), last_G]
         for s, n in zip(rows_G, counts_G, strict=True):
             self.cache_len[s] += n
-        self.catch_up_s += time.perf_counter() - t0
+        return time.perf_counter() - t0, max(counts_G)
 
     def _head_block(
         self,
