@@ -32,10 +32,10 @@ DRAFTERS = Registry(
     "specdec.drafters",
     builtins={
         "none": "specdec.drafters.none:NoDrafter",
-        "ngram": "specdec.drafters.ngram_slots:NGramSlotDrafter",
+        "ngram": "specdec.drafters.ngram:NGramDrafter",
         "model": "specdec.drafters.model_slots:ModelSlotDrafter",
         "qself": "specdec.drafters.model_slots:qself_slots",
-        "layerskip": "specdec.drafters.layerskip_slots:LayerSkipSlotDrafter",
+        "layerskip": "specdec.drafters.layerskip:LayerSkipDrafter",
         "unigram": "specdec.drafters.ngram_lm:UnigramDrafter",
         "bigram": "specdec.drafters.ngram_lm:BigramDrafter",
         "eagle": "specdec.drafters.eagle:EagleDrafter",

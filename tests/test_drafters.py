@@ -86,30 +86,23 @@ def test_lookup_clips_at_history_end_and_handles_short_histories():
     assert lookup(t([2, 3, 3]), 4, **kw).tolist() == [3]
 
 
-def test_ngram_drafter_batch_pads_and_skips_finished_rows():
+def test_ngram_lookups_skip_finished_rows():
     d = NGramDrafter(TableTarget(random_table(10, seed=0)))
     state = state_for([[1, 2, 3, 1, 2], [4, 5, 6], [7, 8, 7]])
-    p = d.propose(state, 3)
-    assert p.probs_BKV is None
-    assert p.tokens_BK.shape == (3, 3)
-    assert p.tokens_BK[0].tolist() == [3, 1, 2]
-    assert p.tokens_BK[1].tolist() == [6, 6, 6]  # no match: padded with the last token
-    assert p.tokens_BK[2, 0].item() == 8  # 1-gram 7 → [8, 7], padded
+    found = d.lookups(state, 3)
+    assert [f.tolist() for f in found] == [[3, 1, 2], [], [8, 7]]  # a miss finds nothing
     state.finished_B[0] = True
-    assert d.propose(state, 3).tokens_BK.shape[1] == 2
-    assert d.propose(state, 0).tokens_BK.shape == (3, 0)
-    state.finished_B[2] = True
-    assert d.propose(state, 3).tokens_BK.shape == (3, 0)
+    assert [f.tolist() for f in d.lookups(state, 3)] == [[], [], [8, 7]]
+    assert [f.tolist() for f in d.lookups(state, 0)] == [[], [], []]
 
 
 def test_ngram_slot_drafter_proposes_each_rows_own_lookup_ragged():
     """The engine's ``ngram``: one call, each row its own lookup up to its depth (no padding), point
     masses (one-hot where a row is sampled), a miss proposing nothing; then the engine over it."""
-    from specdec.drafters.ngram_slots import NGramSlotDrafter
     from specdec.verify.noise import PositionNoise
 
     target = TableTarget(random_table(10, seed=0))
-    d = NGramSlotDrafter(target, num_slots=4)
+    d = NGramDrafter(target, num_slots=4)
     rows = [[1, 2, 3, 1, 2], [4, 5, 6], [7, 8, 7]]
     for slot, r in zip((3, 0, 1), rows, strict=True):
         d.add(slot, r, None)

@@ -644,11 +644,11 @@ def test_default_drafter_is_lookup_then_the_shipped_eagle_head_for_smollm2():
 
 
 def test_default_drafter_falls_back_for_other_targets(tiny, capsys):
+    from specdec.drafters.ngram import NGramDrafter
     from specdec.drafters.ngram_eagle import default_drafter
-    from specdec.drafters.ngram_slots import NGramSlotDrafter
 
     drafter = default_drafter(tiny["target"])
-    assert isinstance(drafter, NGramSlotDrafter)
+    assert isinstance(drafter, NGramDrafter)
     assert "drafter 'default' -> 'ngram'" in capsys.readouterr().err
 
 

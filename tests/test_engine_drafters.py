@@ -26,7 +26,6 @@ from _tiny import byte_tokenizer, save_tiny_checkpoint, tiny_llama
 import specdec
 from specdec.drafters.engine_drafter import make_slot_drafter
 from specdec.drafters.layerskip import LayerSkipDrafter
-from specdec.drafters.layerskip_slots import LayerSkipSlotDrafter
 from specdec.drafters.model import ModelDrafter, SharedDraftModel
 from specdec.drafters.model_slots import ModelSlotDrafter
 from specdec.drafters.qself import qself
@@ -141,7 +140,7 @@ def test_greedy_under_load_equals_solo_with_shared_draft_parts(target, paths, so
     one = engine.drafter  # one slot drafter for every request
     assert all(d is one for d in drafters.values()) and not any(one.active)  # every slot dropped
     if which == "layerskip":  # the target's own first layers, at each request's row of its cache
-        assert isinstance(one, LayerSkipSlotDrafter) and one.target is target
+        assert isinstance(one, LayerSkipDrafter) and one.target is target
     else:  # model, qself: one draft model with a cache row per engine slot
         assert isinstance(one, ModelSlotDrafter)
         assert isinstance(one.shared, SharedDraftModel) and one.shared.num_slots == 2
@@ -243,12 +242,13 @@ def test_model_drafter_alone_still_owns_a_batch(target, paths, solo):
 
 @pytest.mark.parametrize("kind", ["model", "layerskip"])
 def test_generate_with_a_drafter_object_runs_one_instance_per_row(target, paths, solo, kind):
-    """A ModelDrafter / LayerSkipDrafter given as an object: each request gets an instance at its own
-    row from the object's ``slot_factory`` (no deep copy of a model): solo tokens, all drafts taken."""
+    """A ModelDrafter given as an object: each request gets an instance at its own row from the
+    object's ``slot_factory`` (no deep copy of a model); a LayerSkipDrafter object is the engine's slot
+    drafter itself: solo tokens, all drafts taken."""
     if kind == "model":
         d = ModelDrafter(target, model=str(paths["target"]), backend="llama")
     else:
-        d = LayerSkipDrafter(target, num_layers=DEPTH - 1)
+        d = LayerSkipDrafter(target, num_slots=len(PROMPTS), num_layers=DEPTH - 1)
     n = min(LENGTHS)
     out = specdec.generate(
         target, PROMPTS, drafter=d, max_new_tokens=n, gamma=3, temperature=0.0, ignore_eos=True
@@ -291,8 +291,8 @@ def test_bad_slot_options(target, paths):
         SharedDraftModel(draft, 0)
     with pytest.raises(ValueError, match="int4 copy"):
         qself(target, slot=0, shared=shared)
-    with pytest.raises(ValueError, match="slot must be an int"):
-        LayerSkipDrafter(target, num_layers=1, slot=-1)
+    with pytest.raises(ValueError, match="num_slots must be an int"):
+        LayerSkipDrafter(target, num_layers=1, num_slots=0)
     with pytest.raises(ValueError, match="no option 'slot'"):  # the engine's drafter keeps every slot
         make_slot_drafter(target, "layerskip", {"slot": 1}, num_slots=2)
     with pytest.raises(ValueError, match="must not set 'num_slots'"):
@@ -375,7 +375,7 @@ def test_layerskip_slot_drafter_batched_equals_each_row_alone(target):
             )
             target.rollback(torch.tensor([len(p)]), rows_B=torch.tensor([r]))
 
-    together = LayerSkipSlotDrafter(target, num_slots=3, num_layers=DEPTH - 1)
+    together = LayerSkipDrafter(target, num_slots=3, num_layers=DEPTH - 1)
     prefilled(slots, prompts)
     for s_, p in zip(slots, prompts, strict=True):
         together.add(s_, p, None)
@@ -384,7 +384,7 @@ def test_layerskip_slot_drafter_batched_equals_each_row_alone(target):
     )
     assert call.counts_B == depths
     for i in range(3):
-        alone = LayerSkipSlotDrafter(target, num_slots=3, num_layers=DEPTH - 1)
+        alone = LayerSkipDrafter(target, num_slots=3, num_layers=DEPTH - 1)
         target.reset(3, MAX_LEN)
         target.forward(
             torch.tensor([prompts[i] + [first[i]]]),
@@ -407,4 +407,4 @@ def test_layerskip_slot_drafter_batched_equals_each_row_alone(target):
         if not sampling[i].greedy and depths[i]:
             assert torch.equal(solo.probs_TV, call.probs_TV[start : start + depths[i]])
     with pytest.raises(ValueError, match="num_layers"):
-        LayerSkipSlotDrafter(target, num_slots=2, num_layers=DEPTH)
+        LayerSkipDrafter(target, num_slots=2, num_layers=DEPTH)

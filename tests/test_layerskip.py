@@ -12,11 +12,11 @@ from _tiny import save_tiny_checkpoint, tiny_llama
 
 import specdec
 from specdec.drafters.layerskip import LayerSkipDrafter
-from specdec.drafters.layerskip_slots import LayerSkipSlotDrafter
-from specdec.protocols import DecodeState, Drafter, SlotDrafter
+from specdec.protocols import DecodeState, DraftCall, SlotDrafter
 from specdec.registry import create_drafter
 from specdec.sampling import SamplingParams
 from specdec.targets.llama import LlamaTarget
+from specdec.verify.noise import PositionNoise
 
 DEPTH, EXIT = 4, 2
 
@@ -66,11 +66,28 @@ def _truncated_greedy(small, prefix: list[int], k: int) -> list[int]:
     return ids[len(prefix) :]
 
 
+def _drafter(target, prompts) -> LayerSkipDrafter:
+    """A drafter with one slot per prompt, each added (slot b = the target's cache row b)."""
+    drafter = LayerSkipDrafter(target, num_slots=len(prompts), num_layers=EXIT)
+    for b, p in enumerate(prompts):
+        drafter.add(b, p, None)
+    return drafter
+
+
+def _rows(proposal, B: int) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Each row's drafts and their probabilities (None where the proposal has none)."""
+    out, at = [], 0
+    for n in proposal.counts_B[:B]:
+        probs = None if proposal.probs_TV is None else proposal.probs_TV[at : at + n]
+        out.append((proposal.tokens_T[at : at + n].tolist(), probs))
+        at += n
+    return out
+
+
 def test_registered_and_protocol(tiny):
     _, target = tiny
     drafter = create_drafter("layerskip", target, num_layers=EXIT)
-    assert isinstance(drafter, LayerSkipSlotDrafter) and isinstance(drafter, SlotDrafter)
-    assert isinstance(LayerSkipDrafter(target), Drafter)
+    assert isinstance(drafter, LayerSkipDrafter) and isinstance(drafter, SlotDrafter)
     assert LayerSkipDrafter(target).num_layers == 3  # round(0.8 · 4)
 
 
@@ -79,18 +96,14 @@ def test_greedy_drafts_equal_truncated_model_on_a_ragged_batch(tiny):
     small = _truncated(hf, EXIT)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 12, 3)]
-    state = _state(prompts, 40, SamplingParams(temperature=0.0))
+    greedy = SamplingParams(temperature=0.0)
+    state = _state(prompts, 40, greedy)
     _prefill(target, state)
-    drafter = LayerSkipDrafter(target, num_layers=EXIT)
-    drafter.begin(state, None)
-    proposal = drafter.propose(state, 5)
-    assert proposal.tokens_BK.shape == (3, 5)
-    assert proposal.probs_BKV.shape == (3, 5, target.vocab_size) and proposal.probs_BKV.dtype == torch.float32
-    for b, p in enumerate(prompts):
-        assert proposal.tokens_BK[b].tolist() == _truncated_greedy(small, p, 5)
-        # Greedy probs are the one-hot argmax of the early-exit logits.
-        assert torch.equal(proposal.probs_BKV[b].argmax(-1), proposal.tokens_BK[b])
-        assert torch.all(proposal.probs_BKV[b].sum(-1) == 1)
+    drafter = _drafter(target, prompts)
+    proposal = drafter.propose(DraftCall([0, 1, 2], [5, 5, 5], state, [greedy] * 3))
+    assert proposal.counts_B == [5, 5, 5] and proposal.probs_TV is None  # greedy: point masses
+    for (tokens, _), p in zip(_rows(proposal, 3), prompts, strict=True):
+        assert tokens == _truncated_greedy(small, p, 5)
 
 
 def test_sampled_drafts_are_valid_and_seeded(tiny):
@@ -101,16 +114,17 @@ def test_sampled_drafts_are_valid_and_seeded(tiny):
     for _ in range(2):
         state = _state(prompts, 24, sampling)
         _prefill(target, state)
-        drafter = LayerSkipDrafter(target, num_layers=EXIT)
-        outs.append(drafter.propose(state, 4, torch.Generator().manual_seed(3)))
+        drafter = _drafter(target, prompts)
+        outs.append(drafter.propose(DraftCall([0, 1], [4, 4], state, [sampling] * 2, PositionNoise([3, 4]))))
     a, b = outs
-    assert torch.equal(a.tokens_BK, b.tokens_BK)
-    probs = a.probs_BKV
-    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4))
+    assert torch.equal(a.tokens_T, b.tokens_T) and a.counts_B == [4, 4]
+    probs = a.probs_TV
+    torch.testing.assert_close(probs.sum(-1), torch.ones(8))
     assert (probs >= 0).all() and ((probs > 0).sum(-1) <= 50).all()
-    picked = probs.gather(-1, a.tokens_BK[..., None])
+    picked = probs.gather(-1, a.tokens_T[:, None])
     assert (picked > 0).all()  # every draft token has mass under its own draft distribution
-    assert drafter.propose(state, 0).tokens_BK.shape == (2, 0)
+    none = drafter.propose(DraftCall([0, 1], [0, 0], state, [sampling] * 2, PositionNoise([3, 4])))
+    assert none.counts_B == [0, 0] and none.tokens_T.numel() == 0
 
 
 def test_shared_cache_survives_verify_and_rollback(tiny):
@@ -118,25 +132,26 @@ def test_shared_cache_survives_verify_and_rollback(tiny):
     hf, target = tiny
     small = _truncated(hf, EXIT)
     prompt = [1, 2, 3, 4, 5, 6]
-    state = _state([prompt], 40, SamplingParams(temperature=0.0))
+    greedy = SamplingParams(temperature=0.0)
+    state = _state([prompt], 40, greedy)
     _prefill(target, state)
-    drafter = LayerSkipDrafter(target, num_layers=EXIT)
+    drafter = _drafter(target, [prompt])
     seq = list(prompt)
     for step, keep in enumerate([1, 0, 3, 2]):
-        proposal = drafter.propose(state, 4)
-        assert proposal.tokens_BK[0].tolist() == _truncated_greedy(small, seq, 4), f"step {step}"
+        proposal = drafter.propose(DraftCall([0], [4], state, [greedy]))
+        assert proposal.tokens_T.tolist() == _truncated_greedy(small, seq, 4), f"step {step}"
         # Verify: the full target overwrites the draft slots; commit `keep` drafts + one other token.
         start = state.lengths_B - 1
-        block = torch.cat([state.last_tokens_B()[:, None], proposal.tokens_BK], dim=1)
+        block = torch.cat([state.last_tokens_B()[:, None], proposal.tokens_T[None]], dim=1)
         out = target.forward(block, start)
-        committed = proposal.tokens_BK[0, :keep].tolist() + [
+        committed = proposal.tokens_T[:keep].tolist() + [
             (int(out.logits_BTV[0, keep].argmax()) + 1) % target.vocab_size
         ]
         n = int(state.lengths_B[0])
         state.tokens_BL[0, n : n + len(committed)] = torch.tensor(committed)
         state.lengths_B = state.lengths_B + len(committed)
         target.rollback(state.lengths_B - 1)
-        drafter.observe(state, torch.tensor([keep]), out)
+        drafter.observe([0], [keep], out, state=state)
         seq += committed
 
 

@@ -26,7 +26,7 @@ from specdec.drafters import ngram_lm
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.engine_drafter import drafter_name, make_slot_drafter
 from specdec.drafters.model import ModelDrafter
-from specdec.drafters.ngram_slots import NGramSlotDrafter
+from specdec.drafters.ngram import NGramDrafter
 from specdec.drafters.none import NoDrafter
 from specdec.drafters.request_slots import CohortSlots, RequestSlots, mix_seed
 from specdec.protocols import DecodeState, DraftCall, Proposal, SlotDrafter, SlotProposal, TargetOutput
@@ -390,9 +390,9 @@ def test_none_by_name_is_one_instance_that_never_drafts_nor_observes(monkeypatch
 def test_make_slot_drafter_resolves_names_and_objects(capsys):
     target = TARGET.as_target()
     ngram = make_slot_drafter(target, "ngram", {"max_ngram": 2}, num_slots=3)
-    assert isinstance(ngram, NGramSlotDrafter) and ngram.num_slots == 3
+    assert isinstance(ngram, NGramDrafter) and ngram.num_slots == 3
     default = make_slot_drafter(target, "default", num_slots=2)
-    assert isinstance(default, NGramSlotDrafter) and drafter_name(target, "default") == "ngram"
+    assert isinstance(default, NGramDrafter) and drafter_name(target, "default") == "ngram"
     assert "'default' -> 'ngram'" in capsys.readouterr().err
     assert make_slot_drafter(target, ngram, num_slots=3) is ngram  # a slot drafter object as it is
     markov = DRAFT.as_drafter()
@@ -450,7 +450,7 @@ def test_make_slot_drafter_errors():
     with pytest.raises(ValueError, match="only apply when drafter is given by name"):
         make_slot_drafter(target, DRAFT.as_drafter(), {"x": 1}, num_slots=2)
     with pytest.raises(ValueError, match="has 2 slots, the engine needs 3"):
-        make_slot_drafter(target, NGramSlotDrafter(target, num_slots=2), num_slots=3)
+        make_slot_drafter(target, NGramDrafter(target, num_slots=2), num_slots=3)
     with pytest.raises(ValueError, match="begin/propose/observe, got int"):
         make_slot_drafter(target, 3, num_slots=1)
     with pytest.raises(ValueError, match="has no option 'bogus'"):

@@ -11,13 +11,18 @@ Cache sharing (LayerSkip's "cache reuse"): the first N layers of the target comp
 keys and values the truncated model would for the same tokens, so the drafter has no cache of its
 own. It writes its draft tokens' layer-< N keys/values into the target's cache at the slots the
 verify block is about to overwrite anyway; the target's ``rollback`` keeps both in step, and the
-drafter needs no prefill and no rollback of its own. In the engine ``layerskip`` by name is one
-:class:`~specdec.drafters.layerskip_slots.LayerSkipSlotDrafter` for every row; a ``LayerSkipDrafter``
-given as an object gives each request an instance at its cache row (``slot``: ``rows_B=[slot]``), which
-writes that row only, past the row's length, where the row's verify block then overwrites those slots.
+drafter needs no prefill and no rollback of its own.
 
-Draft tokens are sampled from ``sampling_probs(early-exit logits, state.sampling)`` and those
-probabilities (full vocabulary, float32) are returned, so verification stays exact.
+:class:`LayerSkipDrafter` is a :class:`~specdec.protocols.SlotDrafter`: it keeps nothing per slot but
+whether the slot holds a request, and each draft position is **one** ``forward_layers`` call over every
+row still drafting, each at its own row of the target's cache (``rows_B``), past the row's length,
+where that row's verify block then overwrites the layer-< N keys and values it wrote. A row's drafts
+depend on that row only (the native target gives a row the same logits whatever the other rows);
+sampled rows draw from the keyed ``noise`` (stream ``"draft"``, by output position), from
+``sampling_probs(early-exit logits, the row's settings)``, and those probabilities (full vocabulary,
+float32) are returned, so verification stays exact.
+
+Legend: G rows of a call, K a row's draft depth, V vocabulary.
 
 Without early-exit training (SmolLM2 has none) the exit layer's predictions are weak for small N,
 and each draft token still pays the full LM head (on SmolLM2 the head alone is ~1/5 of a target
@@ -27,12 +32,11 @@ step), so N must be deep: see ``docs/targets.md`` for the exit layers' agreement
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 
 import torch
 
-from specdec.protocols import DecodeState, Proposal, Target, TargetOutput
-from specdec.sampling import sample_from_probs, sampling_probs
+from specdec.drafters.slot_table import StatelessSlots, draw_draft
+from specdec.protocols import DraftCall, SlotProposal, Target
 
 __all__ = ["LayerSkipDrafter", "DEFAULT_EXIT_FRACTION"]
 
@@ -41,22 +45,27 @@ __all__ = ["LayerSkipDrafter", "DEFAULT_EXIT_FRACTION"]
 DEFAULT_EXIT_FRACTION = 0.8
 
 
-class LayerSkipDrafter:
-    """A :class:`specdec.protocols.Drafter` that drafts with the target's first ``num_layers`` layers.
+class LayerSkipDrafter(StatelessSlots):
+    """The target's first ``num_layers`` layers drafting for ``num_slots`` engine rows (see the module
+    doc).
 
-    The target must offer ``forward_layers(tokens_BT, start_B, *, num_layers)`` (the native
+    The target must offer ``forward_layers(tokens_BT, start_B, *, num_layers, rows_B)`` (the native
     :class:`specdec.targets.llama.LlamaTarget` does; load targets with ``backend="llama"``).
-    ``num_layers`` defaults to ``round(DEFAULT_EXIT_FRACTION · depth)``. ``slot``: the cache row of
-    the one request this drafter serves in the engine (``forward_layers`` over ``rows_B``); without
-    it the drafter runs every cache row in order.
+    ``num_layers`` defaults to ``round(DEFAULT_EXIT_FRACTION · depth)``.
     """
 
-    def __init__(self, target: Target, *, num_layers: int | None = None, slot: int | None = None) -> None:
+    def __init__(self, target: Target, *, num_slots: int = 1, num_layers: int | None = None) -> None:
+        super().__init__(num_slots)
         if not callable(getattr(target, "forward_layers", None)) or not hasattr(target, "config"):
             raise ValueError(
                 f"drafter 'layerskip' needs a target with forward_layers(...) and a config (the native "
                 f"Llama-family target, backend 'llama'); got {type(target).__name__}. The generic 'hf' "
                 "backend keeps a per-row transformers cache that cannot be shared layer by layer"
+            )
+        if "rows_B" not in inspect.signature(target.forward_layers).parameters:
+            raise ValueError(
+                f"drafter 'layerskip' needs a target whose forward_layers takes rows_B (a cache row per "
+                f"engine slot); {type(target).__name__}'s does not"
             )
         depth = int(target.config.num_layers)
         if num_layers is None:
@@ -65,49 +74,40 @@ class LayerSkipDrafter:
             raise ValueError(
                 f"num_layers must be an int in [1, {depth - 1}] (the target has {depth}), got {num_layers!r}"
             )
-        if slot is not None:
-            if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
-                raise ValueError(f"slot must be an int >= 0, got {slot!r}")
-            if "rows_B" not in inspect.signature(target.forward_layers).parameters:
-                raise ValueError(
-                    f"slot needs a target whose forward_layers takes rows_B; {type(target).__name__}'s "
-                    "does not"
-                )
-        self.target = target
-        self.num_layers = num_layers
-        self.slot = slot
-        self._rows = {} if slot is None else {"rows_B": torch.tensor([slot])}
+        self.target, self.num_layers = target, num_layers
+        self.vocab_size = int(target.vocab_size)
 
-    def slot_factory(self, num_slots: int) -> Callable[[int], LayerSkipDrafter]:
-        """Instances of this drafter for the requests of one engine given it as an object, each at
-        its request's cache row (``num_slots``: the engine's rows; nothing to share but the target)."""
-        return lambda slot: LayerSkipDrafter(self.target, num_layers=self.num_layers, slot=slot)
-
-    def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
-        """Nothing to prefill: the target's prefill already wrote layers < N of every prompt token."""
-
-    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
-        """Draft ``gamma`` tokens per row, one early-exit forward each, at slots ``lengths_B - 1 + k``."""
-        B = state.batch_size
-        V = int(self.target.vocab_size)
-        if gamma <= 0:
-            empty = state.tokens_BL.new_empty((B, 0))
-            return Proposal(tokens_BK=empty, probs_BKV=torch.empty(B, 0, V, device=empty.device))
-        sampling = state.sampling
-        start_B = state.lengths_B - 1
-        token_B1 = state.last_tokens_B()[:, None]
-        tokens, probs = [], []
-        for k in range(gamma):
-            out = self.target.forward_layers(token_B1, start_B + k, num_layers=self.num_layers, **self._rows)
-            probs_BV = sampling_probs(out.logits_BTV[:, -1], sampling)
-            if sampling.greedy:
-                token_B = probs_BV.argmax(-1)
-            else:
-                token_B = sample_from_probs(probs_BV, generator)
-            token_B1 = token_B[:, None].to(state.tokens_BL)
-            tokens.append(token_B1)
-            probs.append(probs_BV)
-        return Proposal(tokens_BK=torch.cat(tokens, dim=1), probs_BKV=torch.stack(probs, dim=1))
-
-    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
-        """Nothing to roll back: the verify block overwrote every slot this drafter wrote."""
+    @torch.inference_mode()
+    def propose(self, call: DraftCall) -> SlotProposal:
+        """``depths[i]`` tokens for row ``slots[i]``: one early-exit forward per position over the rows
+        still drafting, at cache slots ``lengths - 1 + k``."""
+        slots = self.check_propose(call)
+        depths, state, sampling, noise = call.depths, call.state, call.sampling, call.noise
+        G = len(slots)
+        sampled = any(not s.greedy for s in sampling)
+        drafted: list[list[int]] = [[] for _ in range(G)]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]
+        rows = [i for i in range(G) if depths[i] > 0]
+        lengths = state.lengths_B.tolist()
+        outputs = (state.lengths_B - state.prompt_lengths_B).tolist()
+        last = state.last_tokens_B().tolist()
+        tokens = {i: last[i] for i in rows}
+        for k in range(max((depths[i] for i in rows), default=0)):
+            rows = [i for i in rows if depths[i] > k]
+            out = self.target.forward_layers(
+                torch.tensor([[tokens[i]] for i in rows], dtype=torch.long),
+                torch.tensor([lengths[i] - 1 + k for i in rows], dtype=torch.long),
+                num_layers=self.num_layers,
+                rows_B=torch.tensor([slots[i] for i in rows]),
+            )
+            logits_GV = out.logits_BTV[:, -1].float().cpu()
+            for j, i in enumerate(rows):
+                tokens[i], p = draw_draft(logits_GV[j], sampling[i], noise, i, outputs[i] + k)
+                drafted[i].append(tokens[i])
+                probs[i].append(p)
+        tokens_T = torch.tensor([t for d in drafted for t in d], dtype=torch.long)
+        probs_TV = None
+        if sampled and tokens_T.numel():
+            zero_V = torch.zeros(self.vocab_size)
+            probs_TV = torch.stack([zero_V if p is None else p for row in probs for p in row])
+        return SlotProposal(tokens_T, [len(d) for d in drafted], probs_TV)

@@ -1,6 +1,6 @@
 """The ``ngram`` drafter: prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding).
 
-Legend: B batch, K draft length, L history length, N n-gram size.
+Legend: B batch, G rows of a call, K draft length, L history length, N n-gram size.
 
 For each row, take the last n tokens of its history (prompt + committed tokens), for n from
 ``max_ngram`` down to ``min_ngram``; find an earlier occurrence of that n-gram in the history and
@@ -8,13 +8,18 @@ propose the (up to γ) tokens that followed it. The proposal is a point mass (``
 verification accepts draft x with probability target(x), which keeps sampling exact, and reduces to
 "draft == argmax" in greedy decoding. No model, no training, no cache: it shines on inputs that get
 copied (code editing, retrieval, summaries).
+
+:class:`NGramDrafter` is a :class:`~specdec.protocols.SlotDrafter`: one call looks up every row's own
+tokens and proposes what it finds, up to the row's depth, so rows of one call need not share a depth
+and a row's proposal depends on its tokens only. There is no state but which slots hold a request.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdec.protocols import DecodeState, Proposal, Target, TargetOutput
+from specdec.drafters.slot_table import StatelessSlots
+from specdec.protocols import DecodeState, DraftCall, SlotProposal, Target
 
 __all__ = ["NGramDrafter", "lookup"]
 
@@ -46,15 +51,22 @@ def lookup(
     return history_L[:0]
 
 
-class NGramDrafter:
-    """A :class:`specdec.protocols.Drafter` by n-gram lookup in the row's own history.
+class NGramDrafter(StatelessSlots):
+    """Prompt lookup over ``num_slots`` engine rows (see the module doc).
 
     Options: ``max_ngram`` (3), ``min_ngram`` (1), ``search`` (``"latest"`` or ``"earliest"``).
     """
 
     def __init__(
-        self, target: Target, *, max_ngram: int = 3, min_ngram: int = 1, search: str = "latest"
+        self,
+        target: Target,
+        *,
+        num_slots: int = 1,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        search: str = "latest",
     ) -> None:
+        super().__init__(num_slots)
         for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -63,12 +75,19 @@ class NGramDrafter:
         if search not in _SEARCHES:
             raise ValueError(f"search must be one of {_SEARCHES}, got {search!r}")
         self.max_ngram, self.min_ngram, self.search = max_ngram, min_ngram, search
+        self.vocab_size = int(target.vocab_size)
 
-    def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
-        pass
-
-    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
-        return self.pack(state, self.lookups(state, gamma))
+    def propose(self, call: DraftCall) -> SlotProposal:
+        """Row i's lookup, up to ``depths[i]`` tokens (point masses: one-hot probabilities where a row of
+        the call is sampled)."""
+        self.check_propose(call, keyed=False)  # lookups draw nothing
+        found = self.lookups(call.state, max(call.depths, default=0))
+        rows = [f[:k] for f, k in zip(found, call.depths, strict=True)]
+        tokens_T = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        probs_TV = None
+        if any(not s.greedy for s in call.sampling) and tokens_T.numel():
+            probs_TV = torch.nn.functional.one_hot(tokens_T, self.vocab_size).float()
+        return SlotProposal(tokens_T, [len(r) for r in rows], probs_TV)
 
     def lookups(self, state: DecodeState, gamma: int) -> list[torch.Tensor]:
         """Each row's lookup result (up to ``gamma`` tokens; empty for finished rows and misses)."""
@@ -88,22 +107,3 @@ class NGramDrafter:
             )
             for b in range(state.batch_size)
         ]
-
-    @staticmethod
-    def pack(state: DecodeState, found: list[torch.Tensor]) -> Proposal:
-        """The proposal of per-row lookups: rows share K; a shorter row is padded."""
-        B = state.batch_size
-        K = max(len(f) for f in found)
-        if K == 0:
-            return Proposal(tokens_BK=state.tokens_BL.new_empty((B, 0)))
-        if B == 1:
-            return Proposal(tokens_BK=found[0].unsqueeze(0).clone())
-        # Rows share K; a shorter row is padded with its last committed token. Any padding keeps
-        # sampling exact (verification accepts it only with its target probability).
-        tokens_BK = state.last_tokens_B().unsqueeze(1).repeat(1, K)
-        for b, f in enumerate(found):
-            tokens_BK[b, : len(f)] = f
-        return Proposal(tokens_BK=tokens_BK)
-
-    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
-        pass
