@@ -33,8 +33,8 @@ DRAFTERS = Registry(
     builtins={
         "none": "specdec.drafters.none:NoDrafter",
         "ngram": "specdec.drafters.ngram:NGramDrafter",
-        "model": "specdec.drafters.model_slots:ModelSlotDrafter",
-        "qself": "specdec.drafters.model_slots:qself_slots",
+        "model": "specdec.drafters.model:ModelDrafter",
+        "qself": "specdec.drafters.qself:qself",
         "layerskip": "specdec.drafters.layerskip:LayerSkipDrafter",
         "unigram": "specdec.drafters.ngram_lm:UnigramDrafter",
         "bigram": "specdec.drafters.ngram_lm:BigramDrafter",

@@ -13,6 +13,7 @@ from specdec.drafters.none import NoDrafter
 from specdec.protocols import DecodeState, DraftCall, Drafter, SlotDrafter, TargetOutput
 from specdec.registry import DRAFTERS, create_drafter
 from specdec.sampling import SamplingParams
+from specdec.verify.noise import PositionNoise
 
 
 def state_for(
@@ -170,7 +171,7 @@ def test_model_drafter_compares_tokenizers():
     with pytest.raises(ValueError, match="tokenizer differs"):
         check_same_vocab(target, HFTarget(tiny_llama(seed=1, vocab_size=260), other))
     # Same tokenizer, logits padded to a wider matrix: accepted, logits cut to the target's width.
-    d = ModelDrafter(target, model=HFTarget(tiny_llama(seed=1, vocab_size=272), tok))
+    d = ModelDrafter(target, num_slots=8, model=HFTarget(tiny_llama(seed=1, vocab_size=272), tok))
     ids = tok("abcabc").input_ids
     out = specdec.generate(
         target, [ids], drafter=d, temperature=1.0, seed=0, max_new_tokens=8, ignore_eos=True
@@ -194,17 +195,19 @@ def test_model_drafter_loads_a_checkpoint_by_path(tmp_path):
 
 def test_model_drafter_proposes_sampled_tokens_with_their_probs():
     target = TableTarget(random_table(7, seed=0))
-    d = ModelDrafter(target, model=TableTarget(random_table(7, seed=1)))
-    state = state_for([[1, 2, 3], [4]], sampling=SamplingParams(temperature=0.8, top_k=3))
-    d.begin(state, TargetOutput(logits_BTV=torch.zeros(2, 1, 7)))
-    g = torch.Generator().manual_seed(0)
-    p = d.propose(state, 4, g)
-    assert p.tokens_BK.shape == (2, 4) and p.probs_BKV.shape == (2, 4, 7)
-    assert torch.allclose(p.probs_BKV.sum(-1), torch.ones(2, 4))
-    assert ((p.probs_BKV > 0).sum(-1) <= 3).all()  # top-k applied with the run's sampling params
-    chosen = p.probs_BKV.gather(-1, p.tokens_BK.unsqueeze(-1))
+    d = ModelDrafter(target, num_slots=2, model=TableTarget(random_table(7, seed=1)), capacity=16)
+    rows = [[1, 2, 3], [4]]
+    for slot, r in enumerate(rows):
+        d.add(slot, r, None)
+    hot = SamplingParams(temperature=0.8, top_k=3)
+    state = state_for(rows, sampling=hot)
+    p = d.propose(DraftCall([0, 1], [4, 4], state, [hot, hot], PositionNoise([0, 1])))
+    assert p.counts_B == [4, 4] and p.probs_TV.shape == (8, 7)
+    assert torch.allclose(p.probs_TV.sum(-1), torch.ones(8))
+    assert ((p.probs_TV > 0).sum(-1) <= 3).all()  # top-k applied with the row's sampling params
+    chosen = p.probs_TV.gather(-1, p.tokens_T.unsqueeze(-1))
     assert (chosen > 0).all()
-    # observe rolls the draft cache back to the committed tokens
+    # observe keeps each row's committed tokens but the last in its draft-cache row
     state.lengths_B = state.lengths_B + torch.tensor([2, 5])
-    d.observe(state, torch.tensor([1, 4]), TargetOutput(logits_BTV=torch.zeros(2, 1, 7)))
-    assert d.cached_B.tolist() == [4, 4]  # row 0: 3 + 1 accepted; row 1: 1 + 4 - 1 (last draft unfed)
+    d.observe([0, 1], [1, 4], TargetOutput(logits_BTV=torch.zeros(2, 1, 7)), state=state)
+    assert d.cached == [4, 4]  # row 0: its 5 committed tokens but the last; row 1: the 4 it has fed

@@ -26,9 +26,7 @@ from _tiny import byte_tokenizer, save_tiny_checkpoint, tiny_llama
 import specdec
 from specdec.drafters.engine_drafter import make_slot_drafter
 from specdec.drafters.layerskip import LayerSkipDrafter
-from specdec.drafters.model import ModelDrafter, SharedDraftModel
-from specdec.drafters.model_slots import ModelSlotDrafter
-from specdec.drafters.qself import qself
+from specdec.drafters.model import ModelDrafter
 from specdec.engine import Engine, RequestOutput
 from specdec.engine.request import RequestStatus
 from specdec.protocols import DecodeState, DraftCall
@@ -142,8 +140,8 @@ def test_greedy_under_load_equals_solo_with_shared_draft_parts(target, paths, so
     if which == "layerskip":  # the target's own first layers, at each request's row of its cache
         assert isinstance(one, LayerSkipDrafter) and one.target is target
     else:  # model, qself: one draft model with a cache row per engine slot
-        assert isinstance(one, ModelSlotDrafter)
-        assert isinstance(one.shared, SharedDraftModel) and one.shared.num_slots == 2
+        assert isinstance(one, ModelDrafter)
+        assert one.num_slots == 2 and one.cached == [0, 0]  # a draft-cache row per engine slot, freed
         assert one.draft is not target
     assert len(copies) == (1 if which == "qself" else 0)  # the int4 copy is built once
     drafted = sum(f.metrics.num_drafted for f in finals.values())
@@ -221,32 +219,12 @@ def test_forward_layers_over_rows_touches_those_rows_only(target):
         target.forward_layers(block_12, torch.tensor([10]), num_layers=2, rows_B=torch.tensor([1]))
 
 
-def test_model_drafter_alone_still_owns_a_batch(target, paths, solo):
-    """Without a slot a ModelDrafter resets the draft model to its batch and drafts every row (the
-    behaviour outside the engine): with the target's own weights it drafts the solo continuations."""
-    d = ModelDrafter(target, model=str(paths["target"]), backend="llama")
-    assert d.shared is None and d.slot is None
-    prompts = [PROMPTS[0], PROMPTS[2]]
-    tokens_BL = torch.zeros((2, MAX_LEN), dtype=torch.long)
-    for b, (p, ref) in enumerate(zip(prompts, [solo[0], solo[2]], strict=True)):
-        tokens_BL[b, : len(p) + 1] = torch.tensor(p + ref[:1])
-    prompt_B = torch.tensor([len(p) for p in prompts])
-    state = DecodeState(
-        tokens_BL, prompt_B, prompt_B + 1, torch.zeros(2, dtype=torch.bool), SamplingParams(temperature=0.0)
-    )
-    d.begin(state, None)
-    assert d.draft.cache.batch_size == 2 and d.draft.cache.lengths_B.tolist() == prompt_B.tolist()
-    proposal = d.propose(state, 4)
-    assert proposal.tokens_BK.tolist() == [solo[0][1:5], solo[2][1:5]]
-
-
 @pytest.mark.parametrize("kind", ["model", "layerskip"])
 def test_generate_with_a_drafter_object_runs_one_instance_per_row(target, paths, solo, kind):
-    """A ModelDrafter given as an object: each request gets an instance at its own row from the
-    object's ``slot_factory`` (no deep copy of a model); a LayerSkipDrafter object is the engine's slot
-    drafter itself: solo tokens, all drafts taken."""
+    """A ModelDrafter or LayerSkipDrafter given as an object is the engine's slot drafter itself (one
+    draft model, a cache row per request): solo tokens, all drafts taken."""
     if kind == "model":
-        d = ModelDrafter(target, model=str(paths["target"]), backend="llama")
+        d = ModelDrafter(target, num_slots=len(PROMPTS), model=str(paths["target"]), backend="llama")
     else:
         d = LayerSkipDrafter(target, num_slots=len(PROMPTS), num_layers=DEPTH - 1)
     n = min(LENGTHS)
@@ -258,22 +236,6 @@ def test_generate_with_a_drafter_object_runs_one_instance_per_row(target, paths,
 
 
 def test_bad_slot_options(target, paths):
-    draft = LlamaTarget.from_pretrained(paths["other"])
-    with pytest.raises(ValueError, match="slot needs num_slots"):
-        ModelDrafter(target, model=draft, slot=0)
-    with pytest.raises(ValueError, match="need slot"):
-        ModelDrafter(target, model=draft, num_slots=2)
-    with pytest.raises(ValueError, match="slot must be in"):
-        ModelDrafter(target, model=draft, slot=2, num_slots=2)
-    with pytest.raises(ValueError, match="slot must be an int"):
-        ModelDrafter(target, model=draft, slot=-1, num_slots=2)
-    shared = SharedDraftModel(draft, 2)
-    assert ModelDrafter(target, model="not read", slot=1, shared=shared).draft is draft
-    with pytest.raises(ValueError, match="differs"):
-        ModelDrafter(target, shared=shared, slot=0, num_slots=3)
-    with pytest.raises(ValueError, match="SharedDraftModel"):
-        ModelDrafter(target, shared=draft, slot=0)
-
     class NoSlots:  # a Target without rows_B
         vocab_size = target.vocab_size
         eos_token_ids = ()
@@ -285,12 +247,9 @@ def test_bad_slot_options(target, paths):
         def rollback(self, lengths_B): ...
 
     with pytest.raises(ValueError, match="slot API"):
-        SharedDraftModel(NoSlots(), 2)
-    assert ModelDrafter(NoSlots(), model=NoSlots()).slot_factory(2) is None  # the pool copies it
-    with pytest.raises(ValueError, match="num_slots"):
-        SharedDraftModel(draft, 0)
-    with pytest.raises(ValueError, match="int4 copy"):
-        qself(target, slot=0, shared=shared)
+        ModelDrafter(NoSlots(), model=NoSlots())
+    with pytest.raises(ValueError, match="num_slots must be an int"):
+        ModelDrafter(target, num_slots=0, model=str(paths["other"]), backend="llama")
     with pytest.raises(ValueError, match="num_slots must be an int"):
         LayerSkipDrafter(target, num_layers=1, num_slots=0)
     with pytest.raises(ValueError, match="no option 'slot'"):  # the engine's drafter keeps every slot
@@ -321,14 +280,14 @@ def test_model_slot_drafter_batched_equals_each_row_alone(target, paths):
     prompts, first, extra = PROMPTS, [5, 6, 7], [[], [9, 9, 9], [4]]
     slots, depths, sampling, seeds = [2, 0, 1], [4, 3, 0], [greedy_p, hot, hot], [11, 12, 13]
     model = str(paths["other"])
-    together = ModelSlotDrafter(target, num_slots=3, model=model, backend="llama", capacity=MAX_LEN)
+    together = ModelDrafter(target, num_slots=3, model=model, backend="llama", capacity=MAX_LEN)
     for s, p in zip(slots, prompts, strict=True):
         together.add(s, p, None)
     state = _rows(prompts, first, extra)
     call = together.propose(DraftCall(slots, depths, state, sampling, PositionNoise(seeds)))
     assert call.counts_B == depths
     for i in range(3):
-        alone = ModelSlotDrafter(target, num_slots=3, model=model, backend="llama", capacity=MAX_LEN)
+        alone = ModelDrafter(target, num_slots=3, model=model, backend="llama", capacity=MAX_LEN)
         alone.add(slots[i], prompts[i], None)
         one = _rows([prompts[i]], [first[i]], [extra[i]])
         solo = alone.propose(
@@ -351,7 +310,7 @@ def test_model_slot_drafter_batched_equals_each_row_alone(target, paths):
     together.drop(0)
     together.add(0, PROMPTS[2], None)
     with pytest.raises(ValueError, match="hold no request"):
-        ModelSlotDrafter(target, num_slots=1, model=model, backend="llama").propose(
+        ModelDrafter(target, num_slots=1, model=model, backend="llama").propose(
             DraftCall([0], [1], _rows([PROMPTS[0]], [1], [[]]), [greedy_p])
         )
     with pytest.raises(ValueError, match="noise"):

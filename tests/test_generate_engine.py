@@ -42,7 +42,9 @@ def test_a_row_is_what_it_is_alone(kind, verify):
     elif kind == "per-row-model":
         table = random_table(6, seed=3)
         target_fn = lambda: TableTarget(table, eos_token_ids=(5,))  # noqa: E731
-        drafter_fn = lambda: ModelDrafter(TableTarget(table), model=TableTarget(random_table(6, seed=4)))  # noqa: E731
+        drafter_fn = lambda: ModelDrafter(
+            TableTarget(table), num_slots=8, model=TableTarget(random_table(6, seed=4))
+        )  # noqa: E731
     else:
         tree = TokenTree.from_branching([2, 2])
         target_fn = lambda: TreeMarkovTarget(TARGET)  # noqa: E731

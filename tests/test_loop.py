@@ -58,7 +58,7 @@ def test_greedy_equals_transformers_generate(tiny, tiny_draft, tok, drafter):
     for text in PROMPTS[:2]:
         ids = tok(text).input_ids
         ref = hf_greedy(model, ids, 24)
-        d = ModelDrafter(target, model=tiny_draft) if drafter == "model" else drafter
+        d = ModelDrafter(target, num_slots=8, model=tiny_draft) if drafter == "model" else drafter
         out = specdec.generate(target, [ids], drafter=d, temperature=0.0, max_new_tokens=24, gamma=3)
         assert out.token_ids[0] == ref, (drafter, text)
         assert out.finish_reasons[0] == ("eos" if ref[-1] == 258 else "length")
@@ -71,7 +71,7 @@ def test_greedy_model_drafter_with_itself_accepts_everything(tiny, tok):
     ids = tok(PROMPTS[0]).input_ids
     draft = HFTarget(tiny_llama(seed=1), tok)
     kw = dict(temperature=0.0, max_new_tokens=31, gamma=4, ignore_eos=True)
-    out = specdec.generate(target, [ids], drafter=ModelDrafter(target, model=draft), **kw)
+    out = specdec.generate(target, [ids], drafter=ModelDrafter(target, num_slots=8, model=draft), **kw)
     assert out.token_ids == specdec.generate(target, [ids], drafter="none", **kw).token_ids
     m = out.metrics
     assert m.acceptance_rate == 1.0
@@ -136,7 +136,7 @@ def toy_drafter(toy, kind: str, noise: float = 1.0):
         return kind
     g = torch.Generator().manual_seed(5)
     table = toy.table_VVV + noise * torch.randn(toy.table_VVV.shape, generator=g)
-    return ModelDrafter(toy, model=TableTarget(table))
+    return ModelDrafter(toy, num_slots=8, model=TableTarget(table))
 
 
 def toy_greedy(toy, prompt: list[int], n: int, eos=(EOS_TOY,)) -> list[int]:
@@ -312,14 +312,14 @@ def test_sampling_distribution_is_exact(drafter, sampling):
     cut = []  # (γ asked, drafts proposed) per step
 
     class Recording(ModelDrafter):
-        def propose(self, state, gamma, generator=None):
-            p = super().propose(state, gamma, generator)
-            cut.append((gamma, p.tokens_BK.shape[1]))
+        def propose(self, call):
+            p = super().propose(call)
+            cut.extend((k, n) for k, n in zip(call.depths, p.counts_B, strict=True) if k > 0)
             return p
 
     d = drafter
     if drafter == "model":
-        d = Recording(target, model=TableTarget(random_table(V, seed=1)))
+        d = Recording(target, num_slots=N, model=TableTarget(random_table(V, seed=1)), capacity=16)
     elif drafter == "model-stop":
         # Confidence stop at 0.4 with γ = 2, built so the stop cuts chains after one token. The
         # target's first token is 3 (a +20 logit after the prompt), so every row drafts from the
@@ -337,7 +337,7 @@ def test_sampling_distribution_is_exact(drafter, sampling):
         draft[2, 3] = 0.0
         draft[2, 3, int(table[2, 3].argmax())] = 3.0  # a token the target keeps under top-k / top-p
         draft[3] = 0.0
-        d = Recording(target, model=TableTarget(draft), min_prob=0.4)
+        d = Recording(target, num_slots=N, model=TableTarget(draft), min_prob=0.4, capacity=16)
     out = specdec.generate(target, [prompt] * N, drafter=d, max_new_tokens=n, gamma=2, seed=123, **sampling)
     assert out.metrics.num_proposed > 0 and 0 < out.metrics.acceptance_rate < 1
     if drafter == "model-stop":  # drafts ran to γ; at T = 1 the stop cut chains after one token
@@ -356,7 +356,11 @@ def test_table_target_cache_protocol_holds_across_drafters():
     """The strict toy target rejects any block that skips a token or reads past a rollback."""
     target = TableTarget(random_table(7, seed=3), eos_token_ids=(6,))
     prompts = [[1, 2, 3], [4], [1, 2, 3, 4, 5, 1, 2]]
-    for drafter in ["none", "ngram", ModelDrafter(target, model=TableTarget(random_table(7, seed=4)))]:
+    for drafter in [
+        "none",
+        "ngram",
+        ModelDrafter(target, num_slots=8, model=TableTarget(random_table(7, seed=4))),
+    ]:
         for policy in [3, "batch-table", "goodput"]:
             out = specdec.generate(
                 target, prompts, drafter=drafter, gamma=policy, temperature=0.9, seed=0, max_new_tokens=30
@@ -494,7 +498,7 @@ def test_smollm2_model_drafter_self_and_batch(smollm):
     out = specdec.generate(
         target,
         prompts,
-        drafter=ModelDrafter(target, model=draft),
+        drafter=ModelDrafter(target, num_slots=8, model=draft),
         temperature=0.0,
         max_new_tokens=24,
         gamma=3,

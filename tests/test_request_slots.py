@@ -398,13 +398,10 @@ def test_make_slot_drafter_resolves_names_and_objects(capsys):
     markov = DRAFT.as_drafter()
     cohort = make_slot_drafter(target, markov, num_slots=2)
     assert isinstance(cohort, CohortSlots) and cohort.drafter is markov and cohort.name == "MarkovDrafter"
-    # an object with a slot_factory: an instance per slot, at that slot, one shared draft model
-    table = random_table(V, seed=3)
-    model = ModelDrafter(TableTarget(table), model=TableTarget(random_table(V, seed=4)))
-    per_slot = added(make_slot_drafter(target, model, num_slots=3), [2, 0], [[1], [2]])
-    assert isinstance(per_slot, RequestSlots) and per_slot.name == "ModelDrafter" and not per_slot.reuse
-    assert [per_slot.instances[s].slot for s in (0, 2)] == [0, 2]
-    assert per_slot.instances[0].shared is per_slot.instances[2].shared is not None
+    model = ModelDrafter(
+        TableTarget(random_table(V, seed=3)), num_slots=3, model=TableTarget(random_table(V, seed=4))
+    )
+    assert make_slot_drafter(target, model, num_slots=3) is model  # a slot drafter: as it is
     # any other object: itself first, deep copies while requests overlap (sharing the target), reuse
     plain = Recorder()
     plain.target = target

@@ -12,9 +12,8 @@ What each drafter becomes:
   (:mod:`specdec.drafters.request_slots`): one instance for every row where it declares
   ``batched_rows = True`` (``none``, the toy Markov drafters of :mod:`specdec.testing`), else an
   instance per request (a registered factory builds each; an object serves the first request itself,
-  every other request at the same time gets a deep copy of it, the target shared, never copied; an
-  object with a ``slot_factory(num_slots)`` method gets its instances from it). A registered
-  factory's first instance is built here, so bad options fail before the first request.
+  every other request at the same time gets a deep copy of it, the target shared, never copied). A
+  registered factory's first instance is built here, so bad options fail before the first request.
 
 The engine reports :func:`drafter_name`: the name as resolved (``default`` included), or the
 object's class name.
@@ -95,7 +94,7 @@ def _from_object(
     clock: Callable[[], float],
 ) -> SlotDrafter:
     """A drafter given as an object: used as it is (a slot drafter), one instance for every row
-    (``batched_rows``), instances from its ``slot_factory``, or itself and deep copies of it."""
+    (``batched_rows``), or itself and deep copies of it."""
     if options:
         raise ValueError("drafter_options only apply when drafter is given by name")
     if isinstance(drafter, SlotDrafter):
@@ -112,10 +111,6 @@ def _from_object(
     name = type(drafter).__name__
     if _batched(drafter):
         return CohortSlots(drafter, num_slots=num_slots, vocab_size=vocab_size, name=name)
-    make = getattr(drafter, "slot_factory", None)
-    per_slot = make(num_slots) if callable(make) else None  # None: no slot API (copies instead)
-    if per_slot is not None:
-        return RequestSlots(per_slot, num_slots=num_slots, vocab_size=vocab_size, clock=clock, name=name)
     copies = _Copies(drafter, target)
     return RequestSlots(copies, num_slots=num_slots, vocab_size=vocab_size, reuse=True, clock=clock,
                         name=name)  # fmt: skip

@@ -1,43 +1,45 @@
 """The ``model`` drafter: an independent small causal LM that shares the target's tokenizer.
 
-Legend: B batch, T block length, K draft length (γ), V vocabulary.
+Legend: S engine slots, G rows of a call, T block length, K a row's draft depth, V target vocabulary.
 
 Leviathan et al. 2023 (arXiv 2211.17192) and Chen et al. 2023 (arXiv 2302.01318): the draft model
-samples γ tokens autoregressively from its own distribution, processed by the same
-:func:`specdec.sampling.logits_to_probs` with the run's sampling parameters, and returns those
+samples its tokens autoregressively from its own distribution, processed by
+:func:`specdec.sampling.sampling_probs` with the row's sampling parameters, and returns those
 ``draft_probs`` so verification stays exact. The draft model is itself a
-:class:`specdec.protocols.Target` (loaded with :func:`specdec.targets.load_target`), so it has its own
-KV cache, which is rolled back to the committed tokens in :meth:`ModelDrafter.observe`.
+:class:`specdec.protocols.Target` (loaded with :func:`specdec.targets.load_target`), with its own KV
+cache and the slot API (``forward`` / ``rollback`` over ``rows_B``).
 
-Draft cache bookkeeping: ``cached_B`` counts the committed tokens held in the draft cache. After a
-step where every draft was accepted, the last draft and the bonus token are both missing (and after
-γ = 0 steps, every token committed meanwhile); the next :meth:`~ModelDrafter.propose` feeds every
-row its last ``T = max(lengths - cached)`` committed tokens in one block (a row that needs fewer
-simply recomputes slots it already had).
+:class:`ModelDrafter` is a :class:`~specdec.protocols.SlotDrafter`: the engine holds one for every
+request (``qself`` too, over the target's own int4 copy: :mod:`specdec.drafters.qself`). Its draft model
+has one cache row per engine slot; the drafter keeps, per slot, how many committed tokens that row
+holds (``cached``). ``add`` prefills a request's prompt at its row. A step's ``propose`` runs **one**
+draft forward per draft position over every row still drafting: the first over each row's committed
+tokens its row lacks (a block of the longest such run; a row that lacks fewer recomputes slots it
+had), the next ones over the tokens just drafted. ``observe`` rolls every row back to its committed
+tokens with one call.
 
-In the continuous-batching engine (:mod:`specdec.engine`) ``model`` by name is one
-:class:`~specdec.drafters.model_slots.ModelSlotDrafter` for every request (one draft forward per
-position for all rows). A ``ModelDrafter`` given to the engine as an object gives every request an
-instance of its own (``slot=``, ``num_slots=``, :meth:`ModelDrafter.slot_factory`): the instances share
-one draft model (:class:`SharedDraftModel`) whose cache holds one row per engine slot, and each runs its
-request at its own row (``rows_B=[slot]``, the target's slot API).
+What a row drafts depends on that row only where the draft model gives a row the same logits whatever
+the other rows and the block's length (the native Llama target does: docs/engine.md); sampled rows draw
+from the keyed ``noise`` (stream ``"draft"``, by output position), so a seed fixes their drafts. The
+confidence stop (``min_prob``) is per row, as for the EAGLE drafter.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from specdec.drafters.confidence import ConfidenceStop, check_min_prob
-from specdec.protocols import DecodeState, Proposal, Target, TargetOutput
-from specdec.sampling import sample_from_probs, sampling_probs
+from specdec.drafters.confidence import check_min_prob, row_confidence
+from specdec.drafters.slot_table import SlotTable, draw_draft
+from specdec.protocols import DecodeState, DraftCall, SlotProposal, Target, TargetOutput
+from specdec.sampling import SamplingParams
+from specdec.verify.noise import PositionNoise
 
-__all__ = ["ModelDrafter", "SharedDraftModel", "check_same_vocab", "fit_vocab"]
+__all__ = ["ModelDrafter", "check_same_vocab", "fit_vocab"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -141,168 +143,177 @@ def _has_slot_api(model: Target) -> bool:
     return all("rows_B" in inspect.signature(f).parameters for f in (model.forward, model.rollback))
 
 
-class SharedDraftModel:
-    """One draft model shared by the per-request :class:`ModelDrafter` instances of one engine.
+class ModelDrafter(SlotTable):
+    """A draft model over ``num_slots`` engine rows (``model`` in the engine; see the module doc).
 
-    Its cache holds ``num_slots`` rows, one per engine slot; the first instance to begin resets it
-    to that request's capacity (the engine's ``max_model_len``, the same for every request), later
-    ones find it ready. A row's old contents never matter: an instance prefills its row from slot 0.
-    The draft model must have the slot API (``forward`` / ``rollback`` over ``rows_B``).
-    """
-
-    def __init__(self, draft: Target, num_slots: int) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
-        if not _has_slot_api(draft):
-            raise ValueError(
-                f"the draft model {type(draft).__name__} has no slot API (forward/rollback over rows_B): "
-                "the engine runs each request's draft at its own cache row (load it with backend 'llama' "
-                "or 'hf')"
-            )
-        self.draft = draft
-        self.num_slots = num_slots
-        self.capacity: int | None = None  # the cache's slots per row, once reset
-
-    def claim(self, capacity: int) -> None:
-        """Make the cache ``num_slots`` rows × ``capacity`` slots (a reset only the first time)."""
-        if self.capacity != capacity:
-            self.draft.reset(self.num_slots, capacity)
-            self.capacity = capacity
-
-
-class ModelDrafter:
-    """A :class:`specdec.protocols.Drafter` backed by a small causal LM.
-
-    Options: ``model`` (required: a built-in name, a local checkpoint directory, or a ready
-    :class:`specdec.protocols.Target`), ``backend`` (``"auto"``, ``"hf"``, ``"llama"``: see
-    :func:`specdec.targets.load_target`), ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``;
-    default: the target's compute dtype), ``device`` (default: the target's: the draft model is
-    loaded there, so ``--device cuda`` puts it on the GPU beside the target),
-    ``min_prob`` (confidence stop, :mod:`specdec.drafters.confidence`: stop the chain once the draft
-    model's running probability of its own draft is below this in every row; 0 = always γ tokens).
-
-    One request of the engine (set by its drafter pool): ``slot`` (this request's cache row),
-    ``num_slots`` (the engine's rows) and ``shared`` (the :class:`SharedDraftModel` an earlier
-    instance built; ``model``, ``backend``, ``dtype`` and ``device`` are then not read). Without ``slot`` the
-    drafter owns the draft model's whole cache, a batch of B rows.
+    Args:
+        target: the target (its vocabulary and device; the draft model must share its token ids).
+        num_slots: the engine's cache rows (the engine sets it).
+        model: the draft model (required): a built-in name or a local checkpoint directory, loaded
+            here, or a ready :class:`~specdec.protocols.Target` with the slot API.
+        backend: ``"auto"``, ``"hf"``, ``"llama"`` (:func:`specdec.targets.load_target`).
+        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` (default: the target's compute dtype).
+        device: where the draft model is loaded (default: the target's).
+        min_prob: per-row confidence stop (0: draft the depth asked).
+        capacity: cache slots per row of the draft model (default: the draft model's context length,
+            at most 2048, as the engine's ``max_model_len``).
     """
 
     def __init__(
         self,
         target: Target,
         *,
+        num_slots: int = 1,
         model: str | os.PathLike | Target | None = None,
         backend: str = "auto",
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         min_prob: float = 0.0,
-        slot: int | None = None,
-        num_slots: int | None = None,
-        shared: SharedDraftModel | None = None,
+        capacity: int | None = None,
     ) -> None:
         self.min_prob = check_min_prob(min_prob)
         self.vocab_size = int(target.vocab_size)
-        self.cached_B: torch.Tensor | None = None
-        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or slot < 0):
-            raise ValueError(f"slot must be an int >= 0, got {slot!r}")
-        if slot is None and (num_slots is not None or shared is not None):
-            raise ValueError("num_slots and shared need slot (the request's cache row)")
-        if shared is None:
-            draft = _load_draft(target, model, backend, dtype, device)
-            if slot is not None:
-                if num_slots is None:
-                    raise ValueError("slot needs num_slots (the engine's cache rows)")
-                shared = SharedDraftModel(draft, num_slots)
-        elif not isinstance(shared, SharedDraftModel):
-            raise ValueError(f"shared must be a SharedDraftModel, got {type(shared).__name__}")
-        elif num_slots is not None and num_slots != shared.num_slots:
-            raise ValueError(f"num_slots={num_slots} differs from the shared model's {shared.num_slots}")
-        if shared is not None:
-            if slot >= shared.num_slots:
-                raise ValueError(f"slot must be in [0, {shared.num_slots}), got {slot}")
-            draft = shared.draft
-        self.draft: Target = draft
-        self.shared = shared
-        self.slot = slot
-        self.rows_B = None if slot is None else torch.tensor([slot])
-
-    def slot_factory(self, num_slots: int) -> Callable[[int], ModelDrafter] | None:
-        """Instances of this drafter for the requests of one engine given it as an object: each at
-        its own row (``slot``) of this drafter's draft model, whose cache gets ``num_slots`` rows.
-        None when the draft model has no slot API (the engine's pool then copies the drafter)."""
+        super().__init__(num_slots)
+        self.draft: Target = _load_draft(target, model, backend, dtype, device)
         if not _has_slot_api(self.draft):
-            return None
-        shared = SharedDraftModel(self.draft, num_slots)
+            raise ValueError(
+                f"the draft model {type(self.draft).__name__} has no slot API (forward/rollback over "
+                "rows_B): each request drafts at its own cache row (load it with backend 'llama' or 'hf')"
+            )
+        self._reset_for: int | None = None  # the cache's slots per row, once reset
+        limit = getattr(self.draft, "max_context_length", None) or 2048
+        self.capacity = min(limit, 2048) if capacity is None else capacity
+        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 2:
+            raise ValueError(f"capacity must be an int >= 2, got {capacity!r}")
+        self.cached = [0] * num_slots  # per slot: committed tokens its draft-cache row holds
 
-        def at(slot: int) -> ModelDrafter:
-            twin = copy.copy(self)
-            twin.shared, twin.slot, twin.rows_B, twin.cached_B = shared, slot, torch.tensor([slot]), None
-            return twin
-
-        return at
-
-    def _rows(self) -> dict[str, torch.Tensor]:
-        """The ``rows_B`` keyword of this request's draft forwards and rollbacks (none alone)."""
-        return {} if self.rows_B is None else {"rows_B": self.rows_B}
-
-    def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
-        B, capacity = state.tokens_BL.shape
-        if self.shared is None:
-            self.draft.reset(B, capacity)
-        elif B != 1:
-            raise ValueError(f"a drafter at one cache row (slot {self.slot}) drafts one row, got B={B}")
-        else:
-            self.shared.claim(capacity)
-        prompt_B = state.prompt_lengths_B
+    # --- the protocol -------------------------------------------------------------------------------
+    def add(self, slot: int, prompt_ids: Sequence[int], prefill_out: TargetOutput) -> None:
+        """Prefill the prompt at the draft model's row ``slot`` (the committed first token waits for
+        the first ``propose``)."""
+        if len(prompt_ids) >= self.capacity:
+            raise ValueError(
+                f"prompt_ids: {len(prompt_ids)} tokens do not fit the draft cache ({self.capacity})"
+            )
+        self._take(slot, prompt_ids)
+        if self._reset_for != self.capacity:  # the draft cache: num_slots rows of capacity slots
+            self.draft.reset(self.num_slots, self.capacity)
+            self._reset_for = self.capacity
+        device = getattr(self.draft, "device", "cpu")
+        prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+        P = prompt.shape[1]
         self.draft.forward(
-            state.tokens_BL[:, : int(prompt_B.max())],
-            torch.zeros_like(prompt_B),
-            logits_index_BN=(prompt_B - 1).unsqueeze(1),
-            **self._rows(),
+            prompt,
+            torch.zeros(1, dtype=torch.long, device=device),
+            logits_index_BN=torch.tensor([[P - 1]], device=device),
+            rows_B=torch.tensor([slot]),
         )
-        # Every committed token but the last is cached, as in the target.
-        self.cached_B = torch.minimum(prompt_B, state.lengths_B - 1)
-        self.draft.rollback(self.cached_B, **self._rows())
+        self.cached[slot] = P
+        # the row holds the prompt and nothing past it (whatever an earlier request left there)
+        self.draft.rollback(torch.tensor([P]), rows_B=torch.tensor([slot]))
 
-    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
-        B = state.batch_size
-        if gamma <= 0:
-            return Proposal(tokens_BK=state.tokens_BL.new_empty((B, 0)))
-        s = state.sampling
-        lengths_B = state.lengths_B
-        # Catch up on every committed token the draft cache lacks (one or two after a normal step,
-        # more after γ = 0 steps): one block of T for all rows, ending at each row's last token
-        # (a row shorter than T starts at slot 0 and fills its tail with undefined slots).
-        T = int((lengths_B - self.cached_B).max())
-        start_B = (lengths_B - T).clamp(min=0)
-        block_BT = state.tokens_BL.gather(1, start_B.unsqueeze(1) + torch.arange(T, device=start_B.device))
-        last_index_BN = (lengths_B - 1 - start_B).unsqueeze(1)
-        tokens, probs = [], []
-        stop = ConfidenceStop(self.min_prob, B, lengths_B.device)
-        fed = 0  # blocks fed to the draft model
-        for k in range(gamma):
-            out = self.draft.forward(block_BT, start_B, logits_index_BN=last_index_BN, **self._rows())
-            fed += 1
-            # decided where the state lives (the host in the engine), whatever the draft model's device
-            logits_BV = fit_vocab(out.logits_BTV[:, -1], self.vocab_size).to(lengths_B.device)
-            draft_probs_BV = sampling_probs(logits_BV, s)
-            token_B = sample_from_probs(draft_probs_BV, generator)
-            # Greedy: the draft model's own softmax at T = 1; sampled: the verified draft distribution.
-            if not stop.keep(token_B, probs_BV=None if s.greedy else draft_probs_BV, logits_BV=logits_BV):
+    def drop(self, slot: int) -> None:
+        self._free(slot)
+        self.cached[slot] = 0
+
+    def observe(
+        self, slots: Sequence[int], num_accepted: Sequence[int], features: TargetOutput, *, state: DecodeState
+    ) -> None:
+        """Keep the accepted drafts, drop the rest: a row holds at most its committed tokens but the last."""
+        slots = self._check_slots(slots)
+        lengths = state.lengths_B.tolist()
+        for s, n in zip(slots, lengths, strict=True):
+            self.cached[s] = min(self.cached[s], n - 1)
+        self.draft.rollback(
+            torch.tensor([self.cached[s] for s in slots], dtype=torch.long), rows_B=torch.tensor(slots)
+        )
+
+    @torch.inference_mode()
+    def propose(self, call: DraftCall) -> SlotProposal:
+        """Up to ``depths[i]`` tokens for row ``slots[i]``: one draft forward per position over the rows
+        still drafting (see the module doc)."""
+        slots = self.check_propose(call)
+        depths, state, sampling, noise = call.depths, call.state, call.sampling, call.noise
+        G = len(slots)
+        drafted: list[list[int]] = [[] for _ in range(G)]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]
+        rows = [i for i in range(G) if depths[i] > 0]
+        if rows:
+            self._draft(slots, depths, state, sampling, noise, rows, drafted, probs)
+        counts = [len(d) for d in drafted]
+        tokens_T = torch.tensor([t for d in drafted for t in d], dtype=torch.long)
+        probs_TV = None
+        if any(not s.greedy for s in sampling) and tokens_T.numel():
+            zero_V = torch.zeros(self.vocab_size)
+            probs_TV = torch.stack([zero_V if p is None else p for row in probs for p in row])
+        return SlotProposal(tokens_T, counts, probs_TV)
+
+    def _draft(
+        self,
+        slots: list[int],
+        depths: Sequence[int],
+        state: DecodeState,
+        sampling: Sequence[SamplingParams],
+        noise: PositionNoise | None,
+        rows: list[int],
+        drafted: list[list[int]],
+        probs: list[list[torch.Tensor | None]],
+    ) -> None:
+        """The chain loop over ``rows`` (indices into ``slots``), each up to its depth."""
+        device = getattr(self.draft, "device", "cpu")
+        lengths = state.lengths_B.tolist()
+        outputs = (state.lengths_B - state.prompt_lengths_B).tolist()  # output position of each row's draft 1
+        # a row holds at most its committed tokens but the last (drafts past them are not verified yet,
+        # even where no observe came between two proposals)
+        T = max(lengths[i] - min(self.cached[slots[i]], lengths[i] - 1) for i in rows)
+        start = [max(0, lengths[i] - T) for i in rows]
+        at = torch.tensor(start).unsqueeze(1) + torch.arange(T)
+        block_GT = state.tokens_BL[rows].gather(1, at.clamp(max=state.tokens_BL.shape[1] - 1))
+        last_GN = torch.tensor([[lengths[i] - 1 - s] for i, s in zip(rows, start, strict=True)])
+        start_G = torch.tensor(start)
+        running = dict.fromkeys(rows, 1.0)
+        fed = dict.fromkeys(rows, 0)
+        for k in range(max(depths[i] for i in rows)):
+            out = self.draft.forward(
+                block_GT.to(device),
+                start_G.to(device),
+                logits_index_BN=last_GN.to(device),
+                rows_B=torch.tensor([slots[i] for i in rows]),
+            )
+            for i in rows:
+                fed[i] += 1
+            logits_GV = fit_vocab(out.logits_BTV[:, -1].float().cpu(), self.vocab_size)
+            go_on = []
+            for j, i in enumerate(rows):
+                token, p = draw_draft(logits_GV[j], sampling[i], noise, i, outputs[i] + k)
+                keep, stop = self._confident(running, i, sampling[i], logits_GV[j], token, p)
+                if keep:
+                    drafted[i].append(token)
+                    probs[i].append(p)
+                if keep and not stop and k + 1 < depths[i]:
+                    go_on.append((j, i, token))
+            if not go_on:
                 break
-            tokens.append(token_B)
-            probs.append(draft_probs_BV)
-            start_B = lengths_B + k
-            block_BT = token_B.unsqueeze(1)
-            last_index_BN = torch.zeros_like(last_index_BN)
-        # Cached now: the committed tokens and the drafts fed back (d_1 .. d_{γ-1} after a full
-        # draft; d_1 .. d_K after a confidence stop at K tokens, which fed d_K before dropping d_{K+1}).
-        self.cached_B = lengths_B - 1 + fed
-        if not tokens:
-            return Proposal(tokens_BK=state.tokens_BL.new_empty((B, 0)))
-        return Proposal(tokens_BK=torch.stack(tokens, dim=1), probs_BKV=torch.stack(probs, dim=1))
+            rows = [i for _, i, _ in go_on]
+            block_GT = torch.tensor([[t] for _, _, t in go_on])
+            start_G = torch.tensor([lengths[i] + k for i in rows])
+            last_GN = torch.zeros(len(rows), 1, dtype=torch.long)
+        # cached now: the committed tokens but the last, and the drafts fed back
+        for i, n in fed.items():
+            self.cached[slots[i]] = lengths[i] - 1 + n
 
-    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
-        # Keep the accepted drafts, drop the rest: at most lengths - 1 committed tokens are cached.
-        self.cached_B = torch.minimum(self.cached_B, state.lengths_B - 1)
-        self.draft.rollback(self.cached_B, **self._rows())
+    def _confident(
+        self,
+        running: dict[int, float],
+        row: int,
+        params: SamplingParams,
+        logits_V: torch.Tensor,
+        token: int,
+        probs_V: torch.Tensor | None,
+    ) -> tuple[bool, bool]:
+        """(keep this draft, stop after it): greedy rows drop the token that takes the running
+        probability below ``min_prob``; sampled rows keep it and stop after it (docs/engine.md)."""
+        if self.min_prob <= 0.0:
+            return True, False
+        p = float(torch.softmax(logits_V, dim=-1)[token]) if probs_V is None else float(probs_V[token])
+        return row_confidence(running, row, p, greedy=params.greedy, min_prob=self.min_prob)

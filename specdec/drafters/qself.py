@@ -9,45 +9,24 @@ shared) and drafts with it as the ``model`` drafter does (its own KV cache, samp
 processed distribution, that distribution returned): verification by rejection sampling keeps the
 output exactly the target's.
 
-In the engine ``qself`` by name is one :class:`~specdec.drafters.model_slots.ModelSlotDrafter` over
-the copy (:func:`specdec.drafters.model_slots.qself_slots`), a cache row per engine slot.
+In the engine ``qself`` is one :class:`~specdec.drafters.model.ModelDrafter` over the copy, a cache
+row per engine slot.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from specdec.drafters.model import ModelDrafter, SharedDraftModel
+from specdec.drafters.model import ModelDrafter
 
 __all__ = ["qself", "quantized_copy"]
 
 
-def qself(
-    target: Any,
-    *,
-    weights: str = "int4",
-    min_prob: float = 0.0,
-    slot: int | None = None,
-    num_slots: int | None = None,
-    shared: SharedDraftModel | None = None,
-) -> ModelDrafter:
-    """A :class:`~specdec.drafters.model.ModelDrafter` whose model is ``target`` requantised to
-    ``weights`` (``int4`` or ``int8``); the target must be a native Llama target with float weights.
-    ``slot`` / ``num_slots`` / ``shared``: one request of the engine, as for ``ModelDrafter``
-    (``shared`` holds a copy built before, which is used instead of building another)."""
-    if shared is not None:
-        _check_float_target(target)
-        copied = getattr(shared, "draft", None)
-        from specdec.targets.llama import LlamaTarget
-
-        if not isinstance(copied, LlamaTarget) or copied.weights != weights:
-            raise ValueError(
-                f"shared must hold the target's {weights} copy, got {type(copied).__name__} with "
-                f"weights={getattr(copied, 'weights', None)!r}"
-            )
-        return ModelDrafter(target, shared=shared, min_prob=min_prob, slot=slot, num_slots=num_slots)
-    copy = quantized_copy(target, weights)
-    return ModelDrafter(target, model=copy, min_prob=min_prob, slot=slot, num_slots=num_slots)
+def qself(target: Any, *, num_slots: int = 1, weights: str = "int4", min_prob: float = 0.0) -> ModelDrafter:
+    """A :class:`~specdec.drafters.model.ModelDrafter` over ``num_slots`` engine rows whose model is
+    ``target`` requantised to ``weights`` (``int4`` or ``int8``); the target must be a native Llama
+    target with float weights."""
+    return ModelDrafter(target, num_slots=num_slots, model=quantized_copy(target, weights), min_prob=min_prob)
 
 
 def _check_float_target(target: Any) -> None:

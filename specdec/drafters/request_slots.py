@@ -8,8 +8,8 @@ The engine talks to one :class:`~specdec.protocols.SlotDrafter`. A drafter writt
 one-generation :class:`~specdec.protocols.Drafter` protocol (begin / propose / observe over a
 ``DecodeState``) enters it through one of two adapters:
 
-- :class:`RequestSlots`: an instance per slot (``eagle-tree``, ``unigram``, a ``ModelDrafter`` object's
-  ``slot_factory``, a deep copy of any drafter object). ``add`` takes an instance; its ``begin`` runs at
+- :class:`RequestSlots`: an instance per slot (``unigram``, ``bigram``, a plugin by name, a deep copy
+  of a drafter object). ``add`` takes an instance; its ``begin`` runs at
   the slot's first ``propose`` or ``observe`` (``add`` gets no row state), with the row as it was at the
   start of that step: the prompt and its first token, as the engine's ``begin`` used to see it. Each
   row drafts alone, from a ``torch.Generator`` seeded with :func:`mix_seed` of its request seed and

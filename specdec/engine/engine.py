@@ -345,8 +345,10 @@ class Engine:
         _CACHE_OWNER[self.target] = weakref.ref(self)
 
     def has_unfinished(self) -> bool:
-        """True while a request waits or runs."""
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """True while a request waits or runs (never for an engine whose construction failed after it
+        claimed the target: it holds no request)."""
+        scheduler = getattr(self, "scheduler", None)
+        return scheduler is not None and bool(scheduler.waiting or scheduler.running)
 
     @property
     def running(self) -> list[Request]:
