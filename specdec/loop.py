@@ -159,9 +159,9 @@ def generate(
         prompt_ids: B prompts (lists of ids, lengths may differ) or a ``[B, T]`` tensor.
         drafter: a :class:`specdec.protocols.Drafter` or :class:`~specdec.protocols.SlotDrafter`, or a
             name in :data:`specdec.registry.DRAFTERS` built with ``drafter_options``: the engine's one
-            slot drafter (:func:`specdec.drafters.engine_drafter.make_slot_drafter`: an object
-            serves the first prompt and the others get copies, a drafter with ``batched_rows``
-            serves every row).
+            slot drafter (:func:`specdec.drafters.engine_drafter.make_slot_drafter`: a slot drafter
+            object must have a slot per prompt; a one-request object serves the first prompt and the
+            others get copies, one with ``batched_rows`` serves every row).
         gamma: the draft depth: an int (every step drafts that many), a policy name in
             :data:`specdec.engine.depth.DEPTH_POLICIES` (``fixed``, ``batch-table``, ``goodput``,
             ``auto``) built with ``gamma_options``, or a :class:`specdec.engine.depth.DepthPolicy`.

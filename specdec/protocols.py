@@ -25,8 +25,8 @@ What a target must offer, by capability (each checked with ``isinstance``):
 
 Drafters come in two kinds: a :class:`SlotDrafter` is one instance per engine that keeps state per
 engine cache row (slot), adds and drops slots as requests come and go, and drafts every row of a
-step in one call, described by one :class:`DraftCall` (every built-in drafter but the toy count
-drafters; ``eagle``: one head forward per draft position for all drafting rows); a :class:`Drafter`
+step in one call, described by one :class:`DraftCall` (every built-in drafter; ``eagle``: one head
+forward per draft position for all drafting rows); a :class:`Drafter`
 is written for one generation, the simple way in for a plugin, and runs through one adapter
 (:mod:`specdec.drafters.request_slots`).
 """

@@ -5,7 +5,7 @@
 ``factory(target, **options)``:
 
 - a factory that takes ``num_slots`` builds a :class:`~specdec.protocols.SlotDrafter`, the one drafter
-  of an engine with ``num_slots`` rows (every built-in drafter but the toy ``unigram`` / ``bigram``);
+  of an engine with ``num_slots`` rows (every built-in drafter);
 - any other factory builds a one-request :class:`~specdec.protocols.Drafter` (``begin`` / ``propose``
   / ``observe``), which the engine runs through one adapter (:mod:`specdec.drafters.request_slots`).
 

@@ -10,7 +10,7 @@ import specdec
 from specdec.drafters.model import ModelDrafter, check_same_vocab
 from specdec.drafters.ngram import NGramDrafter, lookup
 from specdec.drafters.none import NoDrafter
-from specdec.protocols import DecodeState, DraftCall, Drafter, SlotDrafter, TargetOutput
+from specdec.protocols import DecodeState, DraftCall, SlotDrafter, TargetOutput
 from specdec.registry import DRAFTERS, create_drafter
 from specdec.sampling import SamplingParams
 from specdec.verify.noise import PositionNoise
@@ -37,23 +37,25 @@ def state_for(
 
 def test_builtin_drafters_are_registered_and_follow_the_protocol():
     target = TableTarget(random_table(5, seed=0))
-    assert isinstance(create_drafter("none", target), Drafter)  # one request, one instance for every row
-    assert isinstance(create_drafter("ngram", target), SlotDrafter)
+    for name in ("none", "ngram", "default"):  # default: prompt lookup (no shipped head for this target)
+        assert isinstance(create_drafter(name, target), SlotDrafter)
     assert (
         create_drafter("ngram", target).num_slots == 1
         and create_drafter("ngram", target, num_slots=3).num_slots == 3
     )
     assert DRAFTERS.resolve("default") in DRAFTERS.names()
-    assert isinstance(create_drafter("default", target), SlotDrafter)  # prompt lookup: no shipped head
 
 
 # --- none -----------------------------------------------------------------------------------------------
 
 
 def test_none_proposes_nothing():
-    d = NoDrafter(TableTarget(random_table(5, seed=0)))
-    p = d.propose(state_for([[1, 2], [3]]), 4)
-    assert p.tokens_BK.shape == (2, 0) and p.probs_BKV is None
+    d = NoDrafter(TableTarget(random_table(5, seed=0)), num_slots=2)
+    d.add(0, [1, 2], None)
+    d.add(1, [3], None)
+    hot = SamplingParams(temperature=0.9)
+    p = d.propose(DraftCall([0, 1], [4, 2], state_for([[1, 2], [3]]), [hot, hot], PositionNoise([0, 1])))
+    assert p.counts_B == [0, 0] and p.tokens_T.numel() == 0 and p.probs_TV is None
     with pytest.raises(ValueError, match="no options"):
         NoDrafter(None, gamma=3)
 

@@ -27,7 +27,6 @@ from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.engine_drafter import drafter_name, make_slot_drafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NGramDrafter
-from specdec.drafters.none import NoDrafter
 from specdec.drafters.request_slots import CohortSlots, RequestSlots, mix_seed
 from specdec.protocols import DecodeState, DraftCall, Proposal, SlotDrafter, SlotProposal, TargetOutput
 from specdec.registry import DRAFTERS
@@ -166,8 +165,9 @@ def test_request_slots_all_greedy_has_no_probs_and_no_noise_means_no_generator()
     assert out.probs_TV is None and out.counts_B == [2, 1] and calls == [None, None]
 
 
-def test_request_slots_bigram_by_name(monkeypatch, tmp_path):
-    """``bigram`` (an instance per request by name, built with its options) over a byte vocabulary."""
+def test_bigram_by_name_rows_equal_alone(monkeypatch, tmp_path):
+    """``bigram`` by name (a slot drafter built with its options) over a byte vocabulary: a batched call
+    gives every row what it gets alone."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setitem(ngram_lm.CORPUS_SOURCES, "toy", lambda: ["abab abc", "ba", "zzz"])
     target = TableTarget(torch.zeros(1, 1, 259).expand(259, 259, 259))  # the bigram never runs it
@@ -176,7 +176,7 @@ def test_request_slots_bigram_by_name(monkeypatch, tmp_path):
     prompts, extra = [[a, b, a], [b, b], [a, a, a, a], [a]], [[b], [a, b], [a], [b, b, b]]
     make = lambda: make_slot_drafter(target, "bigram", {"sources": ["toy"], "k": 0.05}, num_slots=4)  # noqa: E731
     d = make()
-    assert isinstance(d, RequestSlots) and d.name == "bigram"
+    assert isinstance(d, ngram_lm.BigramDrafter)
     batched = assert_rows_alone(make, prompts=prompts, extra=extra, vocab_size=259)
     assert batched.counts_B == DEPTHS
 
@@ -373,15 +373,7 @@ def test_cohort_slots_calls_once_per_cohort_and_observes_per_setting():
     ]
 
 
-def test_none_by_name_is_one_instance_that_never_drafts_nor_observes(monkeypatch):
-    target = TARGET.as_target()
-    d = make_slot_drafter(target, "none", num_slots=4)
-    assert isinstance(d, CohortSlots) and isinstance(d.drafter, NoDrafter) and d.name == "none"
-    monkeypatch.setattr(NoDrafter, "observe", lambda *a: pytest.fail("none observed"))
-    added(d, SLOTS, PROMPTS)
-    out = d.propose(DraftCall(SLOTS, DEPTHS, rows(PROMPTS, EXTRA), SAMPLING, PositionNoise(SEEDS)))
-    assert out.counts_B == [0, 0, 0, 0] and out.tokens_T.numel() == 0 and out.probs_TV.shape == (0, V)
-    d.observe(SLOTS, [0] * 4, TargetOutput(torch.zeros(4, 1, V)), state=rows(PROMPTS, EXTRA))
+def test_cohort_slots_needs_batched_rows():
     with pytest.raises(ValueError, match="batched_rows"):
         CohortSlots(Recorder(), num_slots=1, vocab_size=V)
 

@@ -11,10 +11,11 @@ from _tiny import TableTarget, byte_tokenizer
 import specdec
 from specdec.drafters import ngram_lm
 from specdec.drafters.ngram_lm import BigramDrafter, UnigramDrafter, count_ngrams, load_counts
-from specdec.protocols import DecodeState
+from specdec.protocols import DecodeState, DraftCall
 from specdec.registry import DRAFTERS, create_drafter
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.testing import assert_same_distribution
+from specdec.verify.noise import PositionNoise
 
 TOY_DOCS = ["abab abc", "ba", "zzz"]
 V = 259  # byte tokenizer: 256 bytes + 3 specials
@@ -47,6 +48,23 @@ def _state(last_tokens: list[int], sampling: SamplingParams) -> DecodeState:
     tokens_BL[:, 0] = torch.tensor(last_tokens)
     ones = torch.ones(B, dtype=torch.long)
     return DecodeState(tokens_BL, ones, ones.clone(), torch.zeros(B, dtype=torch.bool), sampling)
+
+
+def _propose(drafter, last_tokens: list[int], sampling: SamplingParams, depth: int, seed: int = 0):
+    """The drafter's proposal for one row per last token (each at its own slot, added first), as
+    tokens ``[B, K]`` and probabilities ``[B, K, V]`` (None when every row is greedy)."""
+    B = len(last_tokens)
+    for slot in range(B):
+        if not drafter.active[slot]:
+            drafter.add(slot, [last_tokens[slot]], None)
+    call = DraftCall(
+        list(range(B)), [depth] * B, _state(last_tokens, sampling), [sampling] * B,
+        PositionNoise([seed + b for b in range(B)]),
+    )  # fmt: skip
+    p = drafter.propose(call)
+    assert p.counts_B == [depth] * B
+    probs = None if p.probs_TV is None else p.probs_TV.view(B, depth, p.probs_TV.shape[-1])
+    return p.tokens_T.view(B, depth), probs
 
 
 def test_count_ngrams_counts_within_documents_only():
@@ -130,43 +148,39 @@ def test_bigram_backs_off_to_the_unigram(toy_corpus):
 def test_proposals_greedy_and_sampled(toy_corpus):
     target = _target(toy_corpus)
     a, b = (toy_corpus(ch, add_special_tokens=False).input_ids[0] for ch in "ab")
-    bigram = BigramDrafter(target, sources=["toy"], k=0.001)
-    greedy = bigram.propose(_state([a, b], SamplingParams(temperature=0.0)), 3)
-    assert greedy.tokens_BK.shape == (2, 3) and greedy.probs_BKV.shape == (2, 3, V)
-    assert greedy.tokens_BK[0, 0] == b and greedy.tokens_BK[1, 0] == a  # "ab" and "ba" in the corpus
-    assert torch.equal(greedy.probs_BKV.argmax(-1), greedy.tokens_BK)
-    assert torch.all(greedy.probs_BKV.max(-1).values == 1.0)  # T = 0: one-hot, as logits_to_probs
+    bigram = BigramDrafter(target, num_slots=2, sources=["toy"], k=0.001)
+    tokens, probs = _propose(bigram, [a, b], SamplingParams(temperature=0.0), 3)
+    assert tokens.shape == (2, 3) and probs is None  # greedy: point masses
+    assert tokens[0, 0] == b and tokens[1, 0] == a  # "ab" and "ba" in the corpus
     unigram = UnigramDrafter(target, sources=["toy"])
-    sampled = unigram.propose(
-        _state([a], SamplingParams(temperature=1.0)), 4, torch.Generator().manual_seed(0)
-    )
-    torch.testing.assert_close(sampled.probs_BKV.sum(-1), torch.ones(1, 4))
-    assert unigram.propose(_state([a], SamplingParams()), 0).tokens_BK.shape == (1, 0)
+    _, probs = _propose(unigram, [a], SamplingParams(temperature=1.0), 4)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, 4))
+    assert _propose(unigram, [a], SamplingParams(), 0)[0].shape == (1, 0)
 
 
 def test_bigram_chains_each_draft_on_the_previous_one(toy_corpus):
     """Draft k's probabilities are the processed bigram law of draft k-1 (and of the last committed
     token for k = 0), and every draft token lies in the support it was drawn from."""
-    drafter = BigramDrafter(_target(toy_corpus), sources=["toy"], k=0.05)
+    drafter = BigramDrafter(_target(toy_corpus), num_slots=6, sources=["toy"], k=0.05)
     a = toy_corpus("a", add_special_tokens=False).input_ids[0]
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
-    proposal = drafter.propose(_state([a] * 6, sampling), 4, torch.Generator().manual_seed(2))
+    tokens, probs = _propose(drafter, [a] * 6, sampling, 4, seed=2)
     prev_B = torch.full((6,), a)
     for k in range(4):
         expected = logits_to_probs(drafter.log_draft_BV(prev_B), 0.8, None, 0.9)
-        assert torch.equal(proposal.probs_BKV[:, k], expected), k
-        prev_B = proposal.tokens_BK[:, k]
-    assert bool((proposal.probs_BKV.gather(-1, proposal.tokens_BK.unsqueeze(-1)) > 0).all())
+        torch.testing.assert_close(probs[:, k], expected)
+        prev_B = tokens[:, k]
+    assert bool((probs.gather(-1, tokens.unsqueeze(-1)) > 0).all())
 
 
 @pytest.mark.statistical
 def test_unigram_draws_follow_its_probabilities(toy_corpus):
     """Draft tokens are distributed as the probabilities the proposal returns (G-test, false alarm 1e-6)."""
-    drafter = UnigramDrafter(_target(toy_corpus), sources=["toy"], k=2.0)
+    drafter = UnigramDrafter(_target(toy_corpus), num_slots=4000, sources=["toy"], k=2.0)
     sampling = SamplingParams(temperature=1.0, top_k=6)
-    proposal = drafter.propose(_state([0] * 4000, sampling), 5, torch.Generator().manual_seed(1))
-    counts = torch.bincount(proposal.tokens_BK.flatten(), minlength=V)
-    expected = proposal.probs_BKV[0, 0].double()
+    tokens, probs = _propose(drafter, [0] * 4000, sampling, 5, seed=1)
+    counts = torch.bincount(tokens.flatten(), minlength=V)
+    expected = probs[0, 0].double()
     support = (expected > 0).nonzero().flatten().tolist()
     assert len(support) == 6
     assert_same_distribution(

@@ -3,14 +3,14 @@
 
 What each drafter becomes:
 
-- a registered name whose factory takes ``num_slots`` (every built-in drafter but ``unigram`` and
-  ``bigram``; :func:`specdec.registry.builds_slot_drafter`): that slot drafter, built once with
+- a registered name whose factory takes ``num_slots`` (every built-in drafter;
+  :func:`specdec.registry.builds_slot_drafter`): that slot drafter, built once with
   ``num_slots`` and the options; any object that implements the protocol is used as it is (it must
   have at least ``num_slots`` slots);
 - a drafter written for one request (:class:`~specdec.protocols.Drafter`: ``begin`` / ``propose`` /
   ``observe``), by name or as an object, through one adapter
   (:mod:`specdec.drafters.request_slots`): one instance for every row where it declares
-  ``batched_rows = True`` (``none``, the toy Markov drafters of :mod:`specdec.testing`), else an
+  ``batched_rows = True`` (the toy Markov drafters of :mod:`specdec.testing`), else an
   instance per request (a registered factory builds each; an object serves the first request itself,
   every other request at the same time gets a deep copy of it, the target shared, never copied). A
   registered factory's first instance is built here, so bad options fail before the first request.

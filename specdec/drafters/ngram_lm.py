@@ -18,9 +18,11 @@ order-(n−1) model (uniform below the unigram)::
     draft_probs(y)     ∝ c(y) + k                       unigram (plain add-k)
     draft_probs(y | x) ∝ c(x, y) + k · V · unigram(y)   bigram  (add-k with a unigram base)
 
-so an unseen context falls back to the unigram instead of a uniform guess. A proposal samples from
-``sampling_probs(log draft_probs, state.sampling)`` (temperature, top-k, top-p, as the target) and
-returns those probabilities, so verification stays exact.
+so an unseen context falls back to the unigram instead of a uniform guess. Both are
+:class:`~specdec.protocols.SlotDrafter` objects with no state per row: a row's draft token is drawn
+from ``sampling_probs(log draft_probs, the row's settings)`` (temperature, top-k, top-p, as the target)
+with the row's keyed noise (stream ``"draft"``, by output position), and those probabilities are
+returned, so verification stays exact.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from typing import Any
 
 import torch
 
-from specdec.protocols import DecodeState, Proposal, Target, TargetOutput
-from specdec.sampling import SamplingParams, sample_from_probs, sampling_probs
+from specdec.drafters.slot_table import StatelessSlots, draw_draft
+from specdec.protocols import DraftCall, SlotProposal, Target
+from specdec.sampling import SamplingParams, sampling_probs
 
 __all__ = [
     "CORPUS_SOURCES",
@@ -240,24 +243,36 @@ def _check_k(k: Any) -> float:
     return float(k)
 
 
-def _sample(
-    probs_BV: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
-) -> torch.Tensor:
-    # Greedy probabilities are one-hot; argmax avoids drawing a uniform for nothing.
-    return probs_BV.argmax(-1) if sampling.greedy else sample_from_probs(probs_BV, generator)
-
-
-def _empty(state: DecodeState, V: int) -> Proposal:
-    B = state.batch_size
-    return Proposal(
-        tokens_BK=state.tokens_BL.new_empty((B, 0)),
-        probs_BKV=torch.empty(B, 0, V, device=state.tokens_BL.device),
-    )
-
-
-class _CountDrafter:
+class _CountDrafter(StatelessSlots):
     """What the unigram and bigram drafters share: the token counts of a corpus tokenised with the
-    target's tokenizer (or ``tokenizer``), and no state per row (``begin`` and ``observe`` do nothing)."""
+    target's tokenizer (or ``tokenizer``), no state per row, and the call: row i drafts its depth, each
+    token from the draft law :meth:`log_draft` gives for the token before it, processed with the row's
+    settings and drawn with its keyed noise (greedy rows: the argmax, a point mass)."""
+
+    def log_draft(self, prev: int) -> torch.Tensor:
+        """The draft law's logits ``[V]`` after token ``prev``."""
+        raise NotImplementedError
+
+    def propose(self, call: DraftCall) -> SlotProposal:
+        self.check_propose(call)
+        state, noise = call.state, call.noise
+        last = state.last_tokens_B().tolist()
+        outputs = (state.lengths_B - state.prompt_lengths_B).tolist()  # output position of draft 1
+        tokens: list[int] = []
+        probs: list[torch.Tensor | None] = []
+        for i, (K, params) in enumerate(zip(call.depths, call.sampling, strict=True)):
+            prev = last[i]
+            for k in range(K):
+                prev, p = draw_draft(self.log_draft(prev), params, noise, i, outputs[i] + k)
+                tokens.append(prev)
+                probs.append(p)
+        tokens_T = torch.tensor(tokens, dtype=torch.long)
+        probs_TV = None
+        if any(not s.greedy for s in call.sampling):  # greedy rows' entries: zeros
+            zero_V = torch.zeros(self.vocab_size)
+            rows = [zero_V if p is None else p for p in probs]
+            probs_TV = torch.stack(rows) if rows else torch.zeros(0, self.vocab_size)
+        return SlotProposal(tokens_T, list(call.depths), probs_TV)
 
     def _load_counts(
         self,
@@ -281,15 +296,9 @@ class _CountDrafter:
         self.num_tokens = counts.num_tokens
         return counts
 
-    def begin(self, state: DecodeState, target_out: TargetOutput) -> None:
-        pass
-
-    def observe(self, state: DecodeState, num_accepted_B: torch.Tensor, target_out: TargetOutput) -> None:
-        pass
-
 
 class UnigramDrafter(_CountDrafter):
-    """A :class:`specdec.protocols.Drafter` that samples every draft token from one unigram law.
+    """A :class:`~specdec.protocols.SlotDrafter` that draws every draft token from one unigram law.
 
     Options: ``k`` (add-k pseudo-count, default 0.1), ``sources`` (corpus sources, see
     :data:`CORPUS_SOURCES`), ``max_chars`` (per source), ``tokenizer`` (default ``target.tokenizer``),
@@ -300,12 +309,14 @@ class UnigramDrafter(_CountDrafter):
         self,
         target: Target,
         *,
+        num_slots: int = 1,
         k: float = 0.1,
         sources: Sequence[str] | str = DEFAULT_SOURCES,
         max_chars: int = DEFAULT_MAX_CHARS,
         tokenizer: Any = None,
         cache: bool = True,
     ) -> None:
+        super().__init__(num_slots)
         counts = self._load_counts(target, "unigram", k, sources, max_chars, tokenizer, cache)
         self.log_draft_V = (counts.unigram_V.double() + self.k).log().float()
         self.log_draft_V -= torch.logsumexp(self.log_draft_V, 0)
@@ -318,18 +329,14 @@ class UnigramDrafter(_CountDrafter):
             self._probs = (sampling, probs_V)
         return self._probs[1]
 
-    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
-        """γ independent draws per row from the unigram law (the context is ignored)."""
-        if gamma <= 0:
-            return _empty(state, self.vocab_size)
-        B = state.batch_size
-        probs_BKV = self.draft_probs_V(state.sampling).expand(B, gamma, -1)
-        tokens_BK = _sample(probs_BKV, state.sampling, generator).to(state.tokens_BL)
-        return Proposal(tokens_BK=tokens_BK, probs_BKV=probs_BKV)
+    def log_draft(self, prev: int) -> torch.Tensor:
+        """The unigram law's log-probabilities (the context is ignored)."""
+        return self.log_draft_V
 
 
 class BigramDrafter(_CountDrafter):
-    """A :class:`specdec.protocols.Drafter` that drafts each token from the bigram law of the previous one.
+    """A :class:`~specdec.protocols.SlotDrafter` that drafts each token from the bigram law of the
+    previous one.
 
     Options: ``k`` (add-k pseudo-count spread like the unigram, default 0.005, i.e. ~250 pseudo-counts
     over SmolLM2's 49,152 tokens), ``unigram_k`` (add-k of the unigram base, default 1), ``sources``,
@@ -341,6 +348,7 @@ class BigramDrafter(_CountDrafter):
         self,
         target: Target,
         *,
+        num_slots: int = 1,
         k: float = 0.005,
         unigram_k: float = 1.0,
         sources: Sequence[str] | str = DEFAULT_SOURCES,
@@ -348,6 +356,7 @@ class BigramDrafter(_CountDrafter):
         tokenizer: Any = None,
         cache: bool = True,
     ) -> None:
+        super().__init__(num_slots)
         unigram_k = _check_k(unigram_k)
         counts = self._load_counts(target, "bigram", k, sources, max_chars, tokenizer, cache)
         V = self.vocab_size
@@ -372,19 +381,6 @@ class BigramDrafter(_CountDrafter):
             weights_BV.index_put_((rows, self.next_N[idx]), self.count_N[idx], accumulate=True)
         return weights_BV.log()
 
-    def propose(self, state: DecodeState, gamma: int, generator: torch.Generator | None = None) -> Proposal:
-        """γ tokens per row, each drawn from the processed bigram law of the token before it."""
-        if gamma <= 0:
-            return _empty(state, self.vocab_size)
-        s = state.sampling
-        prev_B = state.last_tokens_B().cpu()
-        tokens, probs = [], []
-        for _ in range(gamma):
-            probs_BV = sampling_probs(self.log_draft_BV(prev_B), s)
-            prev_B = _sample(probs_BV, s, generator)
-            tokens.append(prev_B)
-            probs.append(probs_BV)
-        device = state.tokens_BL.device
-        return Proposal(
-            tokens_BK=torch.stack(tokens, dim=1).to(device), probs_BKV=torch.stack(probs, dim=1).to(device)
-        )
+    def log_draft(self, prev: int) -> torch.Tensor:
+        """The bigram law's logits after ``prev``."""
+        return self.log_draft_BV(torch.tensor([prev]))[0]

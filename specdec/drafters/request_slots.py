@@ -8,16 +8,16 @@ The engine talks to one :class:`~specdec.protocols.SlotDrafter`. A drafter writt
 one-generation :class:`~specdec.protocols.Drafter` protocol (begin / propose / observe over a
 ``DecodeState``) enters it through one of two adapters:
 
-- :class:`RequestSlots`: an instance per slot (``unigram``, ``bigram``, a plugin by name, a deep copy
-  of a drafter object). ``add`` takes an instance; its ``begin`` runs at
-  the slot's first ``propose`` or ``observe`` (``add`` gets no row state), with the row as it was at the
-  start of that step: the prompt and its first token, as the engine's ``begin`` used to see it. Each
-  row drafts alone, from a ``torch.Generator`` seeded with :func:`mix_seed` of its request seed and
-  output position, so a row's drafts never depend on its neighbours.
+- :class:`RequestSlots`: an instance per slot (a plugin by name, a deep copy of a drafter object).
+  ``add`` takes an instance; its ``begin`` runs at the slot's first ``propose`` or ``observe`` (``add``
+  gets no row state), with the row as it was at the start of that step: the prompt and its first token,
+  as the engine's ``begin`` used to see it. Each row drafts alone, from a ``torch.Generator`` seeded with
+  :func:`mix_seed` of its request seed and output position, so a row's drafts never depend on its
+  neighbours.
 - :class:`CohortSlots`: one instance for every row of a drafter that declares ``batched_rows = True``
-  (``none``, the toy Markov drafters): it keeps no per-row state, so the rows sharing a depth and
-  sampling settings are drafted by one ``propose`` over a G-row state, their randomness keyed by each
-  row's seed (the ``noise`` its ``propose`` takes, stream ``"draft"``).
+  (the toy Markov drafters of :mod:`specdec.testing`): it keeps no per-row state, so the rows sharing a
+  depth and sampling settings are drafted by one ``propose`` over a G-row state, their randomness keyed
+  by each row's seed (the ``noise`` its ``propose`` takes, stream ``"draft"``).
 
 Both return the ragged :class:`~specdec.protocols.SlotProposal`: rows back to back, greedy rows' draft
 probabilities zeros, a sampled row's point-mass proposal (``probs_BKV=None``) one-hot.
