@@ -35,7 +35,7 @@ import inspect
 
 import torch
 
-from specdec.drafters.slot_table import StatelessSlots, draw_draft
+from specdec.drafters.slot_table import StatelessSlots, draw_draft, ragged_proposal
 from specdec.protocols import DraftCall, SlotProposal, Target
 
 __all__ = ["LayerSkipDrafter", "DEFAULT_EXIT_FRACTION"]
@@ -84,7 +84,6 @@ class LayerSkipDrafter(StatelessSlots):
         slots = self.check_propose(call)
         depths, state, sampling, noise = call.depths, call.state, call.sampling, call.noise
         G = len(slots)
-        sampled = any(not s.greedy for s in sampling)
         drafted: list[list[int]] = [[] for _ in range(G)]
         probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]
         rows = [i for i in range(G) if depths[i] > 0]
@@ -105,9 +104,4 @@ class LayerSkipDrafter(StatelessSlots):
                 tokens[i], p = draw_draft(logits_GV[j], sampling[i], noise, i, outputs[i] + k)
                 drafted[i].append(tokens[i])
                 probs[i].append(p)
-        tokens_T = torch.tensor([t for d in drafted for t in d], dtype=torch.long)
-        probs_TV = None
-        if sampled and tokens_T.numel():
-            zero_V = torch.zeros(self.vocab_size)
-            probs_TV = torch.stack([zero_V if p is None else p for row in probs for p in row])
-        return SlotProposal(tokens_T, [len(d) for d in drafted], probs_TV)
+        return ragged_proposal(drafted, probs, sampling, self.vocab_size)

@@ -34,10 +34,9 @@ from typing import Any
 import torch
 
 from specdec.drafters.confidence import check_min_prob, row_confidence
-from specdec.drafters.slot_table import SlotTable, draw_draft
+from specdec.drafters.slot_table import SlotTable, draw_draft, ragged_proposal
 from specdec.protocols import DecodeState, DraftCall, SlotProposal, Target, TargetOutput
 from specdec.sampling import SamplingParams
-from specdec.verify.noise import PositionNoise
 
 __all__ = ["ModelDrafter", "check_same_vocab", "fit_vocab"]
 
@@ -232,34 +231,23 @@ class ModelDrafter(SlotTable):
     def propose(self, call: DraftCall) -> SlotProposal:
         """Up to ``depths[i]`` tokens for row ``slots[i]``: one draft forward per position over the rows
         still drafting (see the module doc)."""
-        slots = self.check_propose(call)
-        depths, state, sampling, noise = call.depths, call.state, call.sampling, call.noise
-        G = len(slots)
-        drafted: list[list[int]] = [[] for _ in range(G)]
-        probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]
-        rows = [i for i in range(G) if depths[i] > 0]
+        self.check_propose(call)
+        drafted: list[list[int]] = [[] for _ in call.slots]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in call.slots]
+        rows = [i for i, k in enumerate(call.depths) if k > 0]
         if rows:
-            self._draft(slots, depths, state, sampling, noise, rows, drafted, probs)
-        counts = [len(d) for d in drafted]
-        tokens_T = torch.tensor([t for d in drafted for t in d], dtype=torch.long)
-        probs_TV = None
-        if any(not s.greedy for s in sampling) and tokens_T.numel():
-            zero_V = torch.zeros(self.vocab_size)
-            probs_TV = torch.stack([zero_V if p is None else p for row in probs for p in row])
-        return SlotProposal(tokens_T, counts, probs_TV)
+            self._draft(call, rows, drafted, probs)
+        return ragged_proposal(drafted, probs, call.sampling, self.vocab_size)
 
     def _draft(
         self,
-        slots: list[int],
-        depths: Sequence[int],
-        state: DecodeState,
-        sampling: Sequence[SamplingParams],
-        noise: PositionNoise | None,
+        call: DraftCall,
         rows: list[int],
         drafted: list[list[int]],
         probs: list[list[torch.Tensor | None]],
     ) -> None:
-        """The chain loop over ``rows`` (indices into ``slots``), each up to its depth."""
+        """The chain loop over ``rows`` (indices into the call), each up to its depth."""
+        slots, depths, state, sampling, noise = call.slots, call.depths, call.state, call.sampling, call.noise
         device = getattr(self.draft, "device", "cpu")
         lengths = state.lengths_B.tolist()
         outputs = (state.lengths_B - state.prompt_lengths_B).tolist()  # output position of each row's draft 1

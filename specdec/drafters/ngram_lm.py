@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from specdec.drafters.slot_table import StatelessSlots, draw_draft
+from specdec.drafters.slot_table import StatelessSlots, draw_draft, ragged_proposal
 from specdec.protocols import DraftCall, SlotProposal, Target
 from specdec.sampling import SamplingParams, sampling_probs
 
@@ -258,21 +258,15 @@ class _CountDrafter(StatelessSlots):
         state, noise = call.state, call.noise
         last = state.last_tokens_B().tolist()
         outputs = (state.lengths_B - state.prompt_lengths_B).tolist()  # output position of draft 1
-        tokens: list[int] = []
-        probs: list[torch.Tensor | None] = []
+        drafted: list[list[int]] = [[] for _ in call.depths]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in call.depths]
         for i, (K, params) in enumerate(zip(call.depths, call.sampling, strict=True)):
             prev = last[i]
             for k in range(K):
                 prev, p = draw_draft(self.log_draft(prev), params, noise, i, outputs[i] + k)
-                tokens.append(prev)
-                probs.append(p)
-        tokens_T = torch.tensor(tokens, dtype=torch.long)
-        probs_TV = None
-        if any(not s.greedy for s in call.sampling):  # greedy rows' entries: zeros
-            zero_V = torch.zeros(self.vocab_size)
-            rows = [zero_V if p is None else p for p in probs]
-            probs_TV = torch.stack(rows) if rows else torch.zeros(0, self.vocab_size)
-        return SlotProposal(tokens_T, list(call.depths), probs_TV)
+                drafted[i].append(prev)
+                probs[i].append(p)
+        return ragged_proposal(drafted, probs, call.sampling, self.vocab_size)
 
     def _load_counts(
         self,

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from specdec.protocols import DraftCall
+from specdec.protocols import DraftCall, SlotProposal
 from specdec.sampling import SamplingParams, sampling_probs
 from specdec.verify.noise import PositionNoise, sample_keyed
 
-__all__ = ["SlotTable", "StatelessSlots", "draw_draft"]
+__all__ = ["SlotTable", "StatelessSlots", "draw_draft", "ragged_proposal"]
 
 
 def draw_draft(
@@ -34,6 +34,29 @@ def draw_draft(
     one = PositionNoise(noise.seeds_B[[row]])
     token = sample_keyed(probs_1V, one, torch.tensor([position]), stream="draft")
     return int(token[0]), probs_1V[0]
+
+
+def ragged_proposal(
+    drafted: list[list[Any]],
+    probs: list[list[torch.Tensor | None]],
+    sampling: Sequence[SamplingParams],
+    vocab_size: int,
+    device: Any = "cpu",
+) -> SlotProposal:
+    """Each row's drafts (ints or 0-d tensors) and the distributions they were drawn from (None: a
+    greedy row's point mass) as one :class:`~specdec.protocols.SlotProposal`: rows back to back;
+    probabilities ``[T, V]`` where a row of the call is sampled, a greedy row's entries zeros."""
+    flat = [t for row in drafted for t in row]
+    if flat and isinstance(flat[0], torch.Tensor):
+        tokens_T = torch.stack(flat)
+    else:
+        tokens_T = torch.tensor(flat, dtype=torch.long, device=device)
+    probs_TV = None
+    if any(not s.greedy for s in sampling):
+        zero_V = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        rows = [zero_V if p is None else p for row in probs for p in row]
+        probs_TV = torch.stack(rows) if rows else torch.zeros(0, vocab_size, device=device)
+    return SlotProposal(tokens_T, [len(row) for row in drafted], probs_TV)
 
 
 class SlotTable:

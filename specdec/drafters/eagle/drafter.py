@@ -50,7 +50,7 @@ from specdec.drafters.eagle.packed import PackedEagleHead
 from specdec.drafters.eagle.queue import FeatureQueue
 from specdec.drafters.eagle.tree import EagleTrees
 from specdec.drafters.eagle.weights import load_packed_head
-from specdec.drafters.slot_table import SlotTable
+from specdec.drafters.slot_table import SlotTable, ragged_proposal
 from specdec.protocols import DecodeState, DraftCall, Proposal, SlotProposal, TargetOutput, TreeTarget
 from specdec.sampling import SamplingParams, sampling_probs
 from specdec.verify.noise import PositionNoise, sample_keyed_inverse
@@ -234,7 +234,7 @@ class EagleDrafter(SlotTable):
         probs: list[list[torch.Tensor | None]] = [[] for _ in range(G)]
         caught_s, caught = self.catch_up(slots, state, drafting) if drafting else (0.0, 0)
         if chain_rows:
-            self._draft(slots, depths, state, sampling, noise, chain_rows, drafted, probs)
+            self._draft(call, chain_rows, drafted, probs)
         trees: list[tuple[list[int], Proposal]] = []
         for i in tree_rows:
             row_noise = None if noise is None else noise.select([i])
@@ -246,14 +246,8 @@ class EagleDrafter(SlotTable):
                 trees.append(([i], tree))
         self.counts["chain"] += len(chain_rows)
         self.counts["tree"] += len(tree_rows)
-        counts = [len(t) for t in drafted]
-        flat = [t for row in drafted for t in row]
-        tokens_T = torch.stack(flat) if flat else torch.zeros(0, dtype=torch.long, device=device)
-        probs_TV = None
-        if flat and any(not s.greedy for s in sampling):
-            zero_V = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
-            probs_TV = torch.stack([zero_V if p is None else p for row in probs for p in row])
-        proposal = SlotProposal(tokens_T, counts, probs_TV, catch_up_s=caught_s, catch_up_tokens=caught)
+        proposal = ragged_proposal(drafted, probs, sampling, self.vocab_size, device)
+        proposal.catch_up_s, proposal.catch_up_tokens = caught_s, caught
         if G == 1 and trees:
             proposal.tree = trees[0][1]
         else:
@@ -308,16 +302,13 @@ class EagleDrafter(SlotTable):
     # --- the pieces -----------------------------------------------------------------------------
     def _draft(
         self,
-        slots: list[int],
-        depths: Sequence[int],
-        state: DecodeState,
-        sampling: Sequence[SamplingParams],
-        noise: PositionNoise | None,
+        call: DraftCall,
         rows: list[int],
         drafted: list[list[torch.Tensor]],
         probs: list[list[torch.Tensor | None]],
     ) -> None:
-        """The chain loop over ``rows`` (indices into ``slots``), each up to its depth."""
+        """The chain loop over ``rows`` (indices into the call), each up to its depth."""
+        slots, depths, state, sampling, noise = call.slots, call.depths, call.state, call.sampling, call.noise
         device = self.head.device
         index = torch.tensor(rows, dtype=torch.long)
         feat_GD = self.next_feat_SD[[slots[i] for i in rows]]
