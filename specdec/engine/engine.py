@@ -24,12 +24,10 @@ row the same logits whatever the other rows of the block are (batch invariance).
 
 from __future__ import annotations
 
-import gc
 import inspect
 import itertools
 import secrets
 import time
-import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,10 +39,10 @@ from specdec.engine.controls import RequestControls
 from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
 from specdec.engine.draft_cost import DraftCost, measure_draft_cost
+from specdec.engine.ownership import claim_target
 from specdec.engine.request import (
     Request,
     RequestOutput,
-    RequestStatus,
     check_prompt,
     make_params,
     positive_int,
@@ -63,7 +61,6 @@ __all__ = ["Engine", "scheduler_seconds"]
 # Which engine's cache layout each target holds: an engine resets its target's cache (rows, length),
 # so a second engine (or ``specdec.generate``) on the same target must not take it from one with
 # requests. Weak on both sides: a target or engine that is dropped leaves no entry behind.
-_CACHE_OWNER: weakref.WeakKeyDictionary[Any, weakref.ref[Engine]] = weakref.WeakKeyDictionary()
 
 
 def scheduler_seconds(stats: Mapping[str, float]) -> float:
@@ -160,7 +157,7 @@ class Engine:
             self.tokenizer, self.vocab_size, tuple(getattr(target, "eos_token_ids", ()))
         )
         self.requests: dict[str, Request] = {}
-        self._claim_target()
+        claim_target(self)
         cost: VerifyCostModel | None = None
         if measure_cost and not isinstance(self.policy, FixedDepth):
             cost = verify_cost_for(target, max_rows=self.max_num_seqs)
@@ -315,34 +312,7 @@ class Engine:
         does it too, where this engine has no request in the cache and the other user is idle.)"""
         if self.has_unfinished():
             raise ValueError("reset_target() needs an idle engine: requests are waiting or running")
-        self._claim_target(force=True)
-
-    def _claim_target(self, *, force: bool = False) -> None:
-        """Hold the target's cache: reset it to this engine's rows and length unless it already is.
-        ``ValueError`` where another engine on the same target has unfinished requests (a reset would
-        destroy their cache), or where this engine's requests lost theirs to another user."""
-        ref = _CACHE_OWNER.get(self.target)
-        owner = None if ref is None else ref()
-        if owner is self and not force:
-            return
-        if owner is not None and owner is not self and owner.has_unfinished():
-            del owner
-            gc.collect()  # an engine its user dropped may only wait for the collector (cycles)
-            owner = ref()
-        if owner is not None and owner is not self and owner.has_unfinished():
-            raise ValueError(
-                f"target {type(self.target).__name__} is in use by another Engine (or specdec.generate) "
-                f"with {len(owner.requests)} unfinished request(s): each engine holds the target's KV cache, "
-                "so finish or abort those first, or load a second target"
-            )
-        in_cache = [r for r in self.requests.values() if r.status is not RequestStatus.WAITING]
-        if owner is not None and owner is not self and in_cache:
-            raise ValueError(
-                "another Engine (or specdec.generate) reset this target's KV cache while this engine had "
-                f"requests in it ({len(in_cache)} running): abort them (Engine.abort) and add them again"
-            )
-        self.target.reset(self.max_num_seqs, self.max_model_len)
-        _CACHE_OWNER[self.target] = weakref.ref(self)
+        claim_target(self, force=True)
 
     def has_unfinished(self) -> bool:
         """True while a request waits or runs (never for an engine whose construction failed after it
@@ -398,7 +368,7 @@ class Engine:
         """One step: the scheduler's plan, the runner's run of it, the scheduler's update; returns the
         outputs of the requests that changed in it."""
         t0 = self.now()
-        self._claim_target()  # a dict look-up, unless another user of the target reset its cache
+        claim_target(self)  # a dict look-up, unless another user of the target reset its cache
         report = self.runner.run(self.scheduler.schedule())
         self.scheduler.update(report)
         outputs = [self.requests[rid].output(new) for rid, new in report.new_tokens.items()]

@@ -35,19 +35,18 @@ from typing import Any
 import torch
 
 from specdec.checks import check_logits, logits_faults
+from specdec.engine.drafting import Drafting
 from specdec.engine.faults import each_alone, error_message, log
-from specdec.engine.grammar_drafts import shape_chains
 from specdec.engine.judge import Fail, Judge, Part, rows_alone
 from specdec.engine.logprobs import last_logits_only, prefill_logits_index
 from specdec.engine.plan import RowPlan, StepPlan, StepReport
 from specdec.engine.request import Request, RequestStatus
-from specdec.engine.units import Unit, checked_unit, group_state, join_outputs, row_output, slice_output
+from specdec.engine.units import Unit, group_state, join_outputs, row_output, slice_output
 from specdec.host_sync import avoids_host
 from specdec.metrics import MetricsRecorder, StepStats
-from specdec.protocols import DraftCall, Proposal, SlotDrafter, SlotProposal, TargetOutput
-from specdec.verify.blocks import ChainBlock, TreeBlock, Verdict, make_block
+from specdec.protocols import SlotDrafter, TargetOutput
+from specdec.verify.blocks import ChainBlock, TreeBlock, Verdict
 from specdec.verify.contract import VerifyRule
-from specdec.verify.noise import PositionNoise
 
 __all__ = ["Runner"]
 
@@ -93,6 +92,15 @@ class Runner:
         self.max_model_len, self.prefill_chunk, self.gamma_max = max_model_len, prefill_chunk, gamma_max
         self.stats, self.now = stats, now
         self.judge = Judge(rule, stats, now)
+        self.drafting = Drafting(
+            target=target,
+            drafter=drafter,
+            drafter_name=drafter_name,
+            tokens_SL=tokens_SL,
+            max_model_len=max_model_len,
+            gamma_max=gamma_max,
+            stats=stats,
+        )
         self.recorder: MetricsRecorder | None = None
 
     def run(self, plan: StepPlan) -> StepReport:
@@ -135,7 +143,7 @@ class Runner:
     # --- decode -----------------------------------------------------------------------------------
     def _decode(self, plan: tuple[RowPlan, ...], tree_ok: bool, report: StepReport) -> None:
         t0 = self.now()
-        units = self._propose(plan, tree_ok, report)
+        units = self.drafting.units(plan, tree_ok, report, self._failer(report))
         t1 = self.now()
         self.stats["draft_s"] += t1 - t0
         if report.draft_rows:
@@ -145,97 +153,6 @@ class Runner:
         groups += [[u] for u in units if isinstance(u.block, TreeBlock)]
         for g, group in enumerate(groups):
             self._verify(group, report, draft_s=(t1 - t0) if g == 0 else 0.0)
-
-    def _plain_unit(self, rows: list[Request]) -> Unit:
-        """Rows at depth 0: an empty chain, built without asking the drafter (it would propose
-        nothing, and under load most rows sit at depth 0)."""
-        return Unit(rows, make_block(Proposal(torch.zeros((len(rows), 0), dtype=torch.long)), self.target))
-
-    def _propose(self, plan: tuple[RowPlan, ...], tree_ok: bool, report: StepReport) -> list[Unit]:
-        """The slot drafter over every drafting row at once: one ``propose`` (its randomness keyed by
-        each row's seed), its ragged chains split into units of rows sharing count and sampling. A
-        call that raises is made again for each row alone; a row whose own call raises fails."""
-        plain: dict[Any, list[Request]] = {}
-        for p in plan:
-            if p.depth == 0:
-                plain.setdefault(p.request.params.sampling, []).append(p.request)
-        units = [self._plain_unit(group) for group in plain.values()]
-        drafting = []
-        for p in plan:
-            if p.depth > 0 and len(p.forced) >= p.depth:  # the grammar forces the whole depth:
-                forced = Proposal(torch.tensor([p.forced[: p.depth]], dtype=torch.long))  # no drafter
-                units.append(self._unit(forced, [p.request], p.depth))
-            elif p.depth > 0:  # the drafter drafts (what the grammar forces comes after its chain)
-                drafting.append(p)
-        if not drafting:
-            return units
-        drafter = self.drafter
-
-        def propose(part: list[RowPlan]) -> SlotProposal:
-            rows = [p.request for p in part]
-            call = DraftCall(
-                [r.slot for r in rows],
-                [p.depth for p in part],
-                group_state(rows, rows[0].params.sampling, self.tokens_SL),
-                [r.params.sampling for r in rows],
-                PositionNoise([r.params.seed for r in rows]),
-                tree_ok,
-            )
-            return drafter.propose(call)
-
-        fail = lambda p, err: self.fail(p.request, "drafting", err, report)  # noqa: E731
-        proposals = each_alone(drafting, propose, fail)
-        report.draft_rows, report.draft_depth = len(drafting), max(p.depth for p in drafting)
-        report.catch_up_s = sum(proposal.catch_up_s for _, proposal in proposals)
-        # More than one step's committed tokens caught up (a prompt, or tokens of idle or lookup
-        # steps) is work owed once, not a cost of drafting on: not learned, counted in owed_s.
-        if max((proposal.catch_up_tokens for _, proposal in proposals), default=0) > self.gamma_max + 1:
-            report.steady = False
-            self.stats["owed_s"] += report.catch_up_s
-        for part, proposal in proposals:
-            proposal = shape_chains(proposal, [p.request for p in part], [p.depth for p in part])
-            units += self._units(part, proposal, report)
-        return units
-
-    def _units(self, drafting: list[RowPlan], proposal: SlotProposal, report: StepReport) -> list[Unit]:
-        """One proposal's units, each checked; a row whose own proposal fails its check fails."""
-        rows = [p.request for p in drafting]
-        fail = lambda i, err: self.fail(rows[i], "the draft's check", err, report)  # noqa: E731
-        if proposal.tree is not None:  # one row's token tree (a step of one row where trees pay)
-            parts = [([0], proposal.tree, drafting[0].depth)]
-        else:
-            parts = [(index, tree, max(drafting[i].depth for i in index)) for index, tree in proposal.trees]
-            in_trees = {i for index, _ in proposal.trees for i in index}
-            groups: dict[tuple, list[int]] = {}
-            for i, r in enumerate(rows):
-                if i not in in_trees:
-                    groups.setdefault((proposal.counts_B[i], r.params.sampling), []).append(i)
-            for (count, sampling), index in groups.items():
-                parts.append((index, proposal.chains(index, sampling.greedy), count))
-        units = []
-        for index, proposal_G, K in parts:
-            if proposal_G.tree is not None:  # a tree (of one row, or a cohort's shared one) is one draft
-                try:
-                    units.append(self._unit(proposal_G, [rows[i] for i in index], K))
-                except Exception as err:
-                    for i in index:
-                        fail(i, err)
-                continue
-
-            def check(
-                sub: list[int], index: list[int] = index, K: int = K, chains: Proposal = proposal_G
-            ) -> Unit:
-                if len(sub) < len(index):  # the rows' own chains
-                    chains = proposal.chains(sub, rows[sub[0]].params.sampling.greedy)
-                return self._unit(chains, [rows[i] for i in sub], K)
-
-            units += [unit for _, unit in each_alone(index, check, fail)]
-        return units
-
-    def _unit(self, proposal: Any, rows: list[Request], K: int) -> Unit:
-        return checked_unit(
-            proposal, rows, K, target=self.target, max_model_len=self.max_model_len, source=self.drafter_name
-        )
 
     def _verify(self, units: list[Unit], report: StepReport, *, draft_s: float) -> None:
         """One target forward over these units' blocks (chains padded to the longest), every unit's
@@ -423,7 +340,7 @@ class Runner:
             return
 
         def unit(index: list[int]) -> Unit:
-            u = self._plain_unit([rows[i] for i in index])
+            u = self.drafting.plain_unit([rows[i] for i in index])
             if not on_host:  # the rows' whole chunk logits, read with the step's committed tokens
                 u.fault = logits_faults(logits[index])
                 u.recheck = lambda j: check(index[j])
