@@ -488,3 +488,19 @@ def test_eagle_tree_by_name_rows_equal_alone(tiny):  # noqa: F811
             assert solo.probs_TV is None and not probs.any()
         else:
             assert torch.equal(solo.probs_TV, probs) and torch.equal(solo.probs_TV, solo.tree.probs_BKV[0])
+
+
+def test_an_engine_that_fails_to_build_hands_the_target_back():
+    """A drafter object with fewer slots than the engine's rows is refused after the engine claimed the
+    target's cache; the next engine on that target then builds and runs."""
+    from specdec.engine import Engine
+
+    target = TARGET.as_target()
+    with pytest.raises(ValueError, match="has 1 slots, the engine needs 2") as failed:
+        Engine(target, drafter=NGramDrafter(target, num_slots=1), gamma=2, max_num_seqs=2)
+    assert failed.traceback  # its frames keep the half-built engine alive
+    engine = Engine(target, drafter="ngram", gamma=2, max_num_seqs=2)
+    engine.add_request([1, 2, 3], max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats["steps"] > 0

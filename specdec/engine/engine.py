@@ -39,7 +39,7 @@ from specdec.engine.controls import RequestControls
 from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
 from specdec.engine.draft_cost import DraftCost, measure_draft_cost
-from specdec.engine.ownership import claim_target
+from specdec.engine.ownership import claim_target, release_target
 from specdec.engine.request import (
     Request,
     RequestOutput,
@@ -158,30 +158,34 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         claim_target(self)
-        cost: VerifyCostModel | None = None
-        if measure_cost and not isinstance(self.policy, FixedDepth):
-            cost = verify_cost_for(target, max_rows=self.max_num_seqs)
-        self.drafter_name = drafter_name(target, drafter)  # ``default`` resolved (once: it may note why)
-        self.now = time.perf_counter
-        self.drafter: SlotDrafter = make_slot_drafter(
-            target, self.drafter_name if isinstance(drafter, str) else drafter, drafter_options,
-            num_slots=self.max_num_seqs, clock=lambda: self.now(),
-        )  # fmt: skip
-        # drafting seconds per step by drafting rows and depth: measured at the start where a cost
-        # model is (rows of the verify grid); learned from every drafting step
-        draft_cost = DraftCost()
-        if cost is not None:
-            draft_cost = measure_draft_cost(target, self.drafter, rows=cost.rows)
-        self.scheduler = Scheduler(
-            max_num_seqs=self.max_num_seqs,
-            budget=self.budget,
-            prefill_chunk=self.prefill_chunk,
-            policy=self.policy,
-            cost=cost,
-            draft_cost=draft_cost,
-            tree_target=isinstance(target, TreeTarget),
-            drafter_invariant=bool(getattr(self.rule, "drafter_invariant", False)),
-        )
+        try:  # what follows uses the target's cache: a failure hands it back
+            cost: VerifyCostModel | None = None
+            if measure_cost and not isinstance(self.policy, FixedDepth):
+                cost = verify_cost_for(target, max_rows=self.max_num_seqs)
+            self.drafter_name = drafter_name(target, drafter)  # ``default`` resolved (once: it may note why)
+            self.now = time.perf_counter
+            self.drafter: SlotDrafter = make_slot_drafter(
+                target, self.drafter_name if isinstance(drafter, str) else drafter, drafter_options,
+                num_slots=self.max_num_seqs, clock=lambda: self.now(),
+            )  # fmt: skip
+            # drafting seconds per step by drafting rows and depth: measured at the start where a cost
+            # model is (rows of the verify grid); learned from every drafting step
+            draft_cost = DraftCost()
+            if cost is not None:
+                draft_cost = measure_draft_cost(target, self.drafter, rows=cost.rows)
+            self.scheduler = Scheduler(
+                max_num_seqs=self.max_num_seqs,
+                budget=self.budget,
+                prefill_chunk=self.prefill_chunk,
+                policy=self.policy,
+                cost=cost,
+                draft_cost=draft_cost,
+                tree_target=isinstance(target, TreeTarget),
+                drafter_invariant=bool(getattr(self.rule, "drafter_invariant", False)),
+            )
+        except BaseException:
+            release_target(self)
+            raise
         # Every request's tokens (prompt, then committed), one row per cache row.
         self.tokens_SL = torch.zeros((self.max_num_seqs, self.max_model_len), dtype=torch.long)
         self.stats = {
@@ -315,10 +319,8 @@ class Engine:
         claim_target(self, force=True)
 
     def has_unfinished(self) -> bool:
-        """True while a request waits or runs (never for an engine whose construction failed after it
-        claimed the target: it holds no request)."""
-        scheduler = getattr(self, "scheduler", None)
-        return scheduler is not None and bool(scheduler.waiting or scheduler.running)
+        """True while a request waits or runs."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     @property
     def running(self) -> list[Request]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from specdec.engine.request import RequestStatus
 
-__all__ = ["claim_target"]
+__all__ = ["claim_target", "release_target"]
 
 _CACHE_OWNER: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
@@ -45,3 +45,11 @@ def claim_target(engine: Any, *, force: bool = False) -> None:
         )
     engine.target.reset(engine.max_num_seqs, engine.max_model_len)
     _CACHE_OWNER[engine.target] = weakref.ref(engine)
+
+
+def release_target(engine: Any) -> None:
+    """``engine`` holds its target's cache no more (an engine whose construction failed after it
+    claimed the target: it must not stand in the way of the next one)."""
+    ref = _CACHE_OWNER.get(engine.target)
+    if ref is not None and ref() is engine:
+        del _CACHE_OWNER[engine.target]
