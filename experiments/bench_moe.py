@@ -41,7 +41,7 @@ import torch
 from specdec.bench.interleave import time_interleaved
 from specdec.bench.report import benchmark_document
 from specdec.cli_args import positive_int_list, seed_int
-from specdec.summary import Summary, table_from_rows, write_json
+from specdec.summary import Summary, table_from_rows, write_results
 
 IMPLS = ("ours", "ours_general", "ours_mkl", "hf_eager", "hf_grouped", "dense", "dense_mkl")
 
@@ -275,12 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         document = benchmark_document(
             record, experiment="bench-moe", summarize=summarize, description=__doc__.split("\n")[0]
         )
-        write_json(args.out / "bench_moe.json", document)
-        (args.out / "bench_moe.md").write_text(markdown)
+        write_results(args.out / "bench_moe.json", document, markdown)
         print(f"wrote {args.out / 'bench_moe.json'} and {args.out / 'bench_moe.md'}")
     return 0
 

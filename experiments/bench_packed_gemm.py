@@ -30,7 +30,7 @@ from kernels.quant import quantize_int4, quantize_int8
 from specdec.bench.interleave import time_interleaved
 from specdec.bench.report import benchmark_document
 from specdec.cli_args import positive_int_list
-from specdec.summary import Summary, table_from_rows, write_json
+from specdec.summary import Summary, table_from_rows, write_results
 
 __all__ = ["pack_format", "main"]
 
@@ -182,12 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(to_markdown(record))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         document = benchmark_document(
             record, experiment="packed-gemm", summarize=summarize, description=__doc__.split("\n")[0]
         )
-        write_json(args.json, document)
-        args.json.with_suffix(".md").write_text(to_markdown(record))
+        write_results(args.json, document, to_markdown(record))
     return 0
 
 

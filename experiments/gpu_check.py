@@ -207,13 +207,12 @@ def summarize(record: dict) -> Any:
 
 def _write(out: Path, record: dict) -> None:
     from specdec.bench.report import benchmark_document
-    from specdec.summary import write_json
+    from specdec.summary import write_results
 
     document = benchmark_document(
         record, experiment="gpu-check", summarize=summarize, description=__doc__.split("\n\n")[0]
     )
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "gpu-check.json", document, indent=1)
+    write_results(out / "gpu-check.json", document)
 
 
 def main(argv: list[str] | None = None) -> int:

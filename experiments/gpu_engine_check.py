@@ -233,7 +233,7 @@ def summarize(record: dict[str, Any]) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     from specdec.bench.report import benchmark_document, environment
-    from specdec.summary import write_json
+    from specdec.summary import write_results
 
     p = argparse.ArgumentParser(prog="python -m experiments.gpu_engine_check", description=__doc__)
     p.add_argument("--device", default="cuda", help="torch device of the target and the draft (cuda)")
@@ -245,9 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     document = benchmark_document(
         record, experiment="gpu-engine-check", summarize=summarize, description=__doc__.split("\n\n")[0]
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "gpu_engine_check.json", document, indent=1)
+    write_results(Path(args.out) / "gpu_engine_check.json", document)
     passed = sum(c["ok"] for c in record["checks"])
     print(f"{passed}/{len(record['checks'])} checks passed on {record['device_name']}")
     return 0 if record["passed"] else 1

@@ -118,11 +118,10 @@ class Bench:
 
     def save(self) -> None:
         self.report["elapsed_s"] = round(time.time() - self.start, 1)
-        self.out_path.parent.mkdir(parents=True, exist_ok=True)
         from experiments.gpu_moe_report import gpu_document
-        from specdec.summary import write_json
+        from specdec.summary import write_results
 
-        write_json(self.out_path, gpu_document(self.report, self.command), indent=1)
+        write_results(self.out_path, gpu_document(self.report, self.command))
 
     def randn(self, *shape, dtype=None, scale: float = 1.0):
         t = self.torch.randn(*shape, generator=self.gen, device=self.device, dtype=self.torch.float32)

@@ -182,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         print(f"{name}: {json.dumps(result['servers'][name]['summary'])}")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        from specdec.summary import write_results
+
+        write_results(args.out, result)
         print(f"wrote {args.out}")
     return 0
 

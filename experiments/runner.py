@@ -53,7 +53,7 @@ from experiments.store import (
 )
 from experiments.sweep import Sweep, iter_expand, plan_size, shard
 from experiments.wandb_log import NullRun, open_wandb_run
-from specdec.summary import Summary, publish_summary, summary_document, write_json
+from specdec.summary import Summary, publish_summary, summary_document, write_json, write_results
 
 __all__ = [
     "LARGE_PLAN_RUNS",
@@ -427,7 +427,7 @@ def summarize_experiment(
         missing_run_ids=missing,
     )
     path = exp_dir / SUMMARY_FILE
-    write_json(path, data)
+    write_results(path, data)
     status = (
         "complete" if not missing else f"partial: {len(missing)} of {len(configs)} runs not finished here"
     )

@@ -32,8 +32,10 @@ from typing import Any
 import torch
 
 from specdec.drafters.request_slots import mix_seed
+from specdec.engine.cost_model import COST_CONTEXT
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
 from specdec.engine.engine import Engine
+from specdec.engine.request import RequestMetrics
 from specdec.locks import exclusive
 from specdec.logits import SAMPLING_CONTROLS
 from specdec.metrics import MetricsRecorder, SpecMetrics
@@ -41,9 +43,7 @@ from specdec.protocols import Drafter, Target
 from specdec.seeds import check_seed
 from specdec.verify.contract import VerifyRule
 
-__all__ = ["GenerationOutput", "generate"]
-
-_COST_CONTEXT = 72  # cache slots the verify-cost grid needs (specdec.engine.cost_model: 64 + 8)
+__all__ = ["ARRIVALS", "GenerationOutput", "drive", "generate"]
 
 
 @dataclass
@@ -61,6 +61,10 @@ class GenerationOutput:
     finish_reasons: list[str]
     metrics: SpecMetrics
     seeds: list[int] | None = None
+    requests: list[RequestMetrics | None] | None = None
+    """Each row's own measurements (TPOT, α, τ, depth changes), as its request finished."""
+    engine_stats: dict[str, float] | None = None
+    """The engine's :attr:`~specdec.Engine.stats` spent on this call (seconds, steps)."""
 
 
 # --- boundary checks ------------------------------------------------------------------------------
@@ -223,7 +227,7 @@ def generate(
     budget = B * (policy.gamma + 1) + sum(-(-len(p) // chunk) * chunk for p in prompts)
     # An adaptive policy reads the verify-cost grid, timed with a 64-token context: the cache makes room.
     adaptive = not isinstance(policy, FixedDepth)
-    model_len = needed if not adaptive else max(needed, min(limit or _COST_CONTEXT, _COST_CONTEXT))
+    model_len = needed if not adaptive else max(needed, min(limit or COST_CONTEXT, COST_CONTEXT))
     shared_drafter = None if isinstance(drafter, str) else drafter
     with exclusive(target, shared_drafter):
         engine = Engine(
@@ -237,10 +241,10 @@ def generate(
             verify_options=verify_options,
             max_model_len=model_len,
             prefill_chunk=chunk,
-            measure_cost=adaptive and model_len >= _COST_CONTEXT,
+            measure_cost=adaptive and model_len >= COST_CONTEXT,
             tokenizer=tokenizer,
         )
-        return _drive(engine, prompts, _row_seeds(B, seed, generator), on_commit, {
+        return drive(engine, prompts, {
             "max_new_tokens": max_new_tokens,
             "temperature": temperature,
             "top_k": top_k,
@@ -249,7 +253,7 @@ def generate(
             "eos_token_ids": eos_token_ids,
             "ignore_eos": ignore_eos,
             **controls,
-        })  # fmt: skip
+        }, seeds=_row_seeds(B, seed, generator), on_commit=on_commit)  # fmt: skip
 
 
 def _without_cyclic_gc(fn: Callable[..., GenerationOutput]) -> Callable[..., GenerationOutput]:
@@ -270,30 +274,70 @@ def _without_cyclic_gc(fn: Callable[..., GenerationOutput]) -> Callable[..., Gen
     return paused
 
 
+ARRIVALS = ("together", "staggered")
+"""How :func:`drive` admits requests at a concurrency c: ``together``, c at once and the next c when all
+have finished; ``staggered``, a closed loop that keeps c in flight (one joins as soon as one leaves)."""
+
+
 @_without_cyclic_gc
-def _drive(
+def drive(
     engine: Engine,
-    prompts: list[list[int]],
-    seeds: list[int | None],
-    on_commit: Callable[[int, list[int]], None] | None,
-    params: dict[str, Any],
+    prompts: Sequence[Sequence[int]],
+    params: Mapping[str, Any],
+    *,
+    seeds: Sequence[int | None] | None = None,
+    concurrency: int | None = None,
+    arrival: str = "together",
+    on_commit: Callable[[int, list[int]], None] | None = None,
 ) -> GenerationOutput:
-    """Add every prompt, step the engine to the end, and gather the rows and the call's metrics."""
+    """Run ``prompts`` through ``engine`` to the end: the project's one in-process driver
+    (:func:`generate`, ``specdec bench`` with and without ``--concurrency``, the experiments).
+
+    Every prompt becomes a request with ``params`` (:meth:`Engine.add_request`'s keywords) and its seed
+    in ``seeds``; at most ``concurrency`` of them (default: all) are in the engine at once, admitted as
+    ``arrival`` says (:data:`ARRIVALS`). The engine may be reused: the metrics are this call's (the
+    engine's ``stats`` differenced around it). A request that fails raises ``ValueError`` naming its
+    prompt, after the others are aborted (a library call's one run fails).
+    """
     B = len(prompts)
+    if arrival not in ARRIVALS:
+        raise ValueError(f"arrival must be one of {', '.join(ARRIVALS)}, got {arrival!r}")
+    c = B if concurrency is None else concurrency
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    seeds = [None] * B if seeds is None else list(seeds)
+    if len(seeds) != B:
+        raise ValueError(f"seeds must hold one seed per prompt ({B}), got {len(seeds)}")
     recorder = MetricsRecorder()
     engine.recorder = recorder
+    stats0 = dict(engine.stats)
     t_start = time.perf_counter()
-    ids = [engine.add_request(p, request_id=str(b), seed=seeds[b], **params) for b, p in enumerate(prompts)]
-    used_seeds = [engine.requests[i].params.seed for i in ids]
     tokens: list[list[int]] = [[] for _ in range(B)]
     reasons = ["length"] * B
+    used_seeds: list[int | None] = [None] * B
+    requests: list[RequestMetrics | None] = [None] * B
     first_token_s = [t_start] * B
+    row_of: dict[str, int] = {}
+    todo = list(range(B))
+
+    def admit(n: int) -> None:
+        n = max(0, n)
+        for b in todo[:n]:
+            rid = engine.add_request(prompts[b], request_id=str(b), seed=seeds[b], **params)
+            row_of[rid] = b
+            used_seeds[b] = engine.requests[rid].params.seed
+        del todo[:n]
+
     t_prev = t_start
-    while engine.has_unfinished():
+    while todo or engine.has_unfinished():
+        if arrival == "together" and not engine.has_unfinished():
+            admit(c)
+        elif arrival == "staggered":
+            admit(c - engine.num_running - engine.num_waiting)
         outputs = engine.step()
         t_now = time.perf_counter()
         for out in outputs:
-            b = int(out.request_id)
+            b = row_of[out.request_id]
             new = out.new_token_ids
             if new and not tokens[b]:  # the prefill's token: counted, not a decode latency
                 first_token_s[b] = out.metrics.first_token_s or t_now
@@ -302,16 +346,17 @@ def _drive(
             else:
                 recorder.record_commit(t_now - t_prev, len(new))
             tokens[b].extend(new)
-            if out.finish_reason == "error":  # a library call: the caller's one run fails
+            if out.finish_reason == "error":
                 for rid in list(engine.requests):
                     engine.abort(rid)
                 raise ValueError(f"prompt_ids[{b}]: {out.error}")
             if out.finished:
                 reasons[b] = out.finish_reason or "length"
+                requests[b] = out.metrics
             if new and on_commit is not None:
                 on_commit(b, list(new))
         t_prev = t_now
-    stats = engine.stats
+    stats = {k: engine.stats[k] - stats0[k] for k in stats0}
     recorder.record_prefill(stats["prefill_s"], stats["begin_s"], max(first_token_s) - t_start, 0)
     return GenerationOutput(
         prompt_token_ids=[list(p) for p in prompts],
@@ -319,4 +364,6 @@ def _drive(
         finish_reasons=reasons,
         metrics=recorder.finish(time.perf_counter() - t_start),
         seeds=used_seeds,
+        requests=requests,
+        engine_stats=stats,
     )

@@ -45,6 +45,7 @@ __all__ = [
     "utc_now",
     "atomic_write_text",
     "write_json",
+    "write_results",
     "default_publish_dir",
     "publish_summary",
     "table_from_rows",
@@ -243,6 +244,21 @@ def atomic_write_text(path: Path, text: str) -> None:
 def write_json(path: Path, data: Any, *, indent: int = 2) -> None:
     """Atomically write ``data`` as indented, strict JSON (non-finite floats become null)."""
     atomic_write_text(path, json.dumps(_json_safe(data), indent=indent, allow_nan=False) + "\n")
+
+
+def write_results(path: Path, document: Mapping[str, Any], markdown: str | None = None) -> list[Path]:
+    """The one writer of result files (the benchmarks, ``specdec perplexity``, the experiments'
+    benchmarks): ``document`` (a :func:`summary_document`, maybe with raw measurements beside its
+    tables) as JSON at ``path`` and, given ``markdown``, that text beside it at ``path`` with the suffix
+    ``.md``; each written atomically, so a reader (or an interrupted run) never sees half a file.
+    Returns the paths written."""
+    path = Path(path)
+    write_json(path, document, indent=1)
+    if markdown is None:
+        return [path]
+    md = path.with_suffix(".md")
+    atomic_write_text(md, markdown if markdown.endswith("\n") else markdown + "\n")
+    return [path, md]
 
 
 def default_publish_dir() -> Path:

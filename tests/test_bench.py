@@ -110,7 +110,7 @@ def _third_ours_call_raises(monkeypatch, error: BaseException) -> None:
     from specdec.bench import speculative
 
     calls = {"n": 0}
-    real = speculative.generate_method
+    real = speculative.engine_method
 
     def flaky_method(*args, **kwargs):
         run = real(*args, **kwargs)
@@ -123,7 +123,7 @@ def _third_ours_call_raises(monkeypatch, error: BaseException) -> None:
 
         return flaky
 
-    monkeypatch.setattr(speculative, "generate_method", flaky_method)
+    monkeypatch.setattr(speculative, "engine_method", flaky_method)
 
 
 def _two_prompt_config(target, tmp_path) -> BenchConfig:

@@ -313,28 +313,34 @@ def run_interleaved(
     seed: int,
     ctx: Any,
     warmup: bool = True,
-    **generate_options: Any,
+    **request_options: Any,
 ) -> dict[str, list]:
     """Every method on every prompt through :func:`specdec.bench.interleave.run_interleaved`;
     returns ``{label: [PromptResult, ...]}``.
 
-    Each method's drafter is built once. The i-th prompt uses seed ``seed + i`` for every method.
-    Each generation is logged to ``ctx`` as one step. ``generate_options`` go to
-    :func:`specdec.generate` (``stop_strings``, ``ignore_eos``, ...).
+    Each method's engine is built once, its drafter by name
+    (:func:`specdec.bench.interleave.method_engine`), and runs one prompt at a time. The i-th prompt
+    uses seed ``seed + i`` for every method. Each generation is logged to ``ctx`` as one step.
+    ``request_options`` go to every request (:meth:`specdec.Engine.add_request`: ``stop_strings``,
+    ``ignore_eos``, ...).
     """
-    from specdec.bench.interleave import generate_method
+    from specdec.bench.interleave import engine_method, method_engine
     from specdec.bench.interleave import run_interleaved as run
-    from specdec.drafters.engine_drafter import make_slot_drafter
 
+    longest = max((len(p.ids) for p in prompts), default=1)
     fns = {
-        m.label: generate_method(
-            target,
-            make_slot_drafter(target, m.drafter, dict(m.drafter_options), num_slots=1),
+        m.label: engine_method(
+            method_engine(
+                target,
+                m.drafter,
+                drafter_options=dict(m.drafter_options),
+                gamma=m.gamma,
+                verify=m.verify,
+                verify_options=dict(m.verify_options) or None,
+                max_model_len=longest + max_new_tokens + m.gamma + 1,
+            ),
             temperature=temperature,
-            gamma=m.gamma,
-            verify=m.verify,
-            verify_options=dict(m.verify_options) or None,
-            **generate_options,
+            **request_options,
         )
         for m in methods
     }
@@ -374,7 +380,7 @@ def run_methods(
     prompts: Sequence[PromptRun],
     methods: Sequence[Method],
     ctx: Any,
-    **generate_options: Any,
+    **request_options: Any,
 ) -> tuple[dict[str, list], int]:
     """:func:`run_interleaved` with a config's ``temperature``, ``max_new_tokens``, ``seed`` and
     ``num_threads`` (warm-up except in smoke runs); returns the results and the thread count used."""
@@ -388,7 +394,7 @@ def run_methods(
             seed=config.seed,
             ctx=ctx,
             warmup=not ctx.smoke,
-            **generate_options,
+            **request_options,
         )
     return results, threads
 

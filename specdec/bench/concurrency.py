@@ -31,7 +31,6 @@ import argparse
 import math
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,34 +48,20 @@ __all__ = [
 ]
 
 
-def _drive(engine: Any, prompts: list[list[int]], c: int, mode: str, params: dict[str, Any]) -> dict:
-    """Run ``prompts`` through ``engine`` at concurrency ``c``; returns the level's figures and tokens."""
+def level(
+    engine: Any, prompts: list[list[int]], c: int, arrival: str, params: dict[str, Any], seed: int
+) -> dict:
+    """Run ``prompts`` through ``engine`` at concurrency ``c`` (:func:`specdec.loop.drive`, the one
+    driver); returns the level's figures and tokens."""
     from specdec.engine.engine import scheduler_seconds
+    from specdec.loop import drive
 
     engine.reset_target()
-    stats0 = dict(engine.stats)
-    outputs: dict[int, Any] = {}
-    ids: dict[str, int] = {}
-    todo = list(range(len(prompts)))
-    t0 = time.perf_counter()
-
-    def submit(i: int) -> None:
-        ids[engine.add_request(prompts[i], **params)] = i
-
-    while todo or engine.has_unfinished():
-        if mode == "together" and not engine.has_unfinished():
-            for i in todo[:c]:
-                submit(i)
-            todo = todo[c:]
-        while mode == "staggered" and todo and engine.num_running + engine.num_waiting < c:
-            submit(todo.pop(0))
-        for out in engine.step():
-            if out.finished:
-                outputs[ids[out.request_id]] = out
-    wall = time.perf_counter() - t0
-    delta = {k: engine.stats[k] - stats0[k] for k in stats0}
-    metrics = [o.metrics for o in outputs.values()]
-    tokens = sum(len(o.token_ids) for o in outputs.values())
+    out = drive(engine, prompts, params, seeds=[seed] * len(prompts), concurrency=c, arrival=arrival)
+    delta = out.engine_stats
+    wall = out.metrics.total_time_s
+    metrics = [m for m in out.requests if m is not None]
+    tokens = sum(len(t) for t in out.token_ids)
     tpots = [m.tpot_s for m in metrics if m.tpot_s is not None]
     drafted = sum(m.num_drafted for m in metrics)
     accepted = sum(m.num_accepted for m in metrics)
@@ -89,13 +74,14 @@ def _drive(engine: Any, prompts: list[list[int]], c: int, mode: str, params: dic
         "tpot_p99_s": percentile(tpots, 99),
         "alpha": accepted / drafted if drafted else 0.0,
         "tau": (accepted + steps) / steps if steps else 1.0,
+        "depth_changes_per_request": sum(m.depth_changes for m in metrics) / len(metrics),
         "scheduler_share": scheduler_seconds(delta) / delta["total_s"] if delta["total_s"] else None,
         "draft_ms_per_step": 1e3 * delta["draft_s"] / delta["steps"] if delta["steps"] else None,
         # without the catch-up owed once per request (its prompt's): what drafting costs a step
         "drafting_ms_per_step": (
             1e3 * (delta["draft_s"] - delta.get("owed_s", 0.0)) / delta["steps"] if delta["steps"] else None
         ),
-        "token_ids": {i: o.token_ids for i, o in outputs.items()},
+        "token_ids": dict(enumerate(out.token_ids)),
     }
 
 
@@ -106,6 +92,7 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
 
     from specdec.bench.report import environment
     from specdec.engine import Engine
+    from specdec.loop import ARRIVALS
     from specdec.prompt_sets import encode_prompt, load_prompts
     from specdec.targets import open_target_from
 
@@ -115,12 +102,7 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
     for name in args.prompt_set:
         texts = load_prompts(name, args.num_prompts)
         prompts += [encode_prompt(target.tokenizer, t, chat=args.chat) for t in texts]
-    params = {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "seed": args.seed,
-        "ignore_eos": False,
-    }
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "ignore_eos": False}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     engines = {
@@ -140,13 +122,10 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
     repeats = getattr(args, "repeats", 1)
     for rep, c in ((rep, c) for rep in range(repeats) for c in levels):
         for d, engine in engines.items():
-            runs = {
-                "engine/together": lambda e=engine, c=c: _drive(e, prompts, c, "together", params),
-                "engine/staggered": lambda e=engine, c=c: _drive(e, prompts, c, "staggered", params),
-            }
-            for path, run in runs.items():
+            for arrival in ARRIVALS:
+                path = f"engine/{arrival}"
                 with torch.inference_mode():
-                    figures = run()
+                    figures = level(engine, prompts, c, arrival, params, args.seed)
                 ids = figures.pop("token_ids")
                 if path == "engine/together" and c == levels[0]:
                     solo.setdefault(d, ids)
@@ -368,12 +347,11 @@ def crossover(points: Sequence[tuple[int, float | None]]) -> float | None:
 
 def _write(out_dir: Path, payload: dict[str, Any]) -> None:
     from specdec.bench.report import benchmark_document
-    from specdec.summary import write_json
+    from specdec.summary import write_results
 
     document = benchmark_document(
         payload, experiment="engine-concurrency", summarize=summarize, description=__doc__.split("\n\n")[0]
     )
-    write_json(out_dir / "concurrency.json", document, indent=1)
     env = payload["environment"]
     lines = [
         f"# Speculation under load ({env['cpu']}, ISA path {env['isa']}, {env['torch_threads']} threads, "
@@ -382,8 +360,8 @@ def _write(out_dir: Path, payload: dict[str, Any]) -> None:
         f"`{payload['command']}`; {payload['num_requests']} requests per level.",
         "",
         "| c | drafter | path | tok/s | × none (same path) | TPOT P50 ms | TPOT P99 ms | α | τ | = solo "
-        "| scheduler % of step | draft ms/step (without owed catch-up) |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| depth changes / request | scheduler % of step | draft ms/step (without owed catch-up) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     picked = median_rows(payload["rows"])
     if any(r["repeats"] > 1 for r in picked):
@@ -396,15 +374,18 @@ def _write(out_dir: Path, payload: dict[str, Any]) -> None:
         p50 = "–" if r["tpot_p50_s"] is None else f"{1e3 * r['tpot_p50_s']:.1f}"
         p99 = "–" if r["tpot_p99_s"] is None else f"{1e3 * r['tpot_p99_s']:.1f}"
         same = "–" if r["equal_solo"] is None else f"{r['equal_solo']:.0%}"
+        changes = (
+            "–" if r.get("depth_changes_per_request") is None else f"{r['depth_changes_per_request']:.1f}"
+        )
         sched = "–" if r.get("scheduler_share") is None else f"{100 * r['scheduler_share']:.1f}"
         draft = "–" if r.get("draft_ms_per_step") is None else f"{r['draft_ms_per_step']:.2f}"
         if r.get("drafting_ms_per_step") is not None:
             draft += f" ({r['drafting_ms_per_step']:.2f})"
         lines.append(
             f"| {r['concurrency']} | {r['drafter']} | {r['path']} | {r['tokens_per_second']:.1f} | {ratio} | "
-            f"{p50} | {p99} | {r['alpha']:.2f} | {r['tau']:.2f} | {same} | {sched} | {draft} |"
+            f"{p50} | {p99} | {r['alpha']:.2f} | {r['tau']:.2f} | {same} | {changes} | {sched} | {draft} |"
         )
-    (out_dir / "concurrency.md").write_text("\n".join(lines) + "\n")
+    write_results(out_dir / "concurrency.json", document, "\n".join(lines))
 
 
 def add_concurrency_arguments(p: argparse.ArgumentParser) -> None:

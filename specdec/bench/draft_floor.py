@@ -34,7 +34,7 @@ import torch
 
 from specdec.bench.report import benchmark_document, environment, machine_line
 from specdec.cli_args import ArgumentParser, csv, finite_float, positive_int
-from specdec.summary import Summary, table_from_rows, write_json
+from specdec.summary import Summary, table_from_rows, write_results
 
 __all__ = ["head_bytes", "measure_level", "summarize", "main"]
 
@@ -190,12 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = markdown(result)
     print(text)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         document = benchmark_document(
             result, experiment="draft-floor", summarize=summarize, description=__doc__.split("\n")[0]
         )
-        write_json(args.out / "draft-floor.json", document)
-        (args.out / "draft-floor.md").write_text(text + "\n")
+        write_results(args.out / "draft-floor.json", document, text)
     return 0
 
 

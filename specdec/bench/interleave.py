@@ -8,7 +8,8 @@ hit all methods alike. :func:`time_interleaved` does the same for micro-benchmar
 repetition), the project's one timer: the CPU benchmarks (``specdec.bench.target``, the MoE and
 packed and grouped GEMM benchmarks in ``experiments/``) time with it on the wall clock, the kernels'
 GPU benchmark with :func:`cuda_clock` and an L2 flush before each call. A method is a callable
-``(prompt, seed, max_new_tokens) -> PromptResult``; :func:`generate_method` makes one from a drafter.
+``(prompt, seed, max_new_tokens) -> PromptResult``; :func:`engine_method` makes one from an engine
+with a drafter (:func:`method_engine`), driven as ``specdec bench --concurrency`` drives it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ __all__ = [
     "time_interleaved",
     "wall_clock",
     "cuda_clock",
-    "generate_method",
+    "method_engine",
+    "engine_method",
 ]
 
 
@@ -151,27 +153,47 @@ def time_interleaved(
     return times
 
 
-def generate_method(
-    target: Any, drafter: Any, *, temperature: float, gamma: Any, **generate_options: Any
-) -> MethodFn:
-    """A method that runs :func:`specdec.generate` on one prompt with this (prebuilt) drafter.
+def method_engine(
+    target: Any,
+    drafter: str,
+    *,
+    max_model_len: int,
+    drafter_options: Mapping[str, Any] | None = None,
+    gamma: Any = "auto",
+    verify: Any = "exact",
+    verify_options: Mapping[str, Any] | None = None,
+) -> Any:
+    """The engine a method runs its prompts through, one request at a time: the drafter built by its
+    registered name (the object ``specdec generate`` and ``specdec serve`` run), built once for every
+    prompt of the benchmark. ``max_model_len``: the longest prompt + new tokens + γ + 1 (raised to what
+    the verify-cost grid of an adaptive depth policy needs)."""
+    from specdec.engine import Engine
+    from specdec.engine.cost_model import COST_CONTEXT
 
-    ``gamma``: an int, a policy name, or a zero-argument callable returning a fresh
-    :class:`~specdec.engine.depth.DepthPolicy` per generation.
-    """
-    import specdec
+    limit = getattr(target, "max_context_length", None) or max_model_len
+    model_len = max(max_model_len, min(limit, COST_CONTEXT))
+    return Engine(
+        target,
+        drafter=drafter,
+        drafter_options=drafter_options,
+        gamma=gamma,
+        max_num_seqs=1,
+        max_model_len=model_len,
+        verify=verify,
+        verify_options=verify_options,
+        measure_cost=model_len >= COST_CONTEXT,
+    )
+
+
+def engine_method(engine: Any, *, temperature: float, **request_options: Any) -> MethodFn:
+    """A method that runs one prompt through ``engine`` (:func:`method_engine`) with
+    :func:`specdec.loop.drive`, the driver of ``specdec generate`` and ``specdec bench --concurrency``;
+    ``request_options``: :meth:`specdec.Engine.add_request`'s keywords (``stop_strings``, ...)."""
+    from specdec.loop import drive
 
     def run(prompt: Prompt, seed: int, max_new_tokens: int) -> PromptResult:
-        out = specdec.generate(
-            target,
-            [prompt.ids],
-            drafter=drafter,
-            temperature=temperature,
-            gamma=gamma() if callable(gamma) else gamma,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            **generate_options,
-        )
+        params = {"temperature": temperature, "max_new_tokens": max_new_tokens, **request_options}
+        out = drive(engine, [prompt.ids], params, seeds=[seed])
         m = out.metrics
         return PromptResult(prompt.set, prompt.index, out.token_ids[0], m.total_time_s, m)
 

@@ -297,16 +297,15 @@ def bench_document(
 
 def write_results(out_dir: Path, payload: dict, command: str) -> None:
     """Write ``bench.json`` (atomically) and ``bench.md`` to ``out_dir``."""
-    from specdec.summary import write_json
+    from specdec.summary import write_results
 
-    write_json(out_dir / "bench.json", payload, indent=1)  # atomic: a reader never sees half a file
     notes = "".join(f"- {n}\n" for n in payload["notes"])
     peer_line = ""
     if payload.get("llama_bench"):
         peer_line = "\n" + comparison_markdown(payload["llama_bench"], llama_bench_rows(payload))
     table = markdown_table(payload["summary"])
     md = f"# specdec bench\n\n{header(payload)}\n\nCommand: `{command}`\n\n{table}{peer_line}"
-    (out_dir / "bench.md").write_text(md + (f"\nNotes:\n{notes}" if notes else ""))
+    write_results(out_dir / "bench.json", payload, md + (f"\nNotes:\n{notes}" if notes else ""))
 
 
 def serialise_run(run: dict) -> dict:

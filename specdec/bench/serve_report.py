@@ -334,7 +334,7 @@ def write_results(out_dir: Path, record: Mapping[str, Any], *, plots: bool = Tru
     """``bench-serve.json``, ``bench-serve.md`` and (``plots``) a plot per server under ``out_dir``
     (module doc); returns the paths written."""
     from specdec.bench.report import benchmark_document
-    from specdec.summary import atomic_write_text, write_json
+    from specdec.summary import write_results
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -345,9 +345,7 @@ def write_results(out_dir: Path, record: Mapping[str, Any], *, plots: bool = Tru
         dict(record), experiment=EXPERIMENT, summarize=summarize, description=description
     )
     document["machine"] = machine(record)
-    paths = [out_dir / f"{EXPERIMENT}.json", out_dir / f"{EXPERIMENT}.md"]
-    write_json(paths[0], document, indent=1)
-    atomic_write_text(paths[1], markdown(record))
+    paths = write_results(out_dir / f"{EXPERIMENT}.json", document, markdown(record))
     for server in record["servers"] if plots else ():
         png = plot_server(record, server, out_dir / f"{EXPERIMENT}-{server_slug(server['name'])}.png")
         if png is not None:

@@ -5,8 +5,10 @@
 
 Everything runs in one process on the same prompts, so the ratios compare like with like:
 
-- ``ours/<drafter>``: :func:`specdec.generate` with each drafter (``none`` is our plain decode, the
-  baseline of every speedup); unavailable drafters are skipped with a note;
+- ``ours/<drafter>``: one engine per drafter, the drafter built by its name, one request at a time,
+  driven by :func:`specdec.loop.drive` (the driver of ``specdec generate`` and of
+  ``specdec bench --concurrency``); ``none`` is our plain decode, the baseline of every speedup.
+  Unavailable drafters are skipped with a note;
 - ``hf/plain``, ``hf/prompt_lookup`` (``prompt_lookup_num_tokens=γ``) and ``hf/assistant``
   (``assistant_model``, when ``--draft-model`` is given): ``transformers``' own ``generate``.
 
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.bench.hf_baselines import HF_BASELINES, hf_method
-from specdec.bench.interleave import Prompt, generate_method, run_interleaved
+from specdec.bench.interleave import Prompt, engine_method, method_engine, run_interleaved
 from specdec.bench.llama_bench import comparison_markdown, run_llama_bench
 from specdec.bench.peers import PEERS, llama_cpp_methods
 from specdec.bench.report import (
@@ -171,19 +173,23 @@ def _prompts(cfg: BenchConfig, tokenizer: Any) -> list[Prompt]:
     ]
 
 
-def _drafters(cfg: BenchConfig, target: Any, notes: list[str]) -> dict[str, Any]:
-    """Our drafters by label (``none`` first), each the engine's drafter for its name (what
-    ``specdec generate`` and ``specdec serve`` run), built once for one request at a time;
-    unavailable ones are skipped with a note."""
-    from specdec.drafters.engine_drafter import make_slot_drafter
+def _engines(cfg: BenchConfig, target: Any, prompts: list[Prompt], notes: list[str]) -> dict[str, Any]:
+    """One engine per drafter label (``none`` first), its drafter built by name
+    (:func:`specdec.bench.interleave.method_engine`: what ``specdec generate`` and ``specdec serve``
+    run), serving every prompt and temperature one request at a time; unavailable drafters are skipped
+    with a note."""
+    from specdec.engine.depth import make_depth_policy
     from specdec.registry import DRAFTERS
     from specdec.targets import open_target
 
-    drafters: dict[str, Any] = {"none": make_slot_drafter(target, "none", num_slots=1)}
-    for entry in cfg.drafters:
+    longest = max(len(p.ids) for p in prompts)
+    engines: dict[str, Any] = {}
+    for entry in ("none", *cfg.drafters):
         # "LABEL=DRAFTER" runs a registered drafter under its own label, with the options given for
         # that label, so one run can compare settings of one drafter (eagle,eagle-stop=eagle).
         label, name = _label_and_drafter(entry)
+        if label in engines:
+            continue
         if name not in DRAFTERS:
             notes.append(f"ours/{label} skipped: not registered (known: {', '.join(DRAFTERS.names())})")
             continue
@@ -195,13 +201,20 @@ def _drafters(cfg: BenchConfig, target: Any, notes: list[str]) -> dict[str, Any]
             options["model"] = open_target(
                 cfg.draft_model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device
             )
-        if label == "none":
-            continue
+        gamma = cfg.drafter_gammas.get(label, cfg.gamma)
         try:
-            drafters[label] = make_slot_drafter(target, name, options, num_slots=1)
+            engines[label] = method_engine(
+                target,
+                name,
+                drafter_options=options,
+                gamma=make_depth_policy(cfg.gamma_policy, {"gamma": gamma}),
+                max_model_len=longest + cfg.max_new_tokens + gamma + 1,
+            )
         except (ImportError, ValueError, NotImplementedError) as e:
+            if label == "none":
+                raise
             notes.append(f"ours/{label} skipped: {type(e).__name__}: {e}")
-    return drafters
+    return engines
 
 
 def _peer_methods(cfg: BenchConfig, target: Any, temperature: float, notes: list[str]) -> dict:
@@ -226,16 +239,13 @@ def _peer_methods(cfg: BenchConfig, target: Any, temperature: float, notes: list
 
 
 def _methods(
-    cfg: BenchConfig, target: Any, drafters: dict, hf: tuple, temperature: float, notes: list
+    cfg: BenchConfig, target: Any, engines: dict, hf: tuple, temperature: float, notes: list
 ) -> dict:
     """Every method of one temperature: ours/none first (the baseline), transformers', peers',
     ours/<drafter>."""
-    from specdec.engine.depth import make_depth_policy
 
     def ours(label: str) -> Callable:
-        gamma = cfg.drafter_gammas.get(label, cfg.gamma)
-        policy = lambda: make_depth_policy(cfg.gamma_policy, {"gamma": gamma})  # noqa: E731 - fresh per generation
-        return generate_method(target, drafters[label], temperature=temperature, gamma=policy)
+        return engine_method(engines[label], temperature=temperature)
 
     hf_model, assistant = hf
     methods = {"ours/none": ours("none")}
@@ -243,7 +253,7 @@ def _methods(
         if mode != "assistant" or assistant is not None:
             methods[f"hf/{mode}"] = hf_method(hf_model, mode, temperature, cfg.gamma, assistant)
     methods.update(_peer_methods(cfg, target, temperature, notes))
-    methods.update({f"ours/{label}": ours(label) for label in drafters if label != "none"})
+    methods.update({f"ours/{label}": ours(label) for label in engines if label != "none"})
     return methods
 
 
@@ -305,7 +315,7 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
     target = open_target_from(cfg)
     prompts = _prompts(cfg, target.tokenizer)
     hf = _hf_models(cfg, target, notes)
-    drafters = _drafters(cfg, target, notes)
+    engines = _engines(cfg, target, prompts, notes)
     for n in notes:
         console.print(f"[yellow]note:[/] {n}")
     recorder = _Recorder(cfg, command, notes, console, len(prompts))
@@ -320,7 +330,7 @@ def run_bench(cfg: BenchConfig, *, command: str = "", console=None) -> dict:
             console.print(f"[yellow]note:[/] {figures}")
     for t in cfg.temperatures:
         results = run_interleaved(
-            _methods(cfg, target, drafters, hf, t, notes),
+            _methods(cfg, target, engines, hf, t, notes),
             prompts,
             max_new_tokens=cfg.max_new_tokens,
             seed=cfg.seed,

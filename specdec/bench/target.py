@@ -56,7 +56,7 @@ from specdec.bench.llama_bench import (
 )
 from specdec.bench.report import benchmark_document, environment
 from specdec.cli_args import ArgumentParser, csv, positive_int
-from specdec.summary import Summary, check_experiment_name, table_from_rows, write_json
+from specdec.summary import Summary, check_experiment_name, table_from_rows, write_results
 from specdec.targets.llama import LlamaTarget
 
 __all__ = ["greedy_decode", "read_bandwidth", "forward_curves", "load_memory", "main"]
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         document = benchmark_document(
             result, experiment=args.name, summarize=summarize, description=__doc__.split("\n")[0]
         )
-        write_json(Path(args.json), document)
+        write_results(Path(args.json), document)
     return 0
 
 

@@ -29,7 +29,12 @@ __all__ = [
     "device_synchronizer",
     "MIN_CALLS",
     "SETTLE_CALLS",
+    "COST_CONTEXT",
 ]
+
+COST_CONTEXT = 64 + 8
+"""Cache slots per row that :func:`measure_verify_cost` fills with its defaults: the 64-token context and
+its longest block (8 tokens); an engine that measures the grid needs at least this ``max_model_len``."""
 
 MIN_CALLS, SETTLE_CALLS = 3, 6
 """Forwards per grid point and round: at least MIN_CALLS, at most SETTLE_CALLS (while each is

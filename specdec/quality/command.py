@@ -253,7 +253,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         _print_comparison(peers["llama.cpp"]["compare"])
     if args.out is not None:
         from specdec.bench.report import benchmark_document
-        from specdec.summary import write_json
+        from specdec.summary import write_results
 
         doc = benchmark_document(
             record,
@@ -262,7 +262,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
             description="specdec perplexity: PPL, KL divergence and top-1 agreement per weight format, "
             "llama.cpp's llama-perplexity beside",
         )
-        write_json(Path(args.out), doc)
+        write_results(Path(args.out), doc)
         print(f"[perplexity] wrote {args.out}", file=sys.stderr)
     return 0
 
