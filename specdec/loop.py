@@ -43,7 +43,7 @@ from specdec.protocols import Drafter, Target
 from specdec.seeds import check_seed
 from specdec.verify.contract import VerifyRule
 
-__all__ = ["ARRIVALS", "GenerationOutput", "drive", "generate"]
+__all__ = ["ARRIVALS", "GenerationOutput", "drive", "generate", "model_len_for"]
 
 
 @dataclass
@@ -225,9 +225,7 @@ def generate(
     B = len(prompts)
     chunk = 32
     budget = B * (policy.gamma + 1) + sum(-(-len(p) // chunk) * chunk for p in prompts)
-    # An adaptive policy reads the verify-cost grid, timed with a 64-token context: the cache makes room.
-    adaptive = not isinstance(policy, FixedDepth)
-    model_len = needed if not adaptive else max(needed, min(limit or COST_CONTEXT, COST_CONTEXT))
+    model_len, measure_cost = model_len_for(target, needed, policy)
     shared_drafter = None if isinstance(drafter, str) else drafter
     with exclusive(target, shared_drafter):
         engine = Engine(
@@ -241,7 +239,7 @@ def generate(
             verify_options=verify_options,
             max_model_len=model_len,
             prefill_chunk=chunk,
-            measure_cost=adaptive and model_len >= COST_CONTEXT,
+            measure_cost=measure_cost,
             tokenizer=tokenizer,
         )
         return drive(engine, prompts, {
@@ -272,6 +270,16 @@ def _without_cyclic_gc(fn: Callable[..., GenerationOutput]) -> Callable[..., Gen
                 gc.enable()
 
     return paused
+
+
+def model_len_for(target: Target, needed: int, policy: DepthPolicy) -> tuple[int, bool]:
+    """An engine's cache slots per row for requests that need ``needed``, and whether it measures the
+    verify-cost grid: an adaptive policy reads the grid, timed with a 64-token context
+    (:data:`~specdec.engine.cost_model.COST_CONTEXT`), so the cache makes room where the target allows."""
+    if isinstance(policy, FixedDepth):
+        return needed, False
+    model_len = max(needed, min(_context_limit(target) or COST_CONTEXT, COST_CONTEXT))
+    return model_len, model_len >= COST_CONTEXT
 
 
 ARRIVALS = ("together", "staggered")
@@ -317,14 +325,12 @@ def drive(
     used_seeds: list[int | None] = [None] * B
     requests: list[RequestMetrics | None] = [None] * B
     first_token_s = [t_start] * B
-    row_of: dict[str, int] = {}
     todo = list(range(B))
 
     def admit(n: int) -> None:
         n = max(0, n)
         for b in todo[:n]:
             rid = engine.add_request(prompts[b], request_id=str(b), seed=seeds[b], **params)
-            row_of[rid] = b
             used_seeds[b] = engine.requests[rid].params.seed
         del todo[:n]
 
@@ -337,7 +343,7 @@ def drive(
         outputs = engine.step()
         t_now = time.perf_counter()
         for out in outputs:
-            b = row_of[out.request_id]
+            b = int(out.request_id)  # each request's id is its row's index
             new = out.new_token_ids
             if new and not tokens[b]:  # the prefill's token: counted, not a decode latency
                 first_token_s[b] = out.metrics.first_token_s or t_now

@@ -166,22 +166,23 @@ def method_engine(
     """The engine a method runs its prompts through, one request at a time: the drafter built by its
     registered name (the object ``specdec generate`` and ``specdec serve`` run), built once for every
     prompt of the benchmark. ``max_model_len``: the longest prompt + new tokens + γ + 1 (raised to what
-    the verify-cost grid of an adaptive depth policy needs)."""
+    the verify-cost grid of an adaptive depth policy needs: :func:`specdec.loop.model_len_for`)."""
     from specdec.engine import Engine
-    from specdec.engine.cost_model import COST_CONTEXT
+    from specdec.engine.depth import make_depth_policy
+    from specdec.loop import model_len_for
 
-    limit = getattr(target, "max_context_length", None) or max_model_len
-    model_len = max(max_model_len, min(limit, COST_CONTEXT))
+    policy = make_depth_policy(gamma)
+    model_len, measure_cost = model_len_for(target, max_model_len, policy)
     return Engine(
         target,
         drafter=drafter,
         drafter_options=drafter_options,
-        gamma=gamma,
+        gamma=policy,
         max_num_seqs=1,
         max_model_len=model_len,
         verify=verify,
         verify_options=verify_options,
-        measure_cost=model_len >= COST_CONTEXT,
+        measure_cost=measure_cost,
     )
 
 
