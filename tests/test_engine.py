@@ -22,7 +22,7 @@ from _tiny import TableTarget, byte_tokenizer, random_table, save_tiny_checkpoin
 
 import specdec
 from specdec.engine import Engine, RequestOutput
-from specdec.engine.cost_model import VerifyCostModel
+from specdec.engine.cost_model import OnlineVerifyCost, VerifyCostModel
 from specdec.engine.depth import DepthPolicy, RowView
 from specdec.engine.request import RequestStatus
 from specdec.sampling import logits_to_probs
@@ -394,11 +394,20 @@ def test_greedy_under_load_with_depths_that_change_every_step(target, solo, draf
         assert {0, 1, 4} <= policy.seen
 
 
-def load_sensitive_cost() -> VerifyCostModel:
+class FixedCost(OnlineVerifyCost):
+    """A verify cost the engine's forwards do not rescale (the test chooses what the depths see)."""
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        pass
+
+
+def load_sensitive_cost() -> FixedCost:
     """A verify cost that makes speculation pay for one row and not for several."""
     T_grid = (1, 2, 3, 5, 8)
-    return VerifyCostModel(
-        (1, 2, 4), T_grid, tuple(tuple(1 + b * b * 0.3 * (T - 1) for T in T_grid) for b in (0.1, 2, 4))
+    return FixedCost(
+        VerifyCostModel(
+            (1, 2, 4), T_grid, tuple(tuple(1 + b * b * 0.3 * (T - 1) for T in T_grid) for b in (0.1, 2, 4))
+        )
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.engine.cost_model import MIN_CALLS, VerifyCostModel
+from specdec.engine.cost_model import MIN_CALLS, OnlineVerifyCost, VerifyCostModel
 from specdec.engine.depth import (
     DEPTH_POLICIES,
     BatchTableDepth,
@@ -209,6 +209,32 @@ def test_cost_model_refuses_a_ragged_or_empty_grid():
         VerifyCostModel((1, 2), (1,), ((1.0,),))
     with pytest.raises(ValueError, match="one entry per"):
         VerifyCostModel((1,), (1, 2), ((1.0,),))
+
+
+def test_online_cost_scales_each_row_counts_grid_by_the_median_of_its_forwards():
+    """The engine's forwards set the level (robust to outliers), the grid keeps the shape in T."""
+    grid = cost_model(per_token=0.25)
+    online = OnlineVerifyCost(grid, window=16, min_samples=4)
+    for _ in range(3):
+        online.observe(1, 4, 2.0 * grid.cost(1, 4))
+    assert online.scale(1) == 1.0 and online.cost(1, 3) == grid.cost(1, 3)  # too few forwards yet
+    for seconds in (2.0, 2.0, 2.0, 2.0, 2.0, 50.0, 60.0):  # two stalls among them
+        online.observe(1, 4, seconds * grid.cost(1, 4))
+    assert online.scale(1) == pytest.approx(2.0)
+    for T in (1, 2, 3, 4, 5, 8):
+        assert online.cost(1, T) == pytest.approx(2.0 * grid.cost(1, T))
+    # a row count not seen reads the nearest one seen; once seen, its own
+    assert online.cost(8, 2) == pytest.approx(2.0 * grid.cost(8, 2))
+    for _ in range(4):
+        online.observe(8, 2, 0.5 * grid.cost(8, 2))
+    assert online.scale(8) == pytest.approx(0.5) and online.scale(4) == pytest.approx(2.0)
+    # the window forgets: a machine that became faster is followed
+    for _ in range(16):
+        online.observe(1, 2, 1.0 * grid.cost(1, 2))
+    assert online.scale(1) == pytest.approx(1.0)
+    assert online.to_dict()["scale"] == {1: pytest.approx(1.0), 8: pytest.approx(0.5)}
+    with pytest.raises(ValueError, match="window"):
+        OnlineVerifyCost(grid, window=4, min_samples=5)
 
 
 # --- make_depth_policy --------------------------------------------------------------------------

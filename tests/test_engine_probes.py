@@ -17,7 +17,7 @@ import torch
 from _tiny import TableTarget, random_table
 
 from specdec.engine import Engine
-from specdec.engine.cost_model import VerifyCostModel
+from specdec.engine.cost_model import OnlineVerifyCost, VerifyCostModel
 from specdec.engine.depth import DepthPolicy, RowView
 from specdec.engine.draft_cost import PerTokenDraftCost
 from specdec.engine.request import RequestStatus
@@ -55,11 +55,11 @@ def test_rows_half_way_to_a_probe_probe_with_the_row_that_is_due():
     assert engine.scheduler._depths(rows) == [1, 1, 0, 0, 0]  # the due row, and the one half-way there
     # Where a 2-token block of these 5 rows costs much more than one token, nobody probes.
     for ratio, want in ((PROBE_COST_RATIO + 0.05, [0] * 5), (PROBE_COST_RATIO - 0.05, [1, 1, 0, 0, 0])):
-        engine.scheduler.cost = VerifyCostModel((1, 8), (1, 2), ((1.0, ratio), (1.0, ratio)))
+        engine.scheduler.cost = OnlineVerifyCost(VerifyCostModel((1, 8), (1, 2), ((1.0, ratio),) * 2))
         assert engine.scheduler._depths(rows) == want, ratio
     # Nor where the drafters' own costs are such that a drafted token could not pay even if the
     # target accepted it at PROBE_ACCEPTANCE: a cheap 2-token block, but each draft costs a step.
-    engine.scheduler.cost = VerifyCostModel((1, 8), (1, 2), ((1.0, 1.1), (1.0, 1.1)))
+    engine.scheduler.cost = OnlineVerifyCost(VerifyCostModel((1, 8), (1, 2), ((1.0, 1.1),) * 2))
     B = len(rows)
     pays = (1 + PROBE_ACCEPTANCE) / 1.1 - 1  # extra tokens per unit of time beyond a plain step
     for t_catch, want in ((1.2 * pays * 1.1 / B, [0] * 5), (0.8 * pays * 1.1 / B, [1, 1, 0, 0, 0])):
@@ -119,3 +119,33 @@ def test_a_long_catch_up_is_not_the_cost_of_drafting_on():
     assert engine.scheduler.draft_cost.catch == {} and engine.scheduler.draft_cost.position == {
         1: pytest.approx(0.01)
     }
+
+
+class ClockedTable(TableTarget):
+    """A table target whose forward of T tokens per row advances a fake clock by 2 + 0.5 (T - 1)."""
+
+    def __init__(self, table: torch.Tensor, clock: list[float]) -> None:
+        super().__init__(table)
+        self.clock = clock
+
+    def forward(self, tokens_BT, start_B, rows_B=None, **kwargs):
+        self.clock[0] += 2.0 + 0.5 * (tokens_BT.shape[1] - 1)
+        return super().forward(tokens_BT, start_B, rows_B=rows_B, **kwargs)
+
+
+def test_the_engine_scales_the_verify_cost_by_its_own_forwards():
+    """Every chain verify forward is observed: a grid at half the engine's forward times reads 2x."""
+    clock = [0.0]
+    engine = Engine(
+        ClockedTable(random_table(16, seed=1), clock), drafter="ngram", gamma="goodput", max_num_seqs=1,
+        measure_cost=False,
+    )  # fmt: skip
+    engine.now = lambda: clock[0]
+    grid = VerifyCostModel((1,), (1, 2, 5), ((1.0, 1.25, 2.0),))  # 1 + 0.25 (T - 1)
+    engine.scheduler.cost = OnlineVerifyCost(grid, min_samples=4)
+    engine.add_request([1, 2, 3], max_new_tokens=16, temperature=0.0)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.cost is engine.scheduler.cost
+    assert engine.cost.scale(1) == pytest.approx(2.0)
+    assert engine.cost.cost(1, 3) == pytest.approx(2.0 * 1.5)

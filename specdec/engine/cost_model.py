@@ -3,10 +3,16 @@
 Legend: B rows in the block (requests decoding together), T tokens per row (draft depth K + 1).
 
 :class:`VerifyCostModel` is measured once, when the engine starts (:func:`measure_verify_cost`:
-a few timed forwards over a small grid of (B, T) on the engine's own cache, before any request
-holds a slot, then rolled back), and read by interpolation afterwards. It is never re-timed on a live
-cache, and it only chooses draft depths: what tokens come out does not depend on it
-(:mod:`specdec.engine.depth` says which rows may use it). On an accelerator a forward returns once
+timed forwards over a small grid of (B, T) on the engine's own cache, before any request holds a slot,
+then rolled back), and read by interpolation afterwards.
+
+:class:`OnlineVerifyCost` learns from the engine's own verify forwards, robust to outliers: per row
+count, the median of the recent ratios of a forward's seconds to the grid's prediction scales that row
+count's grid. The grid keeps the shape (how the cost grows with T, measured side by side); the steps
+give the level the engine actually runs at, beside drafting (whose cost is learned on the same steps,
+:mod:`specdec.engine.draft_cost`), where back-to-back forwards at start ran with warmer caches. Both
+only choose draft depths: what tokens come out does not depend on them
+(:mod:`specdec.engine.depth` says which rows may use them). On an accelerator a forward returns once
 its work is queued, so the device is synchronised before each clock is read
 (:func:`device_synchronizer`): each point times the work, not its launch.
 """
@@ -14,8 +20,10 @@ its work is queued, so the device is synchronised before each clock is read
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +32,8 @@ import torch
 
 __all__ = [
     "VerifyCostModel",
+    "OnlineVerifyCost",
+    "VerifyCost",
     "measure_verify_cost",
     "verify_cost_for",
     "device_synchronizer",
@@ -82,6 +92,55 @@ class VerifyCostModel:
     def to_dict(self) -> dict[str, Any]:
         seconds = [list(r) for r in self.seconds]
         return {"rows": list(self.rows), "tokens": list(self.tokens), "seconds": seconds}
+
+
+class OnlineVerifyCost:
+    """The measured grid, scaled per row count by what the engine's verify forwards take (module doc).
+
+    ``observe(B, T, seconds)`` after each verify forward of B rows of T tokens; ``cost(B, T)`` is the
+    grid's cost times ``scale(B)``: the median of the last ``window`` ratios observed at B, once there
+    are ``min_samples`` of them (else the nearest row count's that has, else 1)."""
+
+    def __init__(self, grid: VerifyCostModel, *, window: int = 64, min_samples: int = 8) -> None:
+        if window < 1 or not 1 <= min_samples <= window:
+            raise ValueError(f"need window >= min_samples >= 1, got {window=}, {min_samples=}")
+        self.grid, self.window, self.min_samples = grid, window, min_samples
+        self._ratios: dict[int, deque[float]] = {}
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return self.grid.rows
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.grid.tokens
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """A verify forward of ``rows`` rows of ``tokens`` tokens took ``seconds``."""
+        predicted = self.grid.cost(rows, tokens)
+        if rows > 0 and tokens > 0 and seconds > 0 and predicted > 0:
+            ratios = self._ratios.setdefault(rows, deque(maxlen=self.window))
+            ratios.append(seconds / predicted)
+
+    def scale(self, rows: int) -> float:
+        """How much slower (> 1) or faster than the grid the engine's forwards of ``rows`` rows run."""
+        known = [B for B, r in self._ratios.items() if len(r) >= self.min_samples]
+        if not known:
+            return 1.0
+        nearest = min(known, key=lambda B: (abs(B - rows), B))
+        return statistics.median(self._ratios[nearest])
+
+    def cost(self, rows: int, tokens: int) -> float:
+        """Seconds of one forward over ``rows`` rows of ``tokens`` tokens, as the engine runs them."""
+        return self.grid.cost(rows, tokens) * self.scale(rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        scales = {B: self.scale(B) for B in sorted(self._ratios)}
+        return {**self.grid.to_dict(), "scale": scales}
+
+
+VerifyCost = VerifyCostModel | OnlineVerifyCost
+"""What a depth policy reads: ``cost(B, T)``, seconds of a verify forward of B rows of T tokens."""
 
 
 def device_synchronizer(device: Any) -> Callable[[], None]:

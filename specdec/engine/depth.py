@@ -6,11 +6,12 @@ every earlier one was.
 
 A row drafting K tokens yields on average ``E(K) = 1 + a_1 + a_1 a_2 + … + a_1…a_K`` tokens
 (Leviathan et al. 2023, arXiv 2211.17192, §3.4, with per-position acceptance). The step's block is
-padded to the deepest row, so it costs ``c(B, K_max + 1) + d(G, K_max)`` with ``c`` the measured
-:class:`~specdec.engine.cost_model.VerifyCostModel` and ``d`` the drafting cost of G drafting rows
-(:class:`~specdec.engine.draft_cost.DraftCost`, learned per G: one slot drafter drafts all rows with
-one head forward per position, so ``d`` grows far less than G-fold; a policy given a float
-``t_draft`` charges ``t_draft · Σ K + Σ_{K_r > 0} o_r``, ``o_r`` a row's ``RowView.overhead``).
+padded to the deepest row, so it costs ``c(B, K_max + 1) + d(G, K_max)`` with ``c`` the verify cost
+(:mod:`specdec.engine.cost_model`: the grid measured at start, scaled by the engine's own forwards)
+and ``d`` the drafting cost of G drafting rows (:class:`~specdec.engine.draft_cost.DraftCost`,
+learned per G: one slot drafter drafts all rows with one head forward per position, so ``d`` grows
+far less than G-fold; a policy given a float ``t_draft`` charges ``t_draft · Σ K + Σ_{K_r > 0} o_r``,
+``o_r`` a row's ``RowView.overhead``).
 Policies (:data:`DEPTH_POLICIES`):
 
 - ``fixed``: every row drafts γ (``gamma=G``).
@@ -45,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.engine.cost_model import VerifyCostModel
+from specdec.engine.cost_model import VerifyCost
 from specdec.engine.draft_cost import DraftCost, PerTokenDraftCost
 from specdec.registry import Registry
 
@@ -98,7 +99,7 @@ class DepthPolicy:
     local_cost: float = 0.35
 
     def depths(
-        self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: DraftCost | float
+        self, rows: Sequence[RowView], cost: VerifyCost | None, t_draft: DraftCost | float
     ) -> list[int]:
         raise NotImplementedError
 
@@ -120,7 +121,7 @@ class FixedDepth(DepthPolicy):
         self.gamma = _check_gamma(gamma)
 
     def depths(
-        self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: DraftCost | float
+        self, rows: Sequence[RowView], cost: VerifyCost | None, t_draft: DraftCost | float
     ) -> list[int]:
         return [min(self.gamma, r.cap) for r in rows]
 
@@ -140,7 +141,7 @@ class BatchTableDepth(DepthPolicy):
         return self.table[max(sizes)] if sizes else self.table[min(self.table)]
 
     def depths(
-        self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: DraftCost | float
+        self, rows: Sequence[RowView], cost: VerifyCost | None, t_draft: DraftCost | float
     ) -> list[int]:
         K = min(self.depth_for(len(rows)), self.gamma)
         pinned = self._pinned(rows)
@@ -160,7 +161,7 @@ class GoodputDepth(DepthPolicy):
         self.previous: int | None = None  # the last step's K (hysteresis)
 
     def depths(
-        self, rows: Sequence[RowView], cost: VerifyCostModel | None, t_draft: DraftCost | float
+        self, rows: Sequence[RowView], cost: VerifyCost | None, t_draft: DraftCost | float
     ) -> list[int]:
         pinned = self._pinned(rows)
         if cost is None:  # nothing measured: every row by the local rule

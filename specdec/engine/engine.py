@@ -36,7 +36,7 @@ import torch
 
 from specdec.drafters.engine_drafter import drafter_name, make_slot_drafter
 from specdec.engine.controls import RequestControls
-from specdec.engine.cost_model import VerifyCostModel, verify_cost_for
+from specdec.engine.cost_model import OnlineVerifyCost, verify_cost_for
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
 from specdec.engine.draft_cost import DraftCost, measure_draft_cost
 from specdec.engine.ownership import claim_target, release_target
@@ -159,9 +159,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         claim_target(self)
         try:  # what follows uses the target's cache: a failure hands it back
-            cost: VerifyCostModel | None = None
+            cost: OnlineVerifyCost | None = None
             if measure_cost and not isinstance(self.policy, FixedDepth):
-                cost = verify_cost_for(target, max_rows=self.max_num_seqs)
+                # the target's grid (shared by its engines), scaled by this engine's own forwards
+                cost = OnlineVerifyCost(verify_cost_for(target, max_rows=self.max_num_seqs))
             self.drafter_name = drafter_name(target, drafter)  # ``default`` resolved (once: it may note why)
             self.now = time.perf_counter
             self.drafter: SlotDrafter = make_slot_drafter(
@@ -346,8 +347,9 @@ class Engine:
         return len(self.scheduler.waiting)
 
     @property
-    def cost(self) -> VerifyCostModel | None:
-        """The measured verify cost (None: not measured), which the depth policy reads."""
+    def cost(self) -> OnlineVerifyCost | None:
+        """The verify cost (the measured grid, scaled by this engine's forwards; None: not measured),
+        which the depth policy reads."""
         return self.scheduler.cost
 
     @property

@@ -47,7 +47,8 @@ class StepReport:
     """What a step did, for the scheduler: ``new_tokens`` per request id (the requests that changed);
     ``draft_rows`` rows that drafted, ``draft_depth`` the deepest, ``draft_s`` the drafter's seconds
     for it apart from ``catch_up_s``, the catch-up of committed tokens within it; ``steady``: that
-    catch-up was one step's tokens (not a prompt's, not idle steps'), a cost of drafting on."""
+    catch-up was one step's tokens (not a prompt's, not idle steps'), a cost of drafting on;
+    ``verify_forwards``: (rows, tokens per row, seconds) of each chain verify forward."""
 
     new_tokens: dict[str, list[int]] = field(default_factory=dict)
     draft_rows: int = 0
@@ -55,3 +56,4 @@ class StepReport:
     draft_s: float = 0.0
     catch_up_s: float = 0.0
     steady: bool = True
+    verify_forwards: list[tuple[int, int, float]] = field(default_factory=list)

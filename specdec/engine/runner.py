@@ -192,6 +192,8 @@ class Runner:
             return
         t1 = self.now()
         self.stats["forward_s"] += t1 - t0
+        if isinstance(units[0].block, ChainBlock):
+            report.verify_forwards.append((len(rows), T_max, t1 - t0))
         parts, r0 = [], 0
         for u in units:
             parts.append(

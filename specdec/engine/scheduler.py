@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from specdec.engine.cost_model import VerifyCostModel
+from specdec.engine.cost_model import OnlineVerifyCost
 from specdec.engine.depth import DepthPolicy, RowView
 from specdec.engine.draft_cost import DraftCost
 from specdec.engine.faults import log
@@ -58,7 +58,7 @@ class Scheduler:
         budget: int,
         prefill_chunk: int,
         policy: DepthPolicy,
-        cost: VerifyCostModel | None,
+        cost: OnlineVerifyCost | None,
         draft_cost: DraftCost,
         tree_target: bool,
         drafter_invariant: bool,
@@ -89,7 +89,10 @@ class Scheduler:
         return StepPlan(decode, self._prefill(budget), self.tree_pays and len(decoding) == 1)
 
     def update(self, report: StepReport) -> None:
-        """Learn the drafting cost of the step; finished requests leave and free their rows."""
+        """Learn the verify and drafting costs of the step; finished requests leave and free their rows."""
+        if self.cost is not None:
+            for rows, tokens, seconds in report.verify_forwards:
+                self.cost.observe(rows, tokens, seconds)
         if report.draft_rows:  # the drafting cost of G rows at this depth, apart from the catch-up owed
             self.draft_cost.learn(report.draft_rows, report.draft_depth, report.draft_s)
             if report.catch_up_s > 0 and report.steady:
