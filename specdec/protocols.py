@@ -34,7 +34,7 @@ is written for one generation, the simple way in for a plugin, and runs through 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -306,7 +306,12 @@ class DraftCall:
     they are the fields below); ``sampling``: each row's settings; ``noise``: one seed per row, a
     sampled row's randomness (stream ``"draft"``, keyed by output position; None where no row is
     sampled); ``tree_ok``: a drafter that can draft a token tree may (the engine sets it where the call
-    has one row, verified alone, and a tree-sized block costs little more than one token).
+    has one row, verified alone, and a tree-sized block costs little more than one token);
+    ``processors``: each row's logits processors (:class:`specdec.logits.Processors`, None for a row
+    that has none; None where no row has any). A drafter with a distribution applies row i's to its
+    logits at every draft position, with the drafts before it as the position's path
+    (:meth:`~specdec.logits.Processors.process_draft`), so it drafts what the processed target would
+    keep; exactness does not depend on it (the rule compares every draft with the processed target).
     """
 
     slots: Sequence[int]
@@ -315,6 +320,7 @@ class DraftCall:
     sampling: Sequence[SamplingParams]
     noise: PositionNoise | None = None
     tree_ok: bool = False
+    processors: Sequence[Any] | None = None
 
     def __post_init__(self) -> None:
         G = len(self.slots)
@@ -327,6 +333,8 @@ class DraftCall:
             raise ValueError(f"depths must be ints >= 0, got {list(self.depths)}")
         if self.noise is not None and self.noise.num_rows != G:
             raise ValueError(f"noise must have one seed per slot ({G}), got {self.noise.num_rows}")
+        if self.processors is not None and len(self.processors) != G:
+            raise ValueError(f"processors must have one entry per slot ({G}), got {len(self.processors)}")
 
     @property
     def size(self) -> int:
@@ -343,11 +351,12 @@ class DraftCall:
             [self.sampling[i] for i in rows],
             None if self.noise is None else self.noise.select(rows),
             self.tree_ok,
+            None if self.processors is None else [self.processors[i] for i in rows],
         )
 
     def with_depths(self, depths: Sequence[int]) -> DraftCall:
         """The same rows asking for ``depths`` instead."""
-        return DraftCall(self.slots, list(depths), self.state, self.sampling, self.noise, self.tree_ok)
+        return replace(self, depths=list(depths))
 
 
 @dataclass

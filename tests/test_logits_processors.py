@@ -127,6 +127,25 @@ def test_a_plugin_processor_must_return_a_row():
         p.process(_logits(), [[]])
 
 
+def test_a_draft_position_is_processed_as_the_target_position_over_the_draft_vocabulary():
+    """``process_draft`` over a draft vocabulary equals the full row's processing, read at its columns
+    (the row outside it at −inf); a position where the processors allow none of it reads all −inf."""
+    sampling = SamplingParams(repetition_penalty=1.5, presence_penalty=0.7, logit_bias=((5, 2.0), (11, -100)))
+    p = Processors(sampling, PROMPT, vocab_size=V)
+    p.commit([5, 7])
+    vocab_N = torch.tensor([2, 5, 7, 11, 30, 40])
+    full_V = torch.full((V,), float("-inf"))
+    full_V[vocab_N] = _logits(3)[0, vocab_N]
+    path = [30, 5]
+    want = p.process(full_V.unsqueeze(0), [path])[0, vocab_N]
+    torch.testing.assert_close(p.process_draft(_logits(3)[0, vocab_N], path, vocab_N), want)
+    torch.testing.assert_close(p.process_draft(_logits(3)[0], path), p.process(_logits(3), [path])[0])
+    banned = Processors(
+        SamplingParams(logit_bias=tuple((int(t), -100.0) for t in vocab_N)), PROMPT, vocab_size=V
+    )
+    assert torch.isinf(banned.process_draft(_logits(3)[0, vocab_N], [], vocab_N)).all()
+
+
 # --- exact under speculation, under load ------------------------------------------------------------
 
 
@@ -225,6 +244,35 @@ def test_min_tokens_and_bias_hold_in_the_output(tiny):  # noqa: F811
     a = _arrivals(0.0)[2]
     out = drive(_engine(tiny, "eagle"), [a])[a.key].token_ids
     assert 27 not in out[:6] and 21 not in out and 22 not in out
+
+
+def _drafted(engine: Engine, arrival: Arrival) -> tuple[list[int], list[int]]:
+    """The request's output, and every token the engine's drafter proposed for it."""
+    proposed: list[int] = []
+    propose = engine.drafter.propose
+
+    def recording(call):
+        proposal = propose(call)
+        proposed.extend(proposal.tokens_T.tolist())
+        return proposal
+
+    engine.drafter.propose = recording
+    return drive(engine, [arrival])[arrival.key].token_ids, proposed
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "model"])
+def test_a_drafter_with_a_distribution_drafts_from_the_processed_one(tiny, draft_model, drafter):  # noqa: F811
+    """Tokens a request's ``logit_bias`` bans are never drafted (the drafter's logits are processed at
+    every draft position, ``DraftCall.processors``), and the output is plain decoding's."""
+    settings = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    _, before = _drafted(_engine(tiny, drafter, draft_model), Arrival(0, 0, PROMPTS[0], settings))
+    top = [t for t, _ in sorted(((t, before.count(t)) for t in set(before)), key=lambda x: -x[1])[:3]]
+    assert top, "the drafter drafted nothing to ban"
+    banned = settings | {"logit_bias": dict.fromkeys(top, -100)}
+    out, after = _drafted(_engine(tiny, drafter, draft_model), Arrival(0, 0, PROMPTS[0], banned))
+    assert after and not set(top) & set(after)
+    target = tiny["target"]
+    assert out == specdec.generate(target, [PROMPTS[0]], drafter="none", **banned).token_ids[0]
 
 
 def test_add_request_refuses_bad_controls(tiny):  # noqa: F811

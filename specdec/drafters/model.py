@@ -273,6 +273,11 @@ class ModelDrafter(SlotTable):
             logits_GV = fit_vocab(out.logits_BTV[:, -1].float().cpu(), self.vocab_size)
             go_on = []
             for j, i in enumerate(rows):
+                processors = None if call.processors is None else call.processors[i]
+                if processors is not None:  # drafted as the processed target would keep it
+                    logits_GV[j] = processors.process_draft(logits_GV[j], drafted[i])
+                    if bool(torch.isinf(logits_GV[j]).all()):
+                        continue  # its processors allow no token: the row stops here
                 token, p = draw_draft(logits_GV[j], sampling[i], noise, i, outputs[i] + k)
                 keep, stop = self._confident(running, i, sampling[i], logits_GV[j], token, p)
                 if keep:

@@ -82,6 +82,7 @@ class Drafting:
 
         def propose(part: list[RowPlan]) -> SlotProposal:
             rows = [p.request for p in part]
+            processors = [r.processors for r in rows]  # each row's, for a drafter with a distribution
             call = DraftCall(
                 [r.slot for r in rows],
                 [p.depth for p in part],
@@ -89,6 +90,7 @@ class Drafting:
                 [r.params.sampling for r in rows],
                 PositionNoise([r.params.seed for r in rows]),
                 tree_ok,
+                processors if any(p is not None for p in processors) else None,
             )
             return drafter.propose(call)
 

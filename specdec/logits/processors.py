@@ -9,10 +9,12 @@ penalties count them, ``min_tokens`` counts them, a grammar walks them. Speculat
 position of a verify block is processed with its own prefix: the request's committed tokens **and the
 draft tokens before it on its path**, never a neighbour's and never a rejected draft's. So the
 processors here are functions of (prompt, output so far): :meth:`Processors.process` takes the logits
-of T positions and each position's draft path, and :meth:`Processors.commit` moves the committed state
-forward by the tokens the rule kept (rejected drafts never enter it: nothing to roll back). Greedy
-rows take the processed argmax; sampled rows the processed distribution, warped by temperature, top-k,
-top-p and min-p (:func:`specdec.sampling.sampling_probs`).
+of T positions and each position's draft path (:meth:`Processors.process_draft` the same for a
+drafter's logits at one draft position, so a drafter drafts from the processed distribution), and
+:meth:`Processors.commit` moves the committed state forward by the tokens the rule kept (rejected
+drafts never enter it: nothing to roll back). Greedy rows take the processed argmax; sampled rows the
+processed distribution, warped by temperature, top-k, top-p and min-p
+(:func:`specdec.sampling.sampling_probs`).
 
 The order (transformers' and vLLM's up to where they differ): repetition, frequency and presence
 penalties on the raw logits, then ``logit_bias`` (−100 bans), then ``min_tokens`` (the request's
@@ -150,6 +152,21 @@ class Processors:
                     )
                 x[t] = row.to(device=device, dtype=torch.float32)
         return x
+
+    def process_draft(
+        self, logits_N: torch.Tensor, path: Sequence[int], vocab_N: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A drafter's logits at one draft position, processed as the target's are at that position
+        (the committed output, then ``path``: the drafts before it); float32. ``vocab_N``: the token ids
+        of a draft vocabulary (an EAGLE head's), the logits' columns: they are placed in the full
+        vocabulary (−inf elsewhere), processed, and read back. All −inf: the processors allow none of
+        the drafter's tokens there (the row stops drafting)."""
+        if vocab_N is None:
+            return self.process(logits_N.unsqueeze(0), [path])[0]
+        vocab_N = vocab_N.to(logits_N.device)
+        full_1V = logits_N.new_full((1, self.vocab_size), float("-inf"), dtype=torch.float32)
+        full_1V[0, vocab_N] = logits_N.float()
+        return self.process(full_1V, [path], inplace=True)[0, vocab_N]
 
     def _column(self, token: int, *, in_prompt: bool = False) -> int:
         """The penalties' column of ``token`` (added with count 0 where it has none)."""

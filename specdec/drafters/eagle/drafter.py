@@ -318,6 +318,7 @@ class EagleDrafter(SlotTable):
         running = dict.fromkeys(rows, 1.0)  # confidence stop: the head's probability of its own draft
         for k in range(max(depths[i] for i in rows)):
             logits_GN = self.logits(feat_GD, k + 1)
+            barred = self._process(call, rows, drafted, logits_GN)
             token_G = torch.empty(len(rows), dtype=torch.long, device=device)
             probs_G: list[torch.Tensor | None] = [None] * len(rows)
             groups: dict[SamplingParams, list[int]] = {}
@@ -337,6 +338,8 @@ class EagleDrafter(SlotTable):
                 for n, j in enumerate(js):
                     probs_G[j] = probs_JV[n]
             decided = self._confident(rows, sampling, running, logits_GN, token_G, probs_G)
+            for j in barred:  # the row's processors allow none of the head's tokens: it stops here
+                decided[j] = (False, True)
             go_on = []
             for j, i in enumerate(rows):
                 keep, stop = decided[j]
@@ -359,6 +362,31 @@ class EagleDrafter(SlotTable):
                 prev_G[at].unsqueeze(1),
             )
             feat_GD, prev_G, position_G = out_G1D[:, 0], token_G[at], position_G[go_on]
+
+    def _process(
+        self,
+        call: DraftCall,
+        rows: list[int],
+        drafted: list[list[torch.Tensor]],
+        logits_GN: torch.Tensor,
+    ) -> list[int]:
+        """Each row's logits processors on its logits at this draft position, in place, with its drafts
+        so far as the path (``DraftCall.processors``); the rows (indices into ``rows``) whose
+        processors allow none of the draft vocabulary (their logits are set to 0: drawn, not kept)."""
+        if call.processors is None:
+            return []
+        barred = []
+        for j, i in enumerate(rows):
+            processors = call.processors[i]
+            if processors is None:
+                continue
+            path = [int(t) for t in drafted[i]]
+            processed_N = processors.process_draft(logits_GN[j], path, self.head.draft_vocab_N)
+            if bool(torch.isinf(processed_N).all()):
+                barred.append(j)
+                processed_N = torch.zeros_like(processed_N)
+            logits_GN[j] = processed_N.to(logits_GN.dtype)
+        return barred
 
     def _confident(
         self,
