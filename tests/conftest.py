@@ -12,6 +12,8 @@ if not torch.cuda.is_available():
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the verify-cost grid measured in each test, never read from or kept in the user's cache
+os.environ["SPECDEC_VERIFY_COST"] = "measure"
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under pytest-xdist (``-n 2``, the default in pyproject.toml) every worker gets one core: two
     # workers with two OpenMP threads each on a 2-core machine wait on descheduled siblings.

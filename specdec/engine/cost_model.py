@@ -2,9 +2,10 @@
 
 Legend: B rows in the block (requests decoding together), T tokens per row (draft depth K + 1).
 
-:class:`VerifyCostModel` is measured once, when the engine starts (:func:`measure_verify_cost`:
-timed forwards over a small grid of (B, T) on the engine's own cache, before any request holds a slot,
-then rolled back), and read by interpolation afterwards.
+:class:`VerifyCostModel` is measured when the engine starts (:func:`measure_verify_cost`: timed
+forwards over a small grid of (B, T) on the engine's own cache, before any request holds a slot, then
+rolled back), or read where :mod:`specdec.engine.cost_cache` keeps it for this machine, and read by
+interpolation afterwards.
 
 :class:`OnlineVerifyCost` learns from the engine's own verify forwards, robust to outliers: per row
 count, the median of the recent ratios of a forward's seconds to the grid's prediction scales that row
@@ -22,7 +23,6 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +35,6 @@ __all__ = [
     "OnlineVerifyCost",
     "VerifyCost",
     "measure_verify_cost",
-    "verify_cost_for",
     "device_synchronizer",
     "MIN_CALLS",
     "SETTLE_CALLS",
@@ -156,22 +155,6 @@ def device_synchronizer(device: Any) -> Callable[[], None]:
     return lambda: getattr(torch, device.type).synchronize(device)
 
 
-_MEASURED: weakref.WeakKeyDictionary[Any, dict[int, VerifyCostModel]] = weakref.WeakKeyDictionary()
-
-
-def verify_cost_for(target: Any, *, max_rows: int) -> VerifyCostModel:
-    """The target's verify-cost grid up to ``max_rows`` rows: measured the first time it is asked for
-    (:func:`measure_verify_cost`, on the target's cache, which must be reset and empty), then kept for
-    the target object's lifetime, so engines and ``specdec.generate`` calls on one target share it."""
-    try:
-        known = _MEASURED.setdefault(target, {})
-    except TypeError:  # an object that takes no weak reference: measured each time
-        return measure_verify_cost(target, max_rows=max_rows)
-    if max_rows not in known:
-        known[max_rows] = measure_verify_cost(target, max_rows=max_rows)
-    return known[max_rows]
-
-
 @torch.inference_mode()
 def measure_verify_cost(
     target: Any,
@@ -183,11 +166,12 @@ def measure_verify_cost(
 ) -> VerifyCostModel:
     """Time forwards of every (B, T) on a grid on the target's cache (it must be reset and empty),
     then roll every row back to 0. ``context`` tokens are prefilled first so attention has a
-    realistic length; each point runs back to back until it stops getting faster (its steady cost,
-    as decoding repeats a shape) and keeps its fastest time over ``repeats`` rounds of the grid (a
-    shared machine only adds time), and the grid is made non-decreasing in rows and in tokens by
-    capping each point with the larger blocks' times. On an accelerator (``target.device``) the
-    device is synchronised before each clock is read (:func:`device_synchronizer`)."""
+    realistic length; in each of ``repeats`` rounds over the grid a point runs back to back until it
+    stops getting faster and keeps its fastest time (its steady cost, as decoding repeats a shape; a
+    shared machine only adds time); a point is the median of its rounds' times, and the grid is
+    made non-decreasing in rows and in tokens by capping each point with the larger blocks' times.
+    On an accelerator (``target.device``) the device is synchronised before each clock is read
+    (:func:`device_synchronizer`)."""
     rows = tuple(sorted({r for r in (1, 2, 4, 8, 16, 32) if r < max_rows} | {max_rows}))
     tokens = tuple(sorted(set(tokens)))
     rows_all = torch.arange(max_rows)
@@ -196,9 +180,9 @@ def measure_verify_cost(
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (max_rows, context), generator=gen)
     target.forward(prompt, torch.zeros(max_rows, dtype=torch.long), rows_B=rows_all)
-    # Rounds over the whole grid, keeping each point's fastest run: a burst of load on a shared
-    # machine then spoils one run of a point, not the point.
-    best = [[float("inf")] * len(tokens) for _ in rows]
+    # Rounds over the whole grid, each point the median of its rounds: a burst of load on a shared
+    # machine then spoils one round of a point, not the point.
+    rounds: list[list[list[float]]] = [[[] for _ in tokens] for _ in rows]  # each round's steady time
     blocks = {T: torch.randint(0, vocab, (max_rows, T), generator=gen) for T in tokens}
     start = torch.full((max_rows,), context, dtype=torch.long)
     for _ in range(repeats):
@@ -219,7 +203,8 @@ def measure_verify_cost(
                     target.rollback(start[:B], rows_B=rows_all[:B])
                     if len(times) >= MIN_CALLS and times[-1] > 0.95 * min(times[:-1]):
                         break  # no longer getting faster
-                best[i][j] = min(best[i][j], *times)
+                rounds[i][j].append(min(times))
+    best = [[statistics.median(point) for point in line] for line in rounds]
     # A block with fewer rows or fewer tokens does not cost more: what says otherwise is noise, and
     # noise only adds time, so a point is capped by the larger blocks' times (a burst of load on one
     # small point must not raise the points above it: raising them flattened the grid, and depth

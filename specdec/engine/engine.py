@@ -36,7 +36,8 @@ import torch
 
 from specdec.drafters.engine_drafter import drafter_name, make_slot_drafter
 from specdec.engine.controls import RequestControls
-from specdec.engine.cost_model import OnlineVerifyCost, verify_cost_for
+from specdec.engine.cost_cache import verify_cost_for
+from specdec.engine.cost_model import OnlineVerifyCost
 from specdec.engine.depth import DepthPolicy, FixedDepth, make_depth_policy
 from specdec.engine.draft_cost import DraftCost, measure_draft_cost
 from specdec.engine.ownership import claim_target, release_target
@@ -92,8 +93,9 @@ class Engine:
         max_model_len: cache slots per request (prompt + new tokens + γ + 1 must fit); default
             ``min(target.max_context_length, 2048)``.
         prefill_chunk: tokens per prefill forward (fixed chunk boundaries).
-        measure_cost: time the verify-cost grid (policies that read it; measured once per target
-            and row count, :func:`specdec.engine.cost_model.verify_cost_for`); False uses none.
+        measure_cost: time the verify-cost grid (policies that read it; once per target and row
+            count, or kept per machine: :func:`specdec.engine.cost_cache.verify_cost_for`); False
+            uses none.
         tokenizer: for stop strings and grammars (default ``target.tokenizer``).
 
     ``stats`` (seconds, summed over every step): ``total_s`` inside :meth:`step`; ``forward_s`` the

@@ -177,6 +177,14 @@ class CompiledTarget:
             raise AttributeError(name)
         return getattr(self.target, name)
 
+    def cost_identity(self) -> dict[str, Any]:
+        """The wrapped target's, with how its forwards are captured."""
+        return {
+            **self.target.cost_identity(),
+            "compiled": self.mode,
+            "buckets": [list(self.row_buckets), list(self.token_buckets)],
+        }
+
     def reset(self, batch_size: int, max_len: int) -> None:
         """The wrapped target's reset (a new cache, of another shape, drops the captured forwards at the
         next forward)."""

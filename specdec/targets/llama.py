@@ -183,6 +183,20 @@ class LlamaTarget:
         requests add up, so drafters that share the target each get theirs."""
         self.aux_layers = self.aux_layers | frozenset(check_layer_indices(layers, self.config.num_layers))
 
+    def cost_identity(self) -> dict[str, Any]:
+        """What a forward's cost depends on besides the machine (never the weights' values): the
+        architecture, weight format, kernels, dtype, device and the captured layers; the key of a
+        verify-cost grid kept per machine (:mod:`specdec.engine.cost_cache`)."""
+        return {
+            "class": type(self).__name__,
+            "config": repr(self.config),
+            "weights": self.weights,
+            "linear_backend": self.linear_backend,
+            "dtype": str(self.dtype),
+            "device": self.device.type,
+            "aux_layers": sorted(self.aux_layers),
+        }
+
     def reset(self, batch_size: int, max_len: int) -> None:
         """Allocate an empty cache of ``batch_size`` rows × ``max_len`` slots (reused if same shape)."""
         c = self.config
