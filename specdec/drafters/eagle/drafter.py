@@ -27,8 +27,9 @@ by shape, runs row by row over the row's own queries and visible slots, the same
 
 Randomness: a sampled row draws its draft token at output position p (the draft's index in the output
 stream) from the keyed ``noise`` it is given (:class:`specdec.verify.noise.PositionNoise`, stream
-``"draft"``; one keyed uniform per row over the draft vocabulary's probabilities:
-:func:`~specdec.verify.noise.sample_keyed_inverse`), so its drafts depend on its seed and position only.
+``"draft"``; one keyed uniform per row and position, all of a call's in one hash, inverting the
+draft vocabulary's cumulative probabilities: :func:`~specdec.verify.noise.inverse_cdf`), so its drafts
+depend on its seed and position only.
 Greedy rows propose the head's argmax as a point mass. Draft probabilities are zero outside the draft
 vocabulary, which never affects exactness (verification handles any proposal).
 """
@@ -53,7 +54,7 @@ from specdec.drafters.eagle.weights import load_packed_head
 from specdec.drafters.slot_table import SlotTable, ragged_proposal
 from specdec.protocols import DecodeState, DraftCall, Proposal, SlotProposal, TargetOutput, TreeTarget
 from specdec.sampling import SamplingParams, sampling_probs
-from specdec.verify.noise import PositionNoise, sample_keyed_inverse
+from specdec.verify.noise import inverse_cdf
 
 __all__ = [
     "EagleDrafter",
@@ -316,7 +317,16 @@ class EagleDrafter(SlotTable):
         position_G = (state.lengths_B - state.prompt_lengths_B)[index]  # output position of draft 1
         start = {i: self.cache_len[slots[i]] for i in rows}  # where row i's draft pairs go
         running = dict.fromkeys(rows, 1.0)  # confidence stop: the head's probability of its own draft
-        for k in range(max(depths[i] for i in rows)):
+        K_max = max(depths[i] for i in rows)
+        # the sampled rows' keyed uniforms for every draft position, in one hash (row i's at uniform_IK[i])
+        sampled = [i for i in rows if not sampling[i].greedy]
+        uniform_IK: dict[int, torch.Tensor] = {}
+        if sampled:
+            first_I = position_G[[rows.index(i) for i in sampled]].unsqueeze(1)
+            positions_IK = (first_I + torch.arange(K_max)).to(noise.device)
+            u_IK = noise.select(sampled).uniform_BK(positions_IK, "draft", validate=False)
+            uniform_IK = {i: u_IK[n] for n, i in enumerate(sampled)}
+        for k in range(K_max):
             logits_GN = self.logits(feat_GD, k + 1)
             barred = self._process(call, rows, drafted, logits_GN)
             token_G = torch.empty(len(rows), dtype=torch.long, device=device)
@@ -329,10 +339,11 @@ class EagleDrafter(SlotTable):
                 if params.greedy:
                     token_G[at] = self.head.draft_vocab_N[logits_GN[at].argmax(dim=-1)]
                     continue
-                # drawn over the draft vocabulary (one keyed uniform per row), reported over the full one
-                probs_JN = sampling_probs(logits_GN[at], params)
-                sub = PositionNoise(noise.seeds_B[[rows[j] for j in js]], device=device)
-                drawn_J = sample_keyed_inverse(probs_JN, sub, position_G[js].to(device) + k, stream="draft")
+                # drawn over the draft vocabulary (one keyed uniform per row), reported over the full one;
+                # the head's logits are checked (``logits``)
+                probs_JN = sampling_probs(logits_GN[at], params, validate=False)
+                u_J = torch.stack([uniform_IK[rows[j]][k] for j in js])
+                drawn_J = inverse_cdf(probs_JN, u_J)
                 token_G[at] = self.head.draft_vocab_N[drawn_J]
                 probs_JV = full_vocabulary(probs_JN, self.head.draft_vocab_N, self.vocab_size)
                 for n, j in enumerate(js):
