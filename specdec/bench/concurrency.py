@@ -112,7 +112,7 @@ def run_concurrency(args: argparse.Namespace, console: Any = None) -> dict[str, 
     solo: dict[str, dict[int, list[int]]] = {}
     rows: list[dict[str, Any]] = []
     payload: dict[str, Any] = {
-        "command": " ".join(sys.argv),
+        "command": args.command,
         "environment": environment(),
         "levels": levels,
         "num_requests": len(prompts),
@@ -392,6 +392,7 @@ def add_concurrency_arguments(p: argparse.ArgumentParser) -> None:
     from specdec.cli_args import add_engine_arguments, csv, positive_int, seed_int
 
     add_engine_arguments(p, drafter=None, gamma=None, verify=False)
+    p.set_defaults(command="python -m specdec.bench.concurrency")  # the results' command (main: in full)
     p.add_argument("--prompt-set", type=csv(str), default=("humaneval", "mtbench"))
     p.add_argument("--num-prompts", type=positive_int, default=8, help="per prompt set")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
@@ -431,6 +432,7 @@ def from_bench_args(args: argparse.Namespace) -> argparse.Namespace:
         engine_gamma="auto",
         out=args.out,
         repeats=getattr(args, "repeats", 1),
+        command="specdec " + " ".join(sys.argv[1:]),
     )
 
 
@@ -443,6 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_concurrency_arguments(parser)
     args = parser.parse_args(argv)
+    args.command = "python -m specdec.bench.concurrency " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     if args.engine_gamma.isdigit():
         args.engine_gamma = int(args.engine_gamma)
     try:
