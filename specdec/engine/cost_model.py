@@ -105,6 +105,7 @@ class OnlineVerifyCost:
             raise ValueError(f"need window >= min_samples >= 1, got {window=}, {min_samples=}")
         self.grid, self.window, self.min_samples = grid, window, min_samples
         self._ratios: dict[int, deque[float]] = {}
+        self._scales: dict[int, float] = {}  # row count -> the median of its ratios, once known
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -120,14 +121,15 @@ class OnlineVerifyCost:
         if rows > 0 and tokens > 0 and seconds > 0 and predicted > 0:
             ratios = self._ratios.setdefault(rows, deque(maxlen=self.window))
             ratios.append(seconds / predicted)
+            if len(ratios) >= self.min_samples:  # once per forward, not per depth the policy weighs
+                self._scales[rows] = statistics.median(ratios)
 
     def scale(self, rows: int) -> float:
         """How much slower (> 1) or faster than the grid the engine's forwards of ``rows`` rows run."""
-        known = [B for B, r in self._ratios.items() if len(r) >= self.min_samples]
-        if not known:
+        if not self._scales:
             return 1.0
-        nearest = min(known, key=lambda B: (abs(B - rows), B))
-        return statistics.median(self._ratios[nearest])
+        nearest = min(self._scales, key=lambda B: (abs(B - rows), B))
+        return self._scales[nearest]
 
     def cost(self, rows: int, tokens: int) -> float:
         """Seconds of one forward over ``rows`` rows of ``tokens`` tokens, as the engine runs them."""
