@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import weakref
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from specdec.engine.cost_model import VerifyCostModel, measure_verify_cost
+from specdec.summary import write_json
 
 __all__ = ["CAREFUL_ROUNDS", "cost_cache_dir", "grid_key", "verify_cost_for"]
 
@@ -104,10 +104,7 @@ def _store(path: Path, key: dict[str, Any], grid: VerifyCostModel) -> None:
     """Keep ``grid`` at ``path`` (written whole or not at all); a cache that cannot be written is
     logged, never an error."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            json.dump({"key": key, "grid": grid.to_dict()}, f, indent=1)
-        os.replace(f.name, path)
+        write_json(path, {"key": key, "grid": grid.to_dict()}, indent=1)
     except OSError as err:
         _log.warning("could not keep the verify-cost grid at %s: %s", path, err)
 

@@ -59,10 +59,6 @@ from specdec.verify.registry import make_verify_rule
 
 __all__ = ["Engine", "scheduler_seconds"]
 
-# Which engine's cache layout each target holds: an engine resets its target's cache (rows, length),
-# so a second engine (or ``specdec.generate``) on the same target must not take it from one with
-# requests. Weak on both sides: a target or engine that is dropped leaves no entry behind.
-
 
 def scheduler_seconds(stats: Mapping[str, float]) -> float:
     """The engine's own time in :attr:`Engine.stats` (or a difference of two snapshots): a step's
