@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "MIN_TEMPERATURE",
     "SamplingParams",
+    "inverse_cdf",
     "logits_to_probs",
     "sample_from_probs",
     "sampling_probs",
@@ -253,9 +254,25 @@ def sample_from_probs(
     # probabilities on any device), then move to the probabilities'
     drawn_on = generator.device if generator is not None else flat.device
     u_N1 = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=drawn_on)
-    u_N1 = u_N1.to(flat.device)
+    return _invert(cdf_NV, u_N1.to(flat.device)).reshape(lead)
+
+
+def inverse_cdf(probs_NV: torch.Tensor, u_N: torch.Tensor) -> torch.Tensor:
+    """Row n's index whose float64 cumulative interval holds ``u_N[n] · Σ probs_NV[n]`` (``u`` in
+    (0, 1); rows non-negative with positive mass, checked by the caller); long ``[N]``. A
+    zero-probability index owns an empty interval and is never drawn. :func:`sample_from_probs` with
+    the uniforms given (keyed ones: :func:`specdec.verify.noise.sample_keyed_inverse`)."""
+    if probs_NV.shape[0] == 0:
+        return torch.empty(0, dtype=torch.long, device=probs_NV.device)
+    u_N1 = u_N.to(device=probs_NV.device, dtype=torch.float64).reshape(-1, 1)
+    return _invert(probs_NV.double().cumsum(dim=-1), u_N1)
+
+
+def _invert(cdf_NV: torch.Tensor, u_N1: torch.Tensor) -> torch.Tensor:
+    """The index of each row of a float64 cumulative sum ``[N, V]`` that ``u · total`` falls in; ``[N]``."""
+    total_N1 = cdf_NV[:, -1:].contiguous()
     # Token i owns [cdf[i-1], cdf[i]); u * total < total, so the draw is always a valid index.
     out = torch.searchsorted(cdf_NV, u_N1 * total_N1, right=True).squeeze(-1)
     # Guard against the last weighted token being followed by zero-weight ones after rounding.
     last_N = torch.searchsorted(cdf_NV, total_N1, right=False).squeeze(-1)
-    return torch.minimum(out, last_N).reshape(lead)
+    return torch.minimum(out, last_N)

@@ -275,9 +275,10 @@ class ModelDrafter(SlotTable):
             for j, i in enumerate(rows):
                 processors = None if call.processors is None else call.processors[i]
                 if processors is not None:  # drafted as the processed target would keep it
-                    logits_GV[j] = processors.process_draft(logits_GV[j], drafted[i])
-                    if bool(torch.isinf(logits_GV[j]).all()):
+                    processed_V = processors.process_draft(logits_GV[j], drafted[i])
+                    if processed_V is None:
                         continue  # its processors allow no token: the row stops here
+                    logits_GV[j] = processed_V
                 token, p = draw_draft(logits_GV[j], sampling[i], noise, i, outputs[i] + k)
                 keep, stop = self._confident(running, i, sampling[i], logits_GV[j], token, p)
                 if keep:

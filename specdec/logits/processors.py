@@ -155,18 +155,20 @@ class Processors:
 
     def process_draft(
         self, logits_N: torch.Tensor, path: Sequence[int], vocab_N: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """A drafter's logits at one draft position, processed as the target's are at that position
         (the committed output, then ``path``: the drafts before it); float32. ``vocab_N``: the token ids
         of a draft vocabulary (an EAGLE head's), the logits' columns: they are placed in the full
-        vocabulary (−inf elsewhere), processed, and read back. All −inf: the processors allow none of
+        vocabulary (−inf elsewhere), processed, and read back. None where the processors allow none of
         the drafter's tokens there (the row stops drafting)."""
         if vocab_N is None:
-            return self.process(logits_N.unsqueeze(0), [path])[0]
-        vocab_N = vocab_N.to(logits_N.device)
-        full_1V = logits_N.new_full((1, self.vocab_size), float("-inf"), dtype=torch.float32)
-        full_1V[0, vocab_N] = logits_N.float()
-        return self.process(full_1V, [path], inplace=True)[0, vocab_N]
+            processed_N = self.process(logits_N.unsqueeze(0), [path])[0]
+        else:
+            vocab_N = vocab_N.to(logits_N.device)
+            full_1V = logits_N.new_full((1, self.vocab_size), float("-inf"), dtype=torch.float32)
+            full_1V[0, vocab_N] = logits_N.float()
+            processed_N = self.process(full_1V, [path], inplace=True)[0, vocab_N]
+        return None if bool(torch.isinf(processed_N).all()) else processed_N
 
     def _column(self, token: int, *, in_prompt: bool = False) -> int:
         """The penalties' column of ``token`` (added with count 0 where it has none)."""

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from specdec.host_sync import avoids_host
+from specdec.sampling import inverse_cdf
 from specdec.seeds import check_seed
 
 __all__ = [
@@ -62,7 +63,6 @@ __all__ = [
     "PositionNoise",
     "sample_keyed",
     "sample_keyed_inverse",
-    "inverse_cdf",
     "sample_with_keys",
     "draft_keyed",
 ]
@@ -303,27 +303,12 @@ def sample_keyed_inverse(
 ) -> torch.Tensor:
     """Inverse-CDF sample from each row of ``probs [B, V]`` (non-negative, positive mass; checked by
     the caller) with one keyed uniform per row, ``u = unit(mix64(key))`` of the row's (seed,
-    position, stream) key (:meth:`PositionNoise.uniform_BK`); long ``[B]``: :func:`inverse_cdf`. A
-    row's draw depends on its own probabilities and key only (batch invariant)."""
+    position, stream) key (:meth:`PositionNoise.uniform_BK`); long ``[B]``:
+    :func:`specdec.sampling.inverse_cdf`. A row's draw depends on its own probabilities and key only
+    (batch invariant)."""
     if probs_BV.shape[0] == 0:
         return torch.empty(0, dtype=torch.long, device=probs_BV.device)
-    u_B = noise.uniform_BK(positions_B, stream, validate=False).reshape(-1)
-    return inverse_cdf(probs_BV, u_B)
-
-
-def inverse_cdf(probs_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
-    """Row b's index whose float64 cumulative interval holds ``u_B[b] · Σ probs_BV[b]`` (``u`` in
-    (0, 1)); long ``[B]``. A zero-probability index owns an empty interval and is never drawn. A
-    drafter that draws several positions keyed at once takes their uniforms in one
-    :meth:`PositionNoise.uniform_BK` call and draws each here."""
-    if probs_BV.shape[0] == 0:
-        return torch.empty(0, dtype=torch.long, device=probs_BV.device)
-    u_B1 = u_B.to(device=probs_BV.device, dtype=torch.float64).reshape(-1, 1)
-    cdf_BV = probs_BV.double().cumsum(dim=-1)
-    total_B1 = cdf_BV[:, -1:].contiguous()
-    out_B = torch.searchsorted(cdf_BV, u_B1 * total_B1, right=True).squeeze(-1)
-    last_B = torch.searchsorted(cdf_BV, total_B1, right=False).squeeze(-1)  # rounding at the top
-    return torch.minimum(out_B, last_B)
+    return inverse_cdf(probs_BV, noise.uniform_BK(positions_B, stream, validate=False).reshape(-1))
 
 
 def sample_keyed(

@@ -28,7 +28,7 @@ by shape, runs row by row over the row's own queries and visible slots, the same
 Randomness: a sampled row draws its draft token at output position p (the draft's index in the output
 stream) from the keyed ``noise`` it is given (:class:`specdec.verify.noise.PositionNoise`, stream
 ``"draft"``; one keyed uniform per row and position, all of a call's in one hash, inverting the
-draft vocabulary's cumulative probabilities: :func:`~specdec.verify.noise.inverse_cdf`), so its drafts
+draft vocabulary's cumulative probabilities: :func:`~specdec.sampling.inverse_cdf`), so its drafts
 depend on its seed and position only.
 Greedy rows propose the head's argmax as a point mass. Draft probabilities are zero outside the draft
 vocabulary, which never affects exactness (verification handles any proposal).
@@ -53,8 +53,7 @@ from specdec.drafters.eagle.tree import EagleTrees
 from specdec.drafters.eagle.weights import load_packed_head
 from specdec.drafters.slot_table import SlotTable, ragged_proposal
 from specdec.protocols import DecodeState, DraftCall, Proposal, SlotProposal, TargetOutput, TreeTarget
-from specdec.sampling import SamplingParams, sampling_probs
-from specdec.verify.noise import inverse_cdf
+from specdec.sampling import SamplingParams, inverse_cdf, sampling_probs
 
 __all__ = [
     "EagleDrafter",
@@ -319,13 +318,13 @@ class EagleDrafter(SlotTable):
         running = dict.fromkeys(rows, 1.0)  # confidence stop: the head's probability of its own draft
         K_max = max(depths[i] for i in rows)
         # the sampled rows' keyed uniforms for every draft position, in one hash (row i's at uniform_IK[i])
-        sampled = [i for i in rows if not sampling[i].greedy]
+        sampled_J = [j for j, i in enumerate(rows) if not sampling[i].greedy]
         uniform_IK: dict[int, torch.Tensor] = {}
-        if sampled:
-            first_I = position_G[[rows.index(i) for i in sampled]].unsqueeze(1)
-            positions_IK = (first_I + torch.arange(K_max)).to(noise.device)
-            u_IK = noise.select(sampled).uniform_BK(positions_IK, "draft", validate=False)
-            uniform_IK = {i: u_IK[n] for n, i in enumerate(sampled)}
+        if sampled_J:
+            positions_JK = (position_G[sampled_J].unsqueeze(1) + torch.arange(K_max)).to(noise.device)
+            sub = noise.select([rows[j] for j in sampled_J])
+            u_JK = sub.uniform_BK(positions_JK, "draft", validate=False)
+            uniform_IK = {rows[j]: u_JK[n] for n, j in enumerate(sampled_J)}
         for k in range(K_max):
             logits_GN = self.logits(feat_GD, k + 1)
             barred = self._process(call, rows, drafted, logits_GN)
@@ -393,10 +392,11 @@ class EagleDrafter(SlotTable):
                 continue
             path = [int(t) for t in drafted[i]]
             processed_N = processors.process_draft(logits_GN[j], path, self.head.draft_vocab_N)
-            if bool(torch.isinf(processed_N).all()):
+            if processed_N is None:
                 barred.append(j)
-                processed_N = torch.zeros_like(processed_N)
-            logits_GN[j] = processed_N.to(logits_GN.dtype)
+                logits_GN[j] = 0.0
+            else:
+                logits_GN[j] = processed_N.to(logits_GN.dtype)
         return barred
 
     def _confident(
