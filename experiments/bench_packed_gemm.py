@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ from kernels.native import cpu_isa, cpu_model, runnable_isas
 from kernels.packed_gemm import PackedWeight, pack_weight, packed_linear
 from kernels.quant import quantize_int4, quantize_int8
 from specdec.bench.interleave import time_interleaved
-from specdec.bench.report import benchmark_document
+from specdec.bench.report import benchmark_document, command_line
 from specdec.cli_args import positive_int_list
 from specdec.summary import Summary, table_from_rows, write_results
 
@@ -174,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "commit": env["commit"],
         "environment": env,
-        "command": "python -m experiments.bench_packed_gemm "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("python -m experiments.bench_packed_gemm", argv),
         "rows": args.rows,
         "paths": {isa: _bench_path(isa, args.megabytes, args.rows, args.rounds, print) for isa in isas},
     }

@@ -414,6 +414,8 @@ def add_concurrency_arguments(p: argparse.ArgumentParser) -> None:
 def from_bench_args(args: argparse.Namespace) -> argparse.Namespace:
     """``specdec bench --concurrency ...``: this benchmark's options from the bench's (the first
     temperature; the engine's ``auto`` depth policy; results under ``--out``)."""
+    from specdec.bench.report import command_line
+
     return argparse.Namespace(
         target=args.target,
         backend=args.backend,
@@ -432,7 +434,7 @@ def from_bench_args(args: argparse.Namespace) -> argparse.Namespace:
         engine_gamma="auto",
         out=args.out,
         repeats=getattr(args, "repeats", 1),
-        command="specdec " + " ".join(sys.argv[1:]),
+        command=command_line("specdec"),
     )
 
 
@@ -440,14 +442,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m specdec.bench.concurrency``."""
     from rich.console import Console
 
+    from specdec.bench.report import command_line
+
     parser = argparse.ArgumentParser(
         prog="python -m specdec.bench.concurrency", description=__doc__.split("\n\n")[0]
     )
     add_concurrency_arguments(parser)
     args = parser.parse_args(argv)
-    args.command = "python -m specdec.bench.concurrency " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    args.command = command_line("python -m specdec.bench.concurrency", argv)
     if args.engine_gamma.isdigit():
         args.engine_gamma = int(args.engine_gamma)
     try:

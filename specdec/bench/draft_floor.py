@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from specdec.bench.report import benchmark_document, environment, machine_line
+from specdec.bench.report import benchmark_document, command_line, environment, machine_line
 from specdec.cli_args import ArgumentParser, csv, finite_float, positive_int
 from specdec.summary import Summary, table_from_rows, write_results
 
@@ -180,8 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if x["rows"] == min(args.rows) and x["temperature"] == lv["temperature"]
         )
     result = {
-        "command": "python -m specdec.bench.draft_floor "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("python -m specdec.bench.draft_floor", argv),
         "environment": env,
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "head_bytes": bytes_,

@@ -168,6 +168,14 @@ def llama_bench_rows(payload: dict) -> list[dict]:
     return comparison_rows(payload["llama_bench"], ours)
 
 
+def command_line(prog: str, argv: Sequence[str] | None = None) -> str:
+    """The command a results file records, as a user types it: ``prog`` (``python -m specdec.bench.x``)
+    and the arguments (``argv``, default this process's)."""
+    import sys
+
+    return " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+
+
 def environment() -> dict[str, Any]:
     """Versions, platform and thread count of this process, for the results file."""
     import torch

@@ -54,7 +54,7 @@ from specdec.bench.llama_bench import (
     find_llama_bench,
     run_llama_bench,
 )
-from specdec.bench.report import benchmark_document, environment
+from specdec.bench.report import benchmark_document, command_line, environment
 from specdec.cli_args import ArgumentParser, csv, positive_int
 from specdec.summary import Summary, check_experiment_name, table_from_rows, write_results
 from specdec.targets.llama import LlamaTarget
@@ -379,9 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"python -m specdec.bench.target: error: {err}", file=sys.stderr)
         return 2
-    result["command"] = "python -m specdec.bench.target " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    result["command"] = command_line("python -m specdec.bench.target", argv)
     print(report(result))
     if args.json:
         document = benchmark_document(
